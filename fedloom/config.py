@@ -1,0 +1,235 @@
+"""Configuration types for the server and the client SDK.
+
+Frozen dataclasses validated in their constructors: a bad value raises `ConfigError`
+naming the setting and the fix. `load_toml` reads a server TOML file whose top-level
+keys are `ServerConfig` fields and whose ``[strategy]`` table selects the strategy.
+
+.. code-block:: toml
+
+    address = "127.0.0.1:8080"
+    num_rounds = 20
+    min_fit_clients = 4
+
+    [strategy]
+    name = "fedavg"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fedloom.errors import ConfigError
+from fedloom.payload import DEFAULT_CHUNK_SIZE
+
+_MiB = 1 << 20
+
+
+def _check(cond: bool, setting: str, problem: str) -> None:
+    if not cond:
+        raise ConfigError(setting, problem)
+
+
+def check_address(setting: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    _check(
+        bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) <= 65535,
+        setting,
+        f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:8080; port 0 picks a free one)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+    """Which strategy the server runs, and its hyperparameters (validated on build)."""
+
+    name: str = "fedavg"
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    """Chunking and size limits for moving weights; both sides validate against them."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    max_message_bytes: int = 2 * DEFAULT_CHUNK_SIZE + 64 * 1024
+    max_model_bytes: int = 8 * 1024 * _MiB
+
+    def __post_init__(self) -> None:
+        _check(self.chunk_size >= 1024, "chunk_size", "must be at least 1024 bytes")
+        _check(
+            self.max_message_bytes >= self.chunk_size + 16 * 1024,
+            "max_message_bytes",
+            f"must exceed chunk_size ({self.chunk_size}) by at least 16 KiB of headroom",
+        )
+        _check(self.max_model_bytes > 0, "max_model_bytes", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Every setting of ``fedloom server``; each is also a command-line flag."""
+
+    address: str = "127.0.0.1:8080"
+    num_rounds: int = 10
+    min_clients: int = 2
+    fraction_fit: float = 1.0
+    min_fit_clients: int = 2
+    fraction_evaluate: float = 1.0
+    min_evaluate_clients: int = 0
+    round_timeout_s: float = 300.0
+    evaluate_timeout_s: float = 120.0
+    seed: int = 0
+    state_dir: str = "fedloom-state"
+    resume: bool = True
+    keep_checkpoints: int = 3
+    max_num_examples: int = 10_000_000
+    long_poll_s: float = 20.0
+    heartbeat_interval_s: float = 5.0
+    client_timeout_s: float = 30.0
+    stream_timeout_s: float = 600.0
+    max_clients: int = 10_000
+    progress: bool = True
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+
+    def __post_init__(self) -> None:
+        check_address("address", self.address)
+        _check(self.num_rounds >= 1, "num_rounds", "must be at least 1")
+        _check(self.min_clients >= 1, "min_clients", "must be at least 1")
+        _check(0.0 < self.fraction_fit <= 1.0, "fraction_fit", "must be in (0, 1]")
+        _check(self.min_fit_clients >= 1, "min_fit_clients", "must be at least 1")
+        _check(
+            self.min_fit_clients <= self.min_clients,
+            "min_fit_clients",
+            f"({self.min_fit_clients}) cannot exceed min_clients ({self.min_clients}); "
+            "raise min_clients or lower min_fit_clients",
+        )
+        _check(0.0 <= self.fraction_evaluate <= 1.0, "fraction_evaluate", "must be in [0, 1]")
+        _check(self.min_evaluate_clients >= 0, "min_evaluate_clients", "must be >= 0")
+        _check(
+            self.min_evaluate_clients <= self.min_clients,
+            "min_evaluate_clients",
+            f"({self.min_evaluate_clients}) cannot exceed min_clients ({self.min_clients})",
+        )
+        for name in ("round_timeout_s", "evaluate_timeout_s", "long_poll_s",
+                     "heartbeat_interval_s", "client_timeout_s", "stream_timeout_s"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, name, "must be a positive number")
+        _check(
+            self.client_timeout_s > self.heartbeat_interval_s,
+            "client_timeout_s",
+            f"must exceed heartbeat_interval_s ({self.heartbeat_interval_s})",
+        )
+        _check(
+            self.client_timeout_s > self.long_poll_s,
+            "client_timeout_s",
+            f"must exceed long_poll_s ({self.long_poll_s}) so a waiting client is not dropped",
+        )
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
+        _check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
+        _check(self.max_clients >= 1, "max_clients", "must be at least 1")
+        _check(bool(self.state_dir), "state_dir", "must name a folder")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Settings of the client SDK's connection loop."""
+
+    server_address: str
+    name: str = ""
+    long_poll_s: float = 20.0
+    rpc_timeout_s: float = 30.0
+    reconnect_initial_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    max_reconnect_attempts: int | None = None
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        check_address("server_address", self.server_address)
+        for name in ("long_poll_s", "rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, name, "must be a positive number")
+        _check(
+            self.reconnect_max_s >= self.reconnect_initial_s,
+            "reconnect_max_s",
+            "must be at least reconnect_initial_s",
+        )
+        _check(
+            self.max_reconnect_attempts is None or self.max_reconnect_attempts >= 0,
+            "max_reconnect_attempts",
+            "must be >= 0, or unset to retry forever",
+        )
+
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build a config dataclass from a (TOML) mapping, refusing unknown keys and types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        setting = f"{where}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(setting, f"unknown setting{hint}")
+        kwargs[key] = _coerce(hints[key], value, setting)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, setting: str) -> Any:
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(setting, f"must be a table, got {type(value).__name__}")
+        if hint is StrategyConfig:
+            params = dict(value)
+            name = params.pop("name", "fedavg")
+            if not isinstance(name, str):
+                raise ConfigError(f"{setting}.name", "must be a string")
+            return StrategyConfig(name=name, params=params)
+        return from_mapping(hint, value, where=f"{setting}.")
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, setting)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(setting, f"must be a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(setting, f"must be an integer, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(setting, f"must be true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(setting, f"must be a string, got {value!r}")
+        return value
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file, turning parse errors into `ConfigError`."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError("--config", f"file {str(path)!r} not found") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc

@@ -1,0 +1,81 @@
+"""The fedloom exception tree.
+
+Every error fedloom raises on purpose derives from :class:`FedloomError`, so an
+application can catch one root. Messages say what went wrong and how to fix it.
+
+::
+
+    FedloomError
+    ├── ConfigError              a setting is missing, of the wrong type or out of range
+    ├── MessageRejectedError     a message from the network failed validation (has a reason)
+    ├── TransportError           talking to the peer failed (network, server gone)
+    ├── CheckpointError          a checkpoint is missing, torn or fails its digest
+    ├── AggregationError         a strategy cannot combine the updates it was given
+    │   └── RoundAbortedError    a round ended without enough results to aggregate
+    └── SecureAggregationError   a secure-aggregation stage was refused or failed
+
+Third-party errors are translated at the edge (``raise TransportError(...) from exc``).
+A failure of one client is data (an error on its result), not an exception that
+ends the round.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class FedloomError(Exception):
+    """Root of every error fedloom raises on purpose."""
+
+
+class ConfigError(FedloomError, ValueError):
+    """A configuration value is invalid; the message names the setting and the fix."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        self.setting = setting
+        self.problem = problem
+        super().__init__(f"{setting}: {problem}")
+
+
+class RejectReason(enum.StrEnum):
+    """Why a message from the network was refused.
+
+    The server's gRPC layer maps each reason to one status code, so the kernel stays
+    free of grpc.
+    """
+
+    INVALID = "invalid"  # malformed or out-of-range content -> INVALID_ARGUMENT
+    STALE = "stale"  # valid once, but not for the current state -> FAILED_PRECONDITION
+    TOO_LARGE = "too_large"  # beyond a configured limit -> RESOURCE_EXHAUSTED
+    UNKNOWN_CLIENT = "unknown_client"  # no such session -> UNAUTHENTICATED
+    FORBIDDEN = "forbidden"  # a known client asking for what is not its -> PERMISSION_DENIED
+    CONFLICT = "conflict"  # a different payload for a used nonce -> ALREADY_EXISTS
+    TIMEOUT = "timeout"  # a stream exceeded its time limit -> DEADLINE_EXCEEDED
+
+
+class MessageRejectedError(FedloomError):
+    """A message from the network failed validation and was dropped."""
+
+    def __init__(self, reason: RejectReason, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class TransportError(FedloomError):
+    """Talking to the peer failed; retrying later may succeed."""
+
+
+class CheckpointError(FedloomError):
+    """A checkpoint could not be written or failed verification on load."""
+
+
+class AggregationError(FedloomError):
+    """A strategy could not combine the updates it was given."""
+
+
+class RoundAbortedError(AggregationError):
+    """A round ended (deadline, too many failures) without enough results."""
+
+
+class SecureAggregationError(FedloomError):
+    """A secure-aggregation stage was refused or could not complete."""

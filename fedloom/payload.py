@@ -1,0 +1,170 @@
+"""The byte layout of `Weights` on the wire and its chunk-by-chunk verification.
+
+A payload is the tensors' raw little-endian bytes, concatenated in order: no pickle, no
+``.npy`` headers. The layout (a tuple of `TensorSpec`) travels separately in a header,
+with the payload's total size and SHA-256 digest. Chunks carry an offset and bytes.
+
+`PayloadReceiver` validates a stream of chunks as they arrive — order, sizes, the
+incremental digest and (for floating tensors) finite values — and writes them to a
+sink: a `bytearray` for a client receiving a model, a spool file for a server receiving
+an update, so that a server's memory does not grow with the number of uploads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.weights import TensorSpec, Weights
+
+DEFAULT_CHUNK_SIZE = 1 << 20  # 1 MiB
+
+
+def payload_size(specs: Sequence[TensorSpec]) -> int:
+    return sum(s.nbytes for s in specs)
+
+
+def serialize(weights: Weights) -> memoryview:
+    """Concatenate the tensors' bytes in order: one copy of the model, read-only."""
+    out = bytearray(weights.nbytes)
+    view = memoryview(out)
+    pos = 0
+    for arr in weights.values():
+        n = arr.nbytes
+        view[pos : pos + n] = memoryview(arr.reshape(-1).view(np.uint8))
+        pos += n
+    return view.toreadonly()
+
+
+def digest(payload: bytes | memoryview) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+def deserialize(specs: Sequence[TensorSpec], payload: bytes | bytearray | memoryview) -> Weights:
+    """Weights whose arrays are views into ``payload`` (no copy)."""
+    expected = payload_size(specs)
+    if len(payload) != expected:
+        raise MessageRejectedError(
+            RejectReason.INVALID, f"payload is {len(payload)} bytes, layout needs {expected}"
+        )
+    tensors = []
+    pos = 0
+    for spec in specs:
+        arr = np.frombuffer(payload, dtype=spec.numpy_dtype, count=spec.size, offset=pos)
+        tensors.append((spec.name, arr.reshape(spec.shape)))
+        pos += spec.nbytes
+    return Weights(tensors)
+
+
+def iter_chunks(payload: bytes | memoryview, chunk_size: int) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(offset, bytes)`` pieces of at most ``chunk_size`` bytes (none for empty)."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    view = memoryview(payload)
+    for offset in range(0, len(view), chunk_size):
+        yield offset, bytes(view[offset : offset + chunk_size])
+
+
+class Sink(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+
+
+class PayloadReceiver:
+    """Validate chunks of one payload as they arrive and pass them to a sink.
+
+    Raises `MessageRejectedError` at the first problem: a chunk out of order, more bytes
+    than the layout declares, a non-finite value in a floating tensor, or (at `finish`)
+    a short payload or a digest mismatch. Nothing reaches the sink past a bad chunk.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        total_bytes: int,
+        sha256: bytes,
+        sink: Sink,
+        *,
+        max_chunk_bytes: int,
+        check_finite: bool = True,
+    ) -> None:
+        expected = payload_size(specs)
+        if total_bytes != expected:
+            raise MessageRejectedError(
+                RejectReason.INVALID,
+                f"header declares {total_bytes} bytes but its layout needs {expected}",
+            )
+        if len(sha256) != 32:
+            raise MessageRejectedError(RejectReason.INVALID, "sha256 digest must be 32 bytes")
+        self._specs = tuple(specs)
+        self._ends = np.cumsum([s.nbytes for s in self._specs], dtype=np.int64)
+        self._total = total_bytes
+        self._expected_digest = sha256
+        self._sink = sink
+        self._max_chunk = max_chunk_bytes
+        self._check_finite = check_finite
+        self._hash = hashlib.sha256()
+        self._received = 0
+        self._carry = b""  # bytes of a floating element split across chunks
+
+    @property
+    def received(self) -> int:
+        return self._received
+
+    def feed(self, offset: int, data: bytes) -> None:
+        if offset != self._received:
+            raise MessageRejectedError(
+                RejectReason.INVALID,
+                f"chunk at offset {offset} arrived, expected offset {self._received}",
+            )
+        if len(data) == 0 or len(data) > self._max_chunk:
+            raise MessageRejectedError(
+                RejectReason.INVALID,
+                f"chunk of {len(data)} bytes; chunks must hold 1..{self._max_chunk} bytes",
+            )
+        if self._received + len(data) > self._total:
+            raise MessageRejectedError(
+                RejectReason.INVALID,
+                f"payload exceeds the {self._total} bytes its header declares",
+            )
+        if self._check_finite:
+            self._check_chunk_finite(offset, data)
+        self._hash.update(data)
+        self._sink.write(data)
+        self._received += len(data)
+
+    def finish(self) -> None:
+        if self._received != self._total:
+            raise MessageRejectedError(
+                RejectReason.INVALID,
+                f"stream ended after {self._received} of {self._total} payload bytes",
+            )
+        if self._hash.digest() != self._expected_digest:
+            raise MessageRejectedError(RejectReason.INVALID, "payload SHA-256 digest mismatch")
+
+    def _check_chunk_finite(self, offset: int, data: bytes) -> None:
+        end = offset + len(data)
+        # First tensor that ends after `offset`.
+        index = int(np.searchsorted(self._ends, offset, side="right"))
+        pos = offset
+        while pos < end and index < len(self._specs):
+            spec = self._specs[index]
+            t_end = int(self._ends[index])
+            seg_end = min(end, t_end)
+            if spec.numpy_dtype.kind == "f":
+                segment = self._carry + data[pos - offset : seg_end - offset]
+                item = spec.numpy_dtype.itemsize
+                whole = len(segment) - len(segment) % item
+                values = np.frombuffer(segment, dtype=spec.numpy_dtype, count=whole // item)
+                if not np.isfinite(values).all():
+                    raise MessageRejectedError(
+                        RejectReason.INVALID, f"tensor {spec.name!r} holds NaN or Inf"
+                    )
+                self._carry = segment[whole:]
+            pos = seg_end
+            if pos == t_end:
+                index += 1
+                self._carry = b""

@@ -1,0 +1,141 @@
+"""Round and task types shared by the server, the strategies and the client SDK.
+
+All are frozen dataclasses validated in their constructors. `ClientUpdate` carries a
+*delta* from the global model of `base_round`: deltas are what clipping, quantization,
+masking, compression and staleness all need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping
+
+from fedloom.weights import Weights
+
+#: A value in a fit/evaluate configuration or a metrics record.
+Scalar = bool | int | float | str | bytes
+Config = Mapping[str, Scalar]
+Metrics = Mapping[str, Scalar]
+
+MAX_KEY_LENGTH = 256
+MAX_STRING_VALUE = 4096
+MAX_ENTRIES = 256
+
+
+class TaskKind(enum.StrEnum):
+    FIT = "fit"
+    EVALUATE = "evaluate"
+
+
+def validate_record(record: Mapping[str, Scalar], what: str) -> Mapping[str, Scalar]:
+    """Validate a config/metrics record and return a validated copy.
+
+    Keys are non-empty strings of at most 256 characters; values are bool, int, float,
+    str or bytes; there are at most 256 entries. Floats may be NaN only in metrics the
+    caller chooses to accept; here they must be finite.
+    """
+    if len(record) > MAX_ENTRIES:
+        raise ValueError(f"{what}: {len(record)} entries, at most {MAX_ENTRIES} allowed")
+    out: dict[str, Scalar] = {}
+    for key, value in record.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise ValueError(f"{what}: key {key!r} must be a string of 1..{MAX_KEY_LENGTH}")
+        if not isinstance(value, bool | int | float | str | bytes):
+            raise ValueError(
+                f"{what}[{key!r}]: {type(value).__name__} is not a bool, int, float, str or bytes"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{what}[{key!r}]: {value} is not finite")
+        if isinstance(value, str | bytes) and len(value) > MAX_STRING_VALUE:
+            raise ValueError(f"{what}[{key!r}]: longer than {MAX_STRING_VALUE}")
+        out[key] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """What the server knows about a connected client."""
+
+    client_id: str
+    name: str = ""
+    capabilities: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientUpdate:
+    """One client's fit result: the delta from the global model of `base_round`."""
+
+    client_id: str
+    delta: Weights
+    num_examples: int
+    base_round: int
+    metrics: Metrics = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int):
+            raise ValueError("num_examples must be an int")
+        if self.num_examples <= 0:
+            raise ValueError(f"num_examples must be positive, got {self.num_examples}")
+        if self.base_round < 0:
+            raise ValueError(f"base_round must be >= 0, got {self.base_round}")
+        object.__setattr__(self, "metrics", validate_record(self.metrics, "metrics"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvaluateResult:
+    """One client's evaluation of the global model."""
+
+    client_id: str
+    num_examples: int
+    loss: float
+    metrics: Metrics = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_examples <= 0:
+            raise ValueError(f"num_examples must be positive, got {self.num_examples}")
+        if not math.isfinite(self.loss):
+            raise ValueError(f"loss must be finite, got {self.loss}")
+        object.__setattr__(self, "metrics", validate_record(self.metrics, "metrics"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FitPlan:
+    """Which clients train this round, and the config each receives."""
+
+    client_ids: tuple[str, ...]
+    config: Config = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(set(self.client_ids)) != len(self.client_ids):
+            raise ValueError("a client appears twice in the plan")
+        object.__setattr__(self, "config", validate_record(self.config, "fit config"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvaluatePlan:
+    """Which clients evaluate this round (may be empty), and their config."""
+
+    client_ids: tuple[str, ...]
+    config: Config = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(set(self.client_ids)) != len(self.client_ids):
+            raise ValueError("a client appears twice in the plan")
+        object.__setattr__(self, "config", validate_record(self.config, "evaluate config"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AggregateResult:
+    """The outcome of `aggregate_fit`: new weights, or none with the reason."""
+
+    weights: Weights | None
+    metrics: Metrics = dataclasses.field(default_factory=dict)
+    num_updates: int = 0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.weights is None and not self.reason:
+            raise ValueError("an AggregateResult without weights must say why (reason)")
+        object.__setattr__(self, "metrics", validate_record(self.metrics, "metrics"))

@@ -1,0 +1,185 @@
+"""`Weights`: an ordered, read-only mapping from tensor name to numpy array.
+
+A model's parameters travel, aggregate and checkpoint as `Weights`. The order of the
+names is part of the value (it fixes the wire layout), and arrays are little-endian
+and C-contiguous once inside a `Weights`.
+
+Integer tensors (e.g. BatchNorm's ``num_batches_tracked``) follow one rule everywhere:
+their deltas are averaged in float64 and the mean is rounded half-to-even before it is
+added back in the tensor's own dtype. Boolean tensors carry no meaningful delta and are
+refused by the aggregators.
+
+>>> import numpy as np
+>>> w = Weights({"fc.weight": np.ones((2, 3), np.float32), "fc.bias": np.zeros(2, np.float32)})
+>>> list(w), w.num_parameters
+(['fc.weight', 'fc.bias'], 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fedloom.errors import ConfigError
+
+#: Wire names of the dtypes fedloom moves, with their little-endian numpy dtype.
+SUPPORTED_DTYPES: Mapping[str, np.dtype[Any]] = {
+    "bool": np.dtype("|b1"),
+    "int8": np.dtype("|i1"),
+    "uint8": np.dtype("|u1"),
+    "int16": np.dtype("<i2"),
+    "uint16": np.dtype("<u2"),
+    "int32": np.dtype("<i4"),
+    "uint32": np.dtype("<u4"),
+    "int64": np.dtype("<i8"),
+    "uint64": np.dtype("<u8"),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+}
+
+MAX_NAME_LENGTH = 512
+MAX_NDIM = 32
+
+
+def dtype_name(dtype: npt.DTypeLike) -> str:
+    """Return the wire name of a numpy dtype, or raise `ConfigError` if unsupported."""
+    dt = np.dtype(dtype)
+    if dt.name in SUPPORTED_DTYPES:
+        return dt.name
+    raise ConfigError(
+        "dtype", f"{dt} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Name, dtype (wire name) and shape of one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > MAX_NAME_LENGTH:
+            raise ConfigError("tensor name", f"must be 1..{MAX_NAME_LENGTH} characters")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"tensor {self.name!r}", f"unsupported dtype {self.dtype!r}")
+        if len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
+            raise ConfigError(f"tensor {self.name!r}", f"invalid shape {self.shape}")
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.numpy_dtype.itemsize
+
+
+def _as_wire_array(name: str, value: Any) -> np.ndarray:
+    if not isinstance(name, str) or not name:
+        raise ConfigError("tensor name", f"must be a non-empty string, got {name!r}")
+    arr = np.asarray(value)
+    wire = SUPPORTED_DTYPES.get(arr.dtype.name)
+    if wire is None:
+        raise ConfigError(
+            f"tensor {name!r}",
+            f"dtype {arr.dtype} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}",
+        )
+    # Little-endian, C-contiguous; a no-op for the common case.
+    return np.ascontiguousarray(arr, dtype=wire)
+
+
+class Weights(Mapping[str, np.ndarray]):
+    """Ordered mapping name -> numpy array, with the helpers aggregation needs.
+
+    The mapping itself is immutable; arrays are not copied on construction when they
+    are already little-endian and C-contiguous, so treat them as read-only.
+    """
+
+    __slots__ = ("_tensors",)
+
+    def __init__(
+        self, tensors: Mapping[str, npt.ArrayLike] | Iterable[tuple[str, npt.ArrayLike]] = ()
+    ) -> None:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        built: dict[str, np.ndarray] = {}
+        for name, value in items:
+            if name in built:
+                raise ConfigError("tensor name", f"{name!r} appears twice")
+            built[name] = _as_wire_array(name, value)
+        self._tensors = built
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}" for s in self.specs())
+        return f"Weights({inner})"
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """The layout: one `TensorSpec` per tensor, in order."""
+        return tuple(
+            TensorSpec(name, arr.dtype.name, tuple(int(d) for d in arr.shape))
+            for name, arr in self._tensors.items()
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(int(a.size) for a in self._tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._tensors.values())
+
+    def check_same_layout(self, other: Weights, what: str = "weights") -> None:
+        """Raise `ValueError` naming the first tensor whose name, dtype or shape differs."""
+        mine, theirs = self.specs(), other.specs()
+        if [s.name for s in mine] != [s.name for s in theirs]:
+            raise ValueError(
+                f"{what}: tensor names {[s.name for s in theirs]} do not match "
+                f"{[s.name for s in mine]}"
+            )
+        for a, b in zip(mine, theirs, strict=True):
+            if a != b:
+                raise ValueError(
+                    f"{what}: tensor {a.name!r} is {b.dtype}{list(b.shape)}, "
+                    f"expected {a.dtype}{list(a.shape)}"
+                )
+
+    def subtract(self, other: Weights) -> Weights:
+        """``self - other`` tensor by tensor (same layout required), in each dtype."""
+        self.check_same_layout(other)
+        return Weights(
+            (name, np.subtract(arr, other[name], dtype=arr.dtype))
+            for name, arr in self._tensors.items()
+        )
+
+    def copy(self) -> Weights:
+        return Weights((name, arr.copy()) for name, arr in self._tensors.items())
+
+    def allclose(self, other: Weights, rtol: float = 1e-7, atol: float = 0.0) -> bool:
+        """True when the layouts match and every tensor is close."""
+        try:
+            self.check_same_layout(other)
+        except ValueError:
+            return False
+        return all(
+            np.allclose(arr, other[name], rtol=rtol, atol=atol)
+            for name, arr in self._tensors.items()
+        )

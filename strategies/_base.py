@@ -1,0 +1,104 @@
+"""The strategy contract: an Aggregator and a ServerOptimizer composed into a Strategy.
+
+- an **Aggregator** turns one round's client updates into one mean delta:
+  ``accumulate(update)`` for each, then ``finalize()``. Linear aggregators keep a
+  running sum (constant memory in the number of clients); robust ones hold every update
+  and say so with ``holds_all_updates = True``;
+- a **ServerOptimizer** applies the mean delta to the global model (SGD with lr 1 is
+  FedAvg; momentum, Adagrad, Adam and Yogi give the FedOpt family);
+- a **Strategy** adds client selection and the fit/evaluate configuration.
+
+The rule every strategy keeps: its state changes only after the ``updates`` iterable
+of `aggregate_fit` is exhausted, so a round aborted mid-stream (the server raises
+`RoundAbortedError` from the iterable) leaves the strategy exactly as it was.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from fedloom.types import (
+    AggregateResult,
+    ClientInfo,
+    ClientUpdate,
+    EvaluatePlan,
+    EvaluateResult,
+    FitPlan,
+    Metrics,
+)
+from fedloom.weights import Weights
+
+#: A strategy's checkpointable state: JSON values, with numpy arrays as leaves.
+StateDict = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeanUpdate:
+    """What an aggregator produces: the mean delta (or None and why) and its weight."""
+
+    delta: Weights | None
+    total_weight: float
+    num_updates: int
+    reason: str = ""
+
+
+class Aggregator(abc.ABC):
+    """Combines one round's updates; a fresh instance (via `start`) per round."""
+
+    #: True when the aggregator must hold every update (robust rules); False for a stream.
+    holds_all_updates: bool = False
+
+    @abc.abstractmethod
+    def start(self, current: Weights) -> None:
+        """Begin a round whose updates are deltas from ``current``."""
+
+    @abc.abstractmethod
+    def accumulate(self, update: ClientUpdate) -> None:
+        """Fold in one validated update (its layout equals ``current``'s)."""
+
+    @abc.abstractmethod
+    def finalize(self) -> MeanUpdate:
+        """Return the combined delta; the aggregator is then ready for `start` again."""
+
+
+class ServerOptimizer(abc.ABC):
+    """Applies a mean delta (a pseudo-gradient, negated) to the global model."""
+
+    @abc.abstractmethod
+    def step(self, current: Weights, mean_delta: Weights) -> Weights:
+        """Return the new global weights; this is where optimizer state changes."""
+
+    def state_dict(self) -> StateDict:
+        return {}
+
+    def load_state_dict(self, state: StateDict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """What the server, the Flower bridge and the local engine drive."""
+
+    def configure_fit(
+        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
+    ) -> FitPlan: ...
+
+    def aggregate_fit(
+        self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
+    ) -> AggregateResult: ...
+
+    def configure_evaluate(
+        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
+    ) -> EvaluatePlan: ...
+
+    def aggregate_evaluate(
+        self, server_round: int, results: Iterable[EvaluateResult]
+    ) -> Metrics: ...
+
+    def state_dict(self) -> StateDict: ...
+
+    def load_state_dict(self, state: StateDict) -> None: ...

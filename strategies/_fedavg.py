@@ -1,0 +1,47 @@
+"""FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks from
+Decentralized Data", AISTATS 2017): the examples-weighted mean of client models."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fedloom.strategies._composed import ComposedStrategy
+from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._optimizers import ServerSGD
+from fedloom.types import Scalar
+
+
+class FedAvg(ComposedStrategy):
+    """Streaming weighted mean of deltas, applied with server SGD at lr 1.
+
+    >>> import numpy as np
+    >>> from fedloom import ClientUpdate, Weights
+    >>> current = Weights({"w": np.zeros(2, np.float32)})
+    >>> ups = [ClientUpdate("a", Weights({"w": np.array([1, 1], np.float32)}), 1, 0),
+    ...        ClientUpdate("b", Weights({"w": np.array([4, 4], np.float32)}), 3, 0)]
+    >>> FedAvg().aggregate_fit(1, current, ups).weights["w"]
+    array([3.25, 3.25], dtype=float32)
+    """
+
+    def __init__(
+        self,
+        *,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 2,
+        fraction_evaluate: float = 1.0,
+        min_evaluate_clients: int = 0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+        evaluate_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        super().__init__(
+            WeightedMeanAggregator(),
+            ServerSGD(1.0),
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_clients=min_evaluate_clients,
+            seed=seed,
+            fit_config=fit_config,
+            evaluate_config=evaluate_config,
+        )

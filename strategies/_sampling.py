@@ -1,0 +1,48 @@
+"""Seeded client selection, checkpointable so a resumed run samples the same clients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fedloom.errors import ConfigError
+from fedloom.types import ClientInfo
+
+
+class ClientSampler:
+    """Samples ``max(floor(n * fraction), min_clients)`` of ``n`` clients, capped at n.
+
+    Clients are ordered by (name, id) before sampling, so the outcome depends on the
+    seed and the set of clients, not on the order in which they joined. (Flower samples
+    with an unseeded ``random.sample``.)
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+        self._rng = np.random.default_rng(seed)
+
+    def sample(
+        self, clients: Sequence[ClientInfo], fraction: float, min_clients: int
+    ) -> tuple[str, ...]:
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError("fraction", f"must be in [0, 1], got {fraction}")
+        ordered = sorted(clients, key=lambda c: (c.name, c.client_id))
+        n = len(ordered)
+        k = min(n, max(math.floor(n * fraction + 1e-9), min_clients))
+        if k == 0:
+            return ()
+        if k == n:
+            return tuple(c.client_id for c in ordered)
+        picked = self._rng.choice(n, size=k, replace=False)
+        return tuple(ordered[int(i)].client_id for i in sorted(picked))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "bit_generator": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seed = int(state["seed"])
+        self._rng = np.random.default_rng(self._seed)
+        self._rng.bit_generator.state = state["bit_generator"]
