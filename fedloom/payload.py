@@ -31,13 +31,13 @@ def payload_size(specs: Sequence[TensorSpec]) -> int:
 def serialize(weights: Weights) -> memoryview:
     """Concatenate the tensors' bytes in order: one copy of the model, read-only."""
     out = bytearray(weights.nbytes)
-    view = memoryview(out)
+    flat = np.frombuffer(out, dtype=np.uint8)
     pos = 0
     for arr in weights.values():
         n = arr.nbytes
-        view[pos : pos + n] = memoryview(arr.reshape(-1).view(np.uint8))
+        flat[pos : pos + n] = arr.reshape(-1).view(np.uint8)
         pos += n
-    return view.toreadonly()
+    return memoryview(out).toreadonly()
 
 
 def digest(payload: bytes | memoryview) -> bytes:
