@@ -96,7 +96,7 @@ def _as_wire_array(name: str, value: Any) -> np.ndarray:
             f"dtype {arr.dtype} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}",
         )
     # Little-endian, C-contiguous; a no-op for the common case.
-    return np.ascontiguousarray(arr, dtype=wire)
+    return arr.astype(wire, order="C", copy=False)
 
 
 class Weights(Mapping[str, np.ndarray]):
