@@ -1,1 +1,25 @@
-"""fedloom."""
+"""The fedloom client SDK: implement `Client` (or use `TorchClient`) and call
+`start_client`.
+
+The base install needs no torch; `TorchClient` is imported lazily from
+``fedloom.client_sdk.torch_trainer`` (``pip install fedloom[torch]``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
+
+if TYPE_CHECKING:
+    from fedloom.client_sdk.torch_trainer import TorchClient
+
+__all__ = ["Client", "EvaluateOutput", "FitOutput", "TorchClient"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchClient":
+        from fedloom.client_sdk.torch_trainer import TorchClient
+
+        return TorchClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

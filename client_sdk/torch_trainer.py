@@ -1,0 +1,184 @@
+"""`TorchClient`: a `Client` built from a ``torch.nn.Module`` and data loaders.
+
+The only module of the SDK that imports torch (install ``fedloom[torch]``). It uses
+CUDA when present (``device="auto"``), converts between ``state_dict`` and `Weights`
+(parameters and buffers, in ``state_dict`` order), and reads these fit-config keys:
+
+- ``local_epochs`` (int): overrides the constructor's ``local_epochs``;
+- ``lr`` or ``eta_l`` (float): sets the learning rate of every parameter group;
+- ``proximal_mu`` (float): FedProx's proximal term ``mu/2 * ||w - w_global||^2``
+  (Li et al., MLSys 2020); applied values are reported back as the metric
+  ``proximal_mu``, so the server can see a client that ignored it;
+- ``seed`` (int): seeds torch before training, for reproducible runs.
+
+Example::
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 10))
+    client = TorchClient(model, train_loader, val_loader, local_epochs=1)
+    start_client("127.0.0.1:8080", client)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
+from fedloom.errors import ConfigError
+from fedloom.types import Config
+from fedloom.weights import Weights
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+Batch = Any
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` picks CUDA when available, else CPU; anything else is passed to torch."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError("device", f"{device!r} is not a torch device ('auto', 'cpu', 'cuda')") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "CUDA was requested but torch sees no GPU; use 'auto' or 'cpu'")
+    return resolved
+
+
+def state_dict_to_weights(state: Mapping[str, torch.Tensor]) -> Weights:
+    """Copy a ``state_dict`` to host memory as `Weights`, keeping names and order."""
+    return Weights((name, t.detach().cpu().numpy().copy()) for name, t in state.items())
+
+
+def load_weights(module: torch.nn.Module, weights: Weights) -> None:
+    """Load `Weights` into ``module`` in place, checking names, shapes and dtypes."""
+    state = module.state_dict()
+    if list(state) != list(weights):
+        missing = [k for k in state if k not in weights]
+        extra = [k for k in weights if k not in state]
+        raise ValueError(f"weights do not match the model: missing {missing}, unexpected {extra}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            arr = weights[name]
+            if tuple(arr.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {arr.shape} != model's {tuple(tensor.shape)}")
+            source = torch.from_numpy(np.array(arr, copy=True))
+            if source.dtype != tensor.dtype:
+                raise ValueError(f"{name}: dtype {source.dtype} != model's {tensor.dtype}")
+            tensor.copy_(source)
+
+
+def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+class TorchClient(Client):
+    """Train and evaluate a torch model on local loaders.
+
+    Args:
+        model: the network; its ``state_dict`` is what travels.
+        train_loader: yields ``(inputs, targets)`` batches of local training data.
+        val_loader: yields batches for `evaluate`; without one, evaluation uses
+            ``train_loader``.
+        loss_fn: defaults to cross-entropy.
+        optimizer_factory: builds a fresh optimizer per fit (default SGD, lr 0.05,
+            momentum 0.9); momentum does not carry over between rounds.
+        local_epochs: passes over ``train_loader`` per fit.
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_loader: Iterable[Batch],
+        val_loader: Iterable[Batch] | None = None,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        optimizer_factory: OptimizerFactory | None = None,
+        local_epochs: int = 1,
+        device: str | torch.device = "auto",
+    ) -> None:
+        if local_epochs < 1:
+            raise ConfigError("local_epochs", f"must be at least 1, got {local_epochs}")
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.train_loader = train_loader
+        self.val_loader = val_loader if val_loader is not None else train_loader
+        self.loss_fn = loss_fn or torch.nn.CrossEntropyLoss()
+        self.optimizer_factory = optimizer_factory or _default_optimizer
+        self.local_epochs = local_epochs
+
+    def get_weights(self) -> Weights:
+        """The model's current weights (e.g. to initialise the server)."""
+        return state_dict_to_weights(self.model.state_dict())
+
+    def fit(self, weights: Weights, config: Config) -> FitOutput:
+        load_weights(self.model, weights)
+        epochs = int(config.get("local_epochs", self.local_epochs))
+        if epochs < 1:
+            raise ConfigError("local_epochs", f"must be at least 1, got {epochs}")
+        if "seed" in config:
+            torch.manual_seed(int(config["seed"]))
+        mu = float(config.get("proximal_mu", 0.0))
+        optimizer = self.optimizer_factory(self.model.parameters())
+        lr = config.get("lr", config.get("eta_l"))
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = float(lr)
+        anchor = [p.detach().clone() for p in self.model.parameters()] if mu > 0 else []
+
+        self.model.train()
+        total_loss, seen = 0.0, 0
+        for _ in range(epochs):
+            for inputs, targets in self.train_loader:
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                optimizer.zero_grad(set_to_none=True)
+                loss = self.loss_fn(self.model(inputs), targets)
+                if mu > 0:
+                    prox = sum(
+                        (p - a).pow(2).sum()
+                        for p, a in zip(self.model.parameters(), anchor, strict=True)
+                    )
+                    loss = loss + 0.5 * mu * prox
+                loss.backward()
+                optimizer.step()
+                total_loss += float(loss.detach()) * len(targets)
+                seen += len(targets)
+        if seen == 0:
+            raise ValueError("train_loader yielded no examples")
+        metrics: dict[str, float] = {"train_loss": total_loss / seen}
+        if mu > 0:
+            metrics["proximal_mu"] = mu
+        return FitOutput(self.get_weights(), seen // epochs, metrics)
+
+    def evaluate(self, weights: Weights, config: Config) -> EvaluateOutput:
+        load_weights(self.model, weights)
+        loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
+        return EvaluateOutput(loss, n, {"accuracy": accuracy})
+
+
+def evaluate_module(
+    model: torch.nn.Module,
+    loader: Iterable[Batch],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> tuple[float, float, int]:
+    """Mean loss, accuracy (argmax of the outputs) and example count over ``loader``."""
+    model.eval()
+    total_loss, correct, n = 0.0, 0, 0
+    with torch.no_grad():
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            outputs = model(inputs)
+            total_loss += float(loss_fn(outputs, targets)) * len(targets)
+            if outputs.ndim == 2:
+                correct += int((outputs.argmax(dim=1) == targets).sum())
+            n += len(targets)
+    if n == 0:
+        raise ValueError("the evaluation loader yielded no examples")
+    return total_loss / n, correct / n, n
