@@ -44,7 +44,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError("device", f"{device!r} is not a torch device ('auto', 'cpu', 'cuda')") from exc
+        raise ConfigError(
+            "device", f"{device!r} is not a torch device ('auto', 'cpu', 'cuda')"
+        ) from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "CUDA was requested but torch sees no GPU; use 'auto' or 'cpu'")
     return resolved
