@@ -118,8 +118,14 @@ class ServerConfig:
             "min_evaluate_clients",
             f"({self.min_evaluate_clients}) cannot exceed min_clients ({self.min_clients})",
         )
-        for name in ("round_timeout_s", "evaluate_timeout_s", "long_poll_s",
-                     "heartbeat_interval_s", "client_timeout_s", "stream_timeout_s"):
+        for name in (
+            "round_timeout_s",
+            "evaluate_timeout_s",
+            "long_poll_s",
+            "heartbeat_interval_s",
+            "client_timeout_s",
+            "stream_timeout_s",
+        ):
             value = getattr(self, name)
             _check(math.isfinite(value) and value > 0, name, "must be a positive number")
         _check(

@@ -12,6 +12,7 @@ an update, so that a server's memory does not grow with the number of uploads.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -22,6 +23,19 @@ from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.weights import TensorSpec, Weights
 
 DEFAULT_CHUNK_SIZE = 1 << 20  # 1 MiB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PayloadInfo:
+    """A payload's layout, size and SHA-256 digest: what a header announces."""
+
+    specs: tuple[TensorSpec, ...]
+    total_bytes: int
+    sha256: bytes
+
+    @classmethod
+    def describe(cls, specs: Sequence[TensorSpec], payload: bytes | memoryview) -> PayloadInfo:
+        return cls(tuple(specs), len(payload), digest(payload))
 
 
 def payload_size(specs: Sequence[TensorSpec]) -> int:

@@ -18,7 +18,7 @@ refused by the aggregators.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,9 +51,7 @@ def dtype_name(dtype: npt.DTypeLike) -> str:
     dt = np.dtype(dtype)
     if dt.name in SUPPORTED_DTYPES:
         return dt.name
-    raise ConfigError(
-        "dtype", f"{dt} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
-    )
+    raise ConfigError("dtype", f"{dt} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +83,23 @@ class TensorSpec:
         return self.size * self.numpy_dtype.itemsize
 
 
+def layout_mismatch(expected: Sequence[TensorSpec], actual: Sequence[TensorSpec]) -> str:
+    """Describe the first difference between two layouts ("" when they are equal)."""
+    if [s.name for s in expected] != [s.name for s in actual]:
+        want, got = [s.name for s in expected], [s.name for s in actual]
+        missing = [n for n in want if n not in got][:5]
+        extra = [n for n in got if n not in want][:5]
+        if missing or extra:
+            return f"tensor names differ: missing {missing}, unexpected {extra}"
+        return "tensors are in a different order than the model's"
+    for a, b in zip(expected, actual, strict=True):
+        if a != b:
+            return (
+                f"tensor {a.name!r} is {b.dtype}{list(b.shape)}, expected {a.dtype}{list(a.shape)}"
+            )
+    return ""
+
+
 def _as_wire_array(name: str, value: Any) -> np.ndarray:
     if not isinstance(name, str) or not name:
         raise ConfigError("tensor name", f"must be a non-empty string, got {name!r}")
@@ -103,7 +118,9 @@ class Weights(Mapping[str, np.ndarray]):
     """Ordered mapping name -> numpy array, with the helpers aggregation needs.
 
     The mapping itself is immutable; arrays are not copied on construction when they
-    are already little-endian and C-contiguous, so treat them as read-only.
+    are already little-endian and C-contiguous, so treat them as read-only. Subclasses
+    may load tensors lazily (the server reads spooled uploads tensor by tensor): they
+    override `__getitem__`, `__iter__`, `__len__` and `specs`.
     """
 
     __slots__ = ("_tensors",)
@@ -136,42 +153,33 @@ class Weights(Mapping[str, np.ndarray]):
         """The layout: one `TensorSpec` per tensor, in order."""
         return tuple(
             TensorSpec(name, arr.dtype.name, tuple(int(d) for d in arr.shape))
-            for name, arr in self._tensors.items()
+            for name, arr in self.items()
         )
 
     @property
     def num_parameters(self) -> int:
-        return sum(int(a.size) for a in self._tensors.values())
+        return sum(s.size for s in self.specs())
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self._tensors.values())
+        return sum(s.nbytes for s in self.specs())
 
     def check_same_layout(self, other: Weights, what: str = "weights") -> None:
         """Raise `ValueError` naming the first tensor whose name, dtype or shape differs."""
-        mine, theirs = self.specs(), other.specs()
-        if [s.name for s in mine] != [s.name for s in theirs]:
-            raise ValueError(
-                f"{what}: tensor names {[s.name for s in theirs]} do not match "
-                f"{[s.name for s in mine]}"
-            )
-        for a, b in zip(mine, theirs, strict=True):
-            if a != b:
-                raise ValueError(
-                    f"{what}: tensor {a.name!r} is {b.dtype}{list(b.shape)}, "
-                    f"expected {a.dtype}{list(a.shape)}"
-                )
+        problem = layout_mismatch(self.specs(), other.specs())
+        if problem:
+            raise ValueError(f"{what}: {problem}")
 
     def subtract(self, other: Weights) -> Weights:
         """``self - other`` tensor by tensor (same layout required), in each dtype."""
         self.check_same_layout(other)
         return Weights(
-            (name, np.subtract(arr, other[name], dtype=arr.dtype))
-            for name, arr in self._tensors.items()
+            (name, np.subtract(arr, other[name], dtype=arr.dtype)) for name, arr in self.items()
         )
 
     def copy(self) -> Weights:
-        return Weights((name, arr.copy()) for name, arr in self._tensors.items())
+        """A `Weights` with its own (writable, in-memory) arrays."""
+        return Weights((name, np.array(arr, copy=True)) for name, arr in self.items())
 
     def allclose(self, other: Weights, rtol: float = 1e-7, atol: float = 0.0) -> bool:
         """True when the layouts match and every tensor is close."""
@@ -180,6 +188,5 @@ class Weights(Mapping[str, np.ndarray]):
         except ValueError:
             return False
         return all(
-            np.allclose(arr, other[name], rtol=rtol, atol=atol)
-            for name, arr in self._tensors.items()
+            np.allclose(arr, other[name], rtol=rtol, atol=atol) for name, arr in self.items()
         )

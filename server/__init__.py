@@ -1,1 +1,11 @@
-"""fedloom."""
+"""The fedloom aggregation server (gRPC, ``grpc.aio``).
+
+`Server` is the entry point; `save_weights` / `load_weights` read and write the
+safetensors files a server starts from.
+"""
+
+from fedloom.server.app import Server, ServerHandle
+from fedloom.server.checkpoint import load_weights, save_weights
+from fedloom.server.coordinator import EvaluateFn
+
+__all__ = ["EvaluateFn", "Server", "ServerHandle", "load_weights", "save_weights"]

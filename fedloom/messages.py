@@ -1,0 +1,86 @@
+"""Domain forms of the Fleet protocol's headers (``protos/fedloom/v1/fleet.proto``).
+
+`fedloom.protos.codec` converts these to and from protobuf; nothing else touches the
+generated classes. Weights and updates are not part of these headers: they follow as
+chunks described by a `PayloadInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fedloom.payload import PayloadInfo
+from fedloom.types import Config, Metrics, TaskKind
+
+PROTOCOL_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Session:
+    """A client's identity and the secret that proves it on every call."""
+
+    client_id: str
+    secret: bytes
+
+    def __repr__(self) -> str:  # never log the secret
+        return f"Session(client_id={self.client_id!r}, secret=<{len(self.secret)} bytes>)"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JoinRequest:
+    protocol_version: int
+    capabilities: frozenset[str]
+    name: str
+    token: str = dataclasses.field(default="", repr=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JoinReply:
+    session: Session
+    protocol_version: int
+    capabilities: frozenset[str]
+    run_id: str
+    heartbeat_interval_s: float
+    long_poll_s: float
+    chunk_size: int
+    max_message_bytes: int
+    max_model_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoTask:
+    retry_after_s: float
+    run_finished: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskHeader:
+    """A fit or evaluate task; the global weights described by `weights` follow."""
+
+    task_id: str
+    run_id: str
+    round: int
+    kind: TaskKind
+    config: Config
+    deadline_s: float
+    weights: PayloadInfo
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResultHeader:
+    """A client's answer to a task; for a fit, the delta described by `update` follows.
+
+    Exactly one of: a fit (`num_examples`, `base_round`, `update`), an evaluation
+    (`num_examples`, `loss`), or a failure (`failure` holds the client's message).
+    """
+
+    session: Session
+    task_id: str
+    round: int
+    kind: TaskKind | None  # None: the client reports a failure
+    num_examples: int = 0
+    base_round: int = 0
+    loss: float = 0.0
+    metrics: Metrics = dataclasses.field(default_factory=dict)
+    failure: str = ""
+    update: PayloadInfo | None = None

@@ -1,0 +1,324 @@
+"""The one codec between fedloom's domain types and the Fleet protocol's protobuf.
+
+Functions come in ``x_to_proto`` / ``x_from_proto`` pairs. Every ``_from_proto``
+treats its input as hostile: it checks sizes, names, dtypes, shapes and ranges and
+raises `MessageRejectedError` (reason INVALID) with a message that says what was wrong.
+Generated classes are imported under a ``Proto`` prefix so wire and domain names never
+collide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from fedloom.errors import ConfigError, MessageRejectedError, RejectReason
+from fedloom.messages import JoinReply, JoinRequest, NoTask, ResultHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo
+from fedloom.protos.fedloom.v1.fleet_pb2 import Chunk as ProtoChunk
+from fedloom.protos.fedloom.v1.fleet_pb2 import EvaluateResult as ProtoEvaluateResult
+from fedloom.protos.fedloom.v1.fleet_pb2 import EvaluateTask as ProtoEvaluateTask
+from fedloom.protos.fedloom.v1.fleet_pb2 import FitResult as ProtoFitResult
+from fedloom.protos.fedloom.v1.fleet_pb2 import FitTask as ProtoFitTask
+from fedloom.protos.fedloom.v1.fleet_pb2 import JoinRequest as ProtoJoinRequest
+from fedloom.protos.fedloom.v1.fleet_pb2 import JoinResponse as ProtoJoinResponse
+from fedloom.protos.fedloom.v1.fleet_pb2 import NoTask as ProtoNoTask
+from fedloom.protos.fedloom.v1.fleet_pb2 import PayloadHeader as ProtoPayloadHeader
+from fedloom.protos.fedloom.v1.fleet_pb2 import PullResponse as ProtoPullResponse
+from fedloom.protos.fedloom.v1.fleet_pb2 import PushRequest as ProtoPushRequest
+from fedloom.protos.fedloom.v1.fleet_pb2 import Record as ProtoRecord
+from fedloom.protos.fedloom.v1.fleet_pb2 import ResultHeader as ProtoResultHeader
+from fedloom.protos.fedloom.v1.fleet_pb2 import Session as ProtoSession
+from fedloom.protos.fedloom.v1.fleet_pb2 import TaskFailure as ProtoTaskFailure
+from fedloom.protos.fedloom.v1.fleet_pb2 import TaskHeader as ProtoTaskHeader
+from fedloom.protos.fedloom.v1.fleet_pb2 import TensorSpec as ProtoTensorSpec
+from fedloom.protos.fedloom.v1.fleet_pb2 import Value as ProtoValue
+from fedloom.types import Scalar, TaskKind, validate_record
+from fedloom.weights import MAX_NDIM, TensorSpec
+
+MAX_TENSORS = 100_000
+MAX_ID_LENGTH = 128
+MAX_CAPABILITIES = 64
+MAX_TEXT = 4096
+MAX_DIM = 1 << 40
+
+
+def _invalid(message: str) -> MessageRejectedError:
+    return MessageRejectedError(RejectReason.INVALID, message)
+
+
+def _check_text(value: str, what: str, limit: int = MAX_ID_LENGTH) -> str:
+    if len(value) > limit:
+        raise _invalid(f"{what} is {len(value)} characters; at most {limit} allowed")
+    return value
+
+
+# ---- values and records ---------------------------------------------------------
+def value_to_proto(value: Scalar) -> ProtoValue:
+    if isinstance(value, bool):
+        return ProtoValue(bool_value=value)
+    if isinstance(value, int):
+        return ProtoValue(int_value=value)
+    if isinstance(value, float):
+        return ProtoValue(float_value=value)
+    if isinstance(value, str):
+        return ProtoValue(string_value=value)
+    if isinstance(value, bytes):
+        return ProtoValue(bytes_value=value)
+    raise TypeError(f"{type(value).__name__} cannot travel in a record")
+
+
+def value_from_proto(value: ProtoValue) -> Scalar:
+    kind = value.WhichOneof("kind")
+    if kind is None:
+        raise _invalid("a record value has no kind set")
+    result: Scalar = getattr(value, kind)
+    return result
+
+
+def record_to_proto(record: Mapping[str, Scalar]) -> ProtoRecord:
+    out = ProtoRecord()
+    for key, value in record.items():
+        out.entries[key].CopyFrom(value_to_proto(value))
+    return out
+
+
+def record_from_proto(record: ProtoRecord, what: str) -> dict[str, Scalar]:
+    raw = {key: value_from_proto(value) for key, value in record.entries.items()}
+    try:
+        return dict(validate_record(raw, what))
+    except ValueError as exc:
+        raise _invalid(str(exc)) from exc
+
+
+# ---- tensors and payloads -------------------------------------------------------
+def spec_to_proto(spec: TensorSpec) -> ProtoTensorSpec:
+    return ProtoTensorSpec(name=spec.name, dtype=spec.dtype, shape=list(spec.shape))
+
+
+def spec_from_proto(spec: ProtoTensorSpec) -> TensorSpec:
+    if len(spec.shape) > MAX_NDIM or any(d > MAX_DIM for d in spec.shape):
+        raise _invalid(f"tensor {spec.name[:64]!r} has an absurd shape")
+    try:
+        return TensorSpec(spec.name, spec.dtype, tuple(int(d) for d in spec.shape))
+    except ConfigError as exc:
+        raise _invalid(str(exc)) from exc
+
+
+def payload_to_proto(info: PayloadInfo) -> ProtoPayloadHeader:
+    return ProtoPayloadHeader(
+        tensors=[spec_to_proto(s) for s in info.specs],
+        total_bytes=info.total_bytes,
+        sha256=info.sha256,
+    )
+
+
+def payload_from_proto(header: ProtoPayloadHeader) -> PayloadInfo:
+    if len(header.tensors) > MAX_TENSORS:
+        raise _invalid(f"{len(header.tensors)} tensors; at most {MAX_TENSORS} allowed")
+    specs = tuple(spec_from_proto(s) for s in header.tensors)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise _invalid("a tensor name appears twice in the payload header")
+    if len(header.sha256) != 32:
+        raise _invalid("payload sha256 must be 32 bytes")
+    needed = sum(s.nbytes for s in specs)
+    if header.total_bytes != needed:
+        raise _invalid(f"payload header says {header.total_bytes} bytes; its tensors need {needed}")
+    return PayloadInfo(specs, int(header.total_bytes), bytes(header.sha256))
+
+
+def chunks_for_pull(pieces: Iterable[tuple[int, bytes]]) -> Iterable[ProtoPullResponse]:
+    for offset, data in pieces:
+        yield ProtoPullResponse(chunk=ProtoChunk(offset=offset, data=data))
+
+
+def chunks_for_push(pieces: Iterable[tuple[int, bytes]]) -> Iterable[ProtoPushRequest]:
+    for offset, data in pieces:
+        yield ProtoPushRequest(chunk=ProtoChunk(offset=offset, data=data))
+
+
+def chunk_from_proto(chunk: ProtoChunk) -> tuple[int, bytes]:
+    return int(chunk.offset), chunk.data
+
+
+# ---- sessions and join ----------------------------------------------------------
+def session_to_proto(session: Session) -> ProtoSession:
+    return ProtoSession(client_id=session.client_id, secret=session.secret)
+
+
+def session_from_proto(session: ProtoSession) -> Session:
+    _check_text(session.client_id, "client_id")
+    if len(session.secret) > 256:
+        raise _invalid("session secret is too long")
+    return Session(session.client_id, bytes(session.secret))
+
+
+def join_request_to_proto(request: JoinRequest) -> ProtoJoinRequest:
+    return ProtoJoinRequest(
+        protocol_version=request.protocol_version,
+        capabilities=sorted(request.capabilities),
+        name=request.name,
+        token=request.token,
+    )
+
+
+def join_request_from_proto(request: ProtoJoinRequest) -> JoinRequest:
+    if len(request.capabilities) > MAX_CAPABILITIES:
+        raise _invalid(f"at most {MAX_CAPABILITIES} capabilities allowed")
+    for cap in request.capabilities:
+        _check_text(cap, "capability")
+    return JoinRequest(
+        protocol_version=request.protocol_version,
+        capabilities=frozenset(request.capabilities),
+        name=_check_text(request.name, "name"),
+        token=_check_text(request.token, "token", 1024),
+    )
+
+
+def join_reply_to_proto(reply: JoinReply) -> ProtoJoinResponse:
+    return ProtoJoinResponse(
+        session=session_to_proto(reply.session),
+        protocol_version=reply.protocol_version,
+        capabilities=sorted(reply.capabilities),
+        run_id=reply.run_id,
+        heartbeat_interval_s=reply.heartbeat_interval_s,
+        long_poll_s=reply.long_poll_s,
+        chunk_size=reply.chunk_size,
+        max_message_bytes=reply.max_message_bytes,
+        max_model_bytes=reply.max_model_bytes,
+    )
+
+
+def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
+    for name in ("heartbeat_interval_s", "long_poll_s"):
+        value = getattr(reply, name)
+        if not (math.isfinite(value) and 0 < value <= 3600):
+            raise _invalid(f"{name} {value} is out of range")
+    if reply.chunk_size == 0 or reply.chunk_size > reply.max_message_bytes:
+        raise _invalid("chunk_size must be positive and fit in max_message_bytes")
+    return JoinReply(
+        session=session_from_proto(reply.session),
+        protocol_version=reply.protocol_version,
+        capabilities=frozenset(reply.capabilities),
+        run_id=_check_text(reply.run_id, "run_id"),
+        heartbeat_interval_s=reply.heartbeat_interval_s,
+        long_poll_s=reply.long_poll_s,
+        chunk_size=int(reply.chunk_size),
+        max_message_bytes=int(reply.max_message_bytes),
+        max_model_bytes=int(reply.max_model_bytes),
+    )
+
+
+# ---- tasks ----------------------------------------------------------------------
+def task_to_proto(task: TaskHeader) -> ProtoPullResponse:
+    header = ProtoTaskHeader(
+        task_id=task.task_id,
+        run_id=task.run_id,
+        round=task.round,
+        deadline_s=task.deadline_s,
+        weights=payload_to_proto(task.weights),
+    )
+    config = record_to_proto(task.config)
+    if task.kind is TaskKind.FIT:
+        header.fit.CopyFrom(ProtoFitTask(config=config))
+    else:
+        header.evaluate.CopyFrom(ProtoEvaluateTask(config=config))
+    return ProtoPullResponse(task=header)
+
+
+def task_from_proto(header: ProtoTaskHeader) -> TaskHeader:
+    kind = header.WhichOneof("kind")
+    if kind == "fit":
+        task_kind, config = TaskKind.FIT, header.fit.config
+    elif kind == "evaluate":
+        task_kind, config = TaskKind.EVALUATE, header.evaluate.config
+    else:
+        raise _invalid(f"task kind {kind!r} is not supported by this client")
+    if not (math.isfinite(header.deadline_s) and header.deadline_s >= 0):
+        raise _invalid("task deadline is not a non-negative number")
+    return TaskHeader(
+        task_id=_check_text(header.task_id, "task_id"),
+        run_id=_check_text(header.run_id, "run_id"),
+        round=int(header.round),
+        kind=task_kind,
+        config=record_from_proto(config, "task config"),
+        deadline_s=header.deadline_s,
+        weights=payload_from_proto(header.weights),
+    )
+
+
+def no_task_to_proto(no_task: NoTask) -> ProtoPullResponse:
+    return ProtoPullResponse(
+        no_task=ProtoNoTask(retry_after_s=no_task.retry_after_s, run_finished=no_task.run_finished)
+    )
+
+
+def no_task_from_proto(no_task: ProtoNoTask) -> NoTask:
+    retry = no_task.retry_after_s
+    return NoTask(min(max(retry, 0.0), 60.0) if math.isfinite(retry) else 1.0, no_task.run_finished)
+
+
+# ---- results --------------------------------------------------------------------
+def result_to_proto(result: ResultHeader) -> ProtoPushRequest:
+    header = ProtoResultHeader(
+        session=session_to_proto(result.session), task_id=result.task_id, round=result.round
+    )
+    if result.update is not None:
+        header.update.CopyFrom(payload_to_proto(result.update))
+    metrics = record_to_proto(result.metrics)
+    if result.kind is TaskKind.FIT:
+        header.fit.CopyFrom(
+            ProtoFitResult(
+                num_examples=result.num_examples, base_round=result.base_round, metrics=metrics
+            )
+        )
+    elif result.kind is TaskKind.EVALUATE:
+        header.evaluate.CopyFrom(
+            ProtoEvaluateResult(num_examples=result.num_examples, loss=result.loss, metrics=metrics)
+        )
+    else:
+        header.failure.CopyFrom(ProtoTaskFailure(message=result.failure[:MAX_TEXT]))
+    return ProtoPushRequest(result=header)
+
+
+def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
+    session = session_from_proto(header.session)
+    task_id = _check_text(header.task_id, "task_id")
+    kind = header.WhichOneof("kind")
+    update = payload_from_proto(header.update) if header.HasField("update") else None
+    rnd = int(header.round)
+    if kind == "fit":
+        if update is None:
+            raise _invalid("a fit result must carry an update payload header")
+        return ResultHeader(
+            session=session,
+            task_id=task_id,
+            round=rnd,
+            kind=TaskKind.FIT,
+            num_examples=int(header.fit.num_examples),
+            base_round=int(header.fit.base_round),
+            metrics=record_from_proto(header.fit.metrics, "fit metrics"),
+            update=update,
+        )
+    if kind == "evaluate":
+        if not math.isfinite(header.evaluate.loss):
+            raise _invalid("evaluation loss is NaN or infinite")
+        return ResultHeader(
+            session=session,
+            task_id=task_id,
+            round=rnd,
+            kind=TaskKind.EVALUATE,
+            num_examples=int(header.evaluate.num_examples),
+            loss=header.evaluate.loss,
+            metrics=record_from_proto(header.evaluate.metrics, "evaluate metrics"),
+        )
+    if kind == "failure":
+        return ResultHeader(
+            session=session,
+            task_id=task_id,
+            round=rnd,
+            kind=None,
+            failure=_check_text(header.failure.message, "failure message", MAX_TEXT),
+        )
+    raise _invalid("result header has no kind (fit, evaluate or failure)")

@@ -1,0 +1,203 @@
+"""`Server`: the aggregation server's public entry point.
+
+Embed it in Python::
+
+    from fedloom.server import Server
+    server = Server(ServerConfig(num_rounds=5), initial_weights=weights,
+                    evaluate_fn=my_eval)        # evaluate_fn(round, weights) -> (loss, metrics)
+    history = server.run()                      # blocks; SIGINT/SIGTERM stop it cleanly
+
+or start it in a background thread (tests, demos)::
+
+    handle = server.start()                     # returns once the port is bound
+    ...                                         # clients connect to 127.0.0.1:handle.port
+    history = handle.wait()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from typing import Any
+
+import grpc
+
+from fedloom.config import ServerConfig
+from fedloom.errors import ConfigError
+from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.server.coordinator import Coordinator, EvaluateFn
+from fedloom.server.persistence import RunPersistence
+from fedloom.server.progress import RoundReporter
+from fedloom.server.servicer import FleetServicer
+from fedloom.strategies import Strategy, build_strategy
+from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.server")
+
+
+def grpc_server_options(config: ServerConfig) -> list[tuple[str, Any]]:
+    t = config.transfer
+    return [
+        ("grpc.max_receive_message_length", t.max_message_bytes),
+        ("grpc.max_send_message_length", t.max_message_bytes),
+        # Our own pings find dead peers; clients may ping every 5 s or slower without
+        # data (the SDK pings every 20 s), so idle long-polls never earn a GOAWAY.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 3),
+        # Never share a port with another process silently.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Server:
+    """The aggregation server: gRPC Fleet service + coordinator + run store."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        initial_weights: Weights | None = None,
+        strategy: Strategy | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+    ) -> None:
+        self.config = config
+        self.strategy = (
+            strategy
+            if strategy is not None
+            else build_strategy(
+                config.strategy,
+                fraction_fit=config.fraction_fit,
+                min_fit_clients=config.min_fit_clients,
+                fraction_evaluate=config.fraction_evaluate,
+                min_evaluate_clients=config.min_evaluate_clients,
+                seed=config.seed,
+            )
+        )
+        self.initial_weights = initial_weights
+        self.evaluate_fn = evaluate_fn
+        self.port: int | None = None
+        self.coordinator: Coordinator | None = None
+        self._ready = threading.Event()
+
+    async def serve(self) -> list[dict[str, Any]]:
+        """Run the whole federated run; returns the per-round history."""
+        persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)
+        reporter = RoundReporter(enabled=self.config.progress)
+        coordinator = Coordinator(
+            self.config, self.strategy, persistence, evaluate_fn=self.evaluate_fn, reporter=reporter
+        )
+        self.coordinator = coordinator
+        server = grpc.aio.server(options=grpc_server_options(self.config))
+        pb_grpc.add_FleetServicer_to_server(FleetServicer(coordinator), server)
+        try:
+            port = server.add_insecure_port(self.config.address)
+        except RuntimeError as exc:
+            persistence.close()
+            raise ConfigError("address", f"cannot listen on {self.config.address}: {exc}") from exc
+        await server.start()
+        self.port = port
+        self._ready.set()
+        log.info(
+            "fedloom server listening on %s (run %s, %d rounds)",
+            self.config.address.rsplit(":", 1)[0] + f":{port}",
+            coordinator.run_id,
+            self.config.num_rounds,
+        )
+        try:
+            await coordinator.run()
+            await self._let_clients_leave(coordinator)
+        finally:
+            reporter.close()
+            await server.stop(grace=1.0)
+            persistence.close()
+        return coordinator.history
+
+    async def _let_clients_leave(self, coordinator: Coordinator) -> None:
+        """After the last round, give connected clients a moment to hear it and leave."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(5.0, self.config.long_poll_s)
+        while len(coordinator.registry) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    def run(self) -> list[dict[str, Any]]:
+        """Serve in this thread until the run ends; SIGINT/SIGTERM stop it cleanly."""
+
+        async def main() -> list[dict[str, Any]]:
+            task = asyncio.current_task()
+            loop = asyncio.get_running_loop()
+            assert task is not None
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, task.cancel)
+            return await self.serve()
+
+        try:
+            return asyncio.run(main())
+        except asyncio.CancelledError:
+            log.info("server stopped by signal; the run resumes from its last committed round")
+            return self.coordinator.history if self.coordinator else []
+
+    def start(self, timeout_s: float = 30.0) -> ServerHandle:
+        """Serve in a background thread; returns once the port is bound."""
+        handle = ServerHandle(self)
+        handle.thread.start()
+        if not self._ready.wait(timeout_s):
+            handle.raise_if_failed()
+            raise RuntimeError("server did not start in time")
+        return handle
+
+
+class ServerHandle:
+    """A server running in a background thread."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.history: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[list[dict[str, Any]]] | None = None
+        self.thread = threading.Thread(target=self._main, name="fedloom-server", daemon=True)
+
+    @property
+    def port(self) -> int:
+        assert self.server.port is not None
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            self._task = loop.create_task(self.server.serve())
+            self.history = loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            coordinator = self.server.coordinator
+            self.history = coordinator.history if coordinator else []
+        except BaseException as exc:  # reported by wait()
+            self.error = exc
+            self.server._ready.set()
+        finally:
+            loop.close()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stop serving now (as a crash between rounds would, minus the crash)."""
+        if self._loop is not None and self._task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def wait(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError("server still running")
+        self.raise_if_failed()
+        return self.history

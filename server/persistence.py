@@ -1,0 +1,186 @@
+"""Where a run's state lives: opening (new or resumed) and committing rounds.
+
+Folder layout under ``state_dir``::
+
+    fedloom.db                                   runs and rounds (SQLite)
+    checkpoints/<run_id>/round-000007.safetensors  weights + strategy state
+    spool/<run_id>/upload-*.bin                  uploads being received
+
+A new run commits round 0 (the initial weights and strategy state) before any client
+trains, so a resumed run always has a verified checkpoint to start from. On resume the
+newest committed round whose file passes its digest is loaded; newer records whose
+files fail are dropped with an error in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from fedloom.config import ServerConfig
+from fedloom.errors import CheckpointError, ConfigError
+from fedloom.server.checkpoint import load_checkpoint, write_checkpoint
+from fedloom.server.crashpoints import crashpoint
+from fedloom.server.store import RoundRecord, RunStore
+from fedloom.strategies import Strategy
+from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.server")
+
+
+class RunPersistence:
+    """The durable side of one run: its checkpoints and its rows in the run store."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        store: RunStore,
+        run_id: str,
+        weights: Weights,
+        completed_round: int,
+        keep_checkpoints: int,
+    ) -> None:
+        self.state_dir = state_dir
+        self.store = store
+        self.run_id = run_id
+        self.weights = weights
+        self.completed_round = completed_round
+        self.keep_checkpoints = keep_checkpoints
+
+    @classmethod
+    def open(
+        cls, config: ServerConfig, initial_weights: Weights | None, strategy: Strategy
+    ) -> RunPersistence:
+        """Resume the latest unfinished run (when ``config.resume``), else start one."""
+        state_dir = Path(config.state_dir)
+        store = RunStore(state_dir / "fedloom.db")
+        run = store.latest_unfinished_run() if config.resume else None
+        if run is not None:
+            return cls._resume(config, store, run.run_id, initial_weights, strategy)
+        if initial_weights is None:
+            raise ConfigError(
+                "initial_weights",
+                "a new run needs initial weights: pass --initial-weights FILE.safetensors "
+                "(write one with fedloom.server.save_weights) or Server(initial_weights=...)",
+            )
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+        store.create_run(run_id, config.num_rounds, _config_summary(config))
+        persistence = cls(state_dir, store, run_id, initial_weights, 0, config.keep_checkpoints)
+        persistence.commit(
+            0, "ok", initial_weights, strategy.state_dict(), {"round": 0}, time.time()
+        )
+        log.info("started run %s in %s", run_id, state_dir)
+        return persistence
+
+    @classmethod
+    def _resume(
+        cls,
+        config: ServerConfig,
+        store: RunStore,
+        run_id: str,
+        initial_weights: Weights | None,
+        strategy: Strategy,
+    ) -> RunPersistence:
+        state_dir = Path(config.state_dir)
+        for record in reversed(store.rounds(run_id)):
+            try:
+                checkpoint = load_checkpoint(state_dir / record.checkpoint, record.sha256)
+            except CheckpointError as exc:
+                log.error("round %d of run %s is not usable: %s", record.round, run_id, exc)
+                continue
+            if checkpoint.run_id != run_id or checkpoint.round != record.round:
+                log.error(
+                    "checkpoint %s belongs to run %s round %d; skipping",
+                    record.checkpoint,
+                    checkpoint.run_id,
+                    checkpoint.round,
+                )
+                continue
+            if initial_weights is not None:
+                try:
+                    initial_weights.check_same_layout(checkpoint.weights, what="checkpoint")
+                except ValueError as exc:
+                    raise ConfigError(
+                        "state_dir",
+                        f"run {run_id} there holds a different model ({exc}); use another "
+                        "state_dir, or set resume = false to start a new run",
+                    ) from exc
+            store.forget_rounds_after(run_id, record.round)
+            strategy.load_state_dict(checkpoint.strategy_state)
+            log.info("resuming run %s after round %d", run_id, record.round)
+            return cls(
+                state_dir, store, run_id, checkpoint.weights, record.round, config.keep_checkpoints
+            )
+        raise CheckpointError(
+            f"run {run_id} in {state_dir} has no checkpoint that passes verification; "
+            "set resume = false to start a new run"
+        )
+
+    def checkpoint_path(self, server_round: int) -> Path:
+        return Path("checkpoints") / self.run_id / f"round-{server_round:06d}.safetensors"
+
+    def commit(
+        self,
+        server_round: int,
+        status: str,
+        weights: Weights,
+        strategy_state: Any,
+        metrics: dict[str, Any],
+        started_at: float,
+    ) -> None:
+        """The round's commit point: durable checkpoint, then one SQLite transaction."""
+        relative = self.checkpoint_path(server_round)
+        digest = write_checkpoint(
+            self.state_dir / relative,
+            run_id=self.run_id,
+            server_round=server_round,
+            weights=weights,
+            strategy_state=strategy_state,
+        )
+        self.store.commit_round(
+            RoundRecord(
+                self.run_id,
+                server_round,
+                status,
+                str(relative),
+                digest,
+                metrics,
+                started_at,
+                time.time(),
+            )
+        )
+        crashpoint("round_committed")
+        self.completed_round = server_round
+        self._prune(server_round)
+
+    def _prune(self, server_round: int) -> None:
+        oldest_kept = server_round - self.keep_checkpoints + 1
+        folder = self.state_dir / "checkpoints" / self.run_id
+        for path in folder.glob("round-*.safetensors"):
+            try:
+                number = int(path.stem.split("-")[1])
+            except (IndexError, ValueError):
+                continue
+            if number < oldest_kept:
+                path.unlink(missing_ok=True)
+
+    def history(self) -> list[dict[str, Any]]:
+        """Per-round metrics of the committed rounds after round 0."""
+        return [r.metrics for r in self.store.rounds(self.run_id) if r.round > 0]
+
+    def finish(self) -> None:
+        self.store.finish_run(self.run_id)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _config_summary(config: ServerConfig) -> dict[str, Any]:
+    import dataclasses
+
+    summary = dataclasses.asdict(config)
+    summary["strategy"] = {"name": config.strategy.name, **dict(config.strategy.params)}
+    return summary

@@ -1,0 +1,140 @@
+"""One round's open tasks and the results that have come back.
+
+A `RoundTasks` tracks the tasks issued for one phase (fit or evaluate) of a round, who
+has answered, and when the phase may close: as soon as every sampled client has
+answered (a result, a reported failure, or leaving), or at the deadline with at least
+the minimum. Fit updates are handed to the strategy, running in a worker thread,
+through a thread-safe queue as they arrive (the aggregate is computed as a stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import queue
+from collections.abc import Iterator
+
+from fedloom.errors import RoundAbortedError
+from fedloom.messages import TaskHeader
+from fedloom.server.crashpoints import crashpoint
+from fedloom.types import ClientUpdate, EvaluateResult, TaskKind
+
+
+class TaskStatus(enum.StrEnum):
+    PENDING = "pending"
+    ACCEPTED = "accepted"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(eq=False)
+class IssuedTask:
+    """A task sent (or to be sent) to one client, and what became of it."""
+
+    header: TaskHeader
+    client_id: str
+    payload: memoryview
+    status: TaskStatus = TaskStatus.PENDING
+    result_fingerprint: bytes = b""  # identifies the accepted result, for idempotent retries
+    in_flight: bool = False  # an upload for this task is being received
+
+    @property
+    def task_id(self) -> str:
+        return self.header.task_id
+
+
+class _End:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    reason: str
+
+
+_UpdateItem = ClientUpdate | _End | _Abort
+
+
+def updates_from_queue(source: queue.Queue[_UpdateItem]) -> Iterator[ClientUpdate]:
+    """Yield updates until the round closes; raise `RoundAbortedError` if it fails."""
+    while True:
+        item = source.get()
+        if isinstance(item, _End):
+            return
+        if isinstance(item, _Abort):
+            raise RoundAbortedError(item.reason)
+        yield item
+        crashpoint("mid_aggregation")
+
+
+class RoundTasks:
+    """The open phase of a round. Lives on the event loop."""
+
+    def __init__(self, server_round: int, kind: TaskKind, minimum: int) -> None:
+        self.round = server_round
+        self.kind = kind
+        self.minimum = minimum
+        self.tasks: dict[str, IssuedTask] = {}
+        self.by_client: dict[str, IssuedTask] = {}
+        self.updates: queue.Queue[_UpdateItem] = queue.Queue()
+        self.evaluations: list[EvaluateResult] = []
+        self.failures: dict[str, str] = {}
+        self.closed = False
+        self._all_answered = asyncio.Event()
+
+    def add(self, task: IssuedTask) -> None:
+        self.tasks[task.task_id] = task
+        self.by_client[task.client_id] = task
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(1 for t in self.tasks.values() if t.status is TaskStatus.ACCEPTED)
+
+    @property
+    def num_answered(self) -> int:
+        return sum(1 for t in self.tasks.values() if t.status is not TaskStatus.PENDING)
+
+    def accept_update(self, task: IssuedTask, update: ClientUpdate, fingerprint: bytes) -> None:
+        task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
+        self.updates.put(update)
+        self._check_answered()
+
+    def accept_evaluation(
+        self, task: IssuedTask, result: EvaluateResult, fingerprint: bytes
+    ) -> None:
+        task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
+        self.evaluations.append(result)
+        self._check_answered()
+
+    def fail(self, task: IssuedTask, reason: str) -> None:
+        if task.status is TaskStatus.PENDING:
+            task.status = TaskStatus.FAILED
+            self.failures[task.client_id] = reason
+            self._check_answered()
+
+    def _check_answered(self) -> None:
+        if self.num_answered == len(self.tasks):
+            self._all_answered.set()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait until all answered or the deadline; True when enough results came back."""
+        if self.tasks:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_answered.wait(), timeout_s)
+        self.closed = True
+        for task in self.tasks.values():
+            if task.status is TaskStatus.PENDING:
+                task.status = TaskStatus.FAILED
+                self.failures.setdefault(task.client_id, "no result before the deadline")
+        enough = self.num_accepted >= self.minimum and self.num_accepted > 0
+        if self.kind is TaskKind.FIT:
+            self.updates.put(
+                _End()
+                if enough
+                else _Abort(
+                    f"round {self.round}: {self.num_accepted} of {len(self.tasks)} sampled "
+                    f"clients returned an update; at least {self.minimum} needed"
+                )
+            )
+        return enough

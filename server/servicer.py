@@ -1,0 +1,138 @@
+"""The gRPC servicer: one method per RPC, translation only.
+
+Each method decodes with `fedloom.protos.codec`, calls the coordinator and encodes the
+answer. A `MessageRejectedError` becomes a gRPC status with a clear message (and a log
+line), and the server carries on; the reason decides the status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.payload import iter_chunks
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.server.coordinator import Coordinator, PendingUpload
+from fedloom.server.metrics import ServerMetrics
+
+log = logging.getLogger("fedloom.server")
+
+STATUS = {
+    RejectReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectReason.STALE: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectReason.UNKNOWN_CLIENT: grpc.StatusCode.UNAUTHENTICATED,
+    RejectReason.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
+    RejectReason.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    RejectReason.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+async def _reject(
+    context: grpc.aio.ServicerContext, rpc: str, exc: MessageRejectedError
+) -> NoReturn:
+    """Log, count and answer a refused message with its status; never returns."""
+    log.warning("%s rejected from %s: %s (%s)", rpc, context.peer(), exc, exc.reason)
+    ServerMetrics.rejected(exc.reason)
+    await context.abort(STATUS[exc.reason], str(exc))
+    raise exc  # abort() raises; this line only satisfies the type checker
+
+
+class FleetServicer(pb_grpc.FleetServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.transfer = coordinator.config.transfer
+        self.stream_timeout_s = coordinator.config.stream_timeout_s
+
+    def _client(self, session: pb.Session):  # type: ignore[no-untyped-def]
+        return self.coordinator.registry.authenticate(codec.session_from_proto(session))
+
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinResponse:
+        try:
+            reply = self.coordinator.join(codec.join_request_from_proto(request))
+        except MessageRejectedError as exc:
+            await _reject(context, "Join", exc)
+        return codec.join_reply_to_proto(reply)
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        try:
+            self.coordinator.heartbeat(self._client(request.session))
+        except MessageRejectedError as exc:
+            await _reject(context, "Heartbeat", exc)
+        return pb.HeartbeatResponse(interval_s=self.coordinator.config.heartbeat_interval_s)
+
+    async def Leave(
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaveResponse:
+        try:
+            self.coordinator.leave(self._client(request.session), request.reason[:200])
+        except MessageRejectedError as exc:
+            await _reject(context, "Leave", exc)
+        return pb.LeaveResponse()
+
+    async def Pull(
+        self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PullResponse]:
+        try:
+            outcome = await self.coordinator.pull(self._client(request.session))
+        except MessageRejectedError as exc:
+            await _reject(context, "Pull", exc)
+        if isinstance(outcome, tuple):
+            header, payload = outcome
+            yield codec.task_to_proto(header)
+            for message in codec.chunks_for_pull(iter_chunks(payload, self.transfer.chunk_size)):
+                ServerMetrics.bytes_out(len(message.chunk.data))
+                yield message
+        else:
+            yield codec.no_task_to_proto(outcome)
+
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PushResponse:
+        upload: PendingUpload | None = None
+        try:
+            async with asyncio.timeout(self.stream_timeout_s):
+                first = await anext(aiter(request_iterator), None)
+                if first is None or first.WhichOneof("part") != "result":
+                    raise MessageRejectedError(
+                        RejectReason.INVALID, "a Push stream must start with a result header"
+                    )
+                header = codec.result_from_proto(first.result)
+                outcome = self.coordinator.begin_result(self._client(first.result.session), header)
+                if not isinstance(outcome, PendingUpload):
+                    return pb.PushResponse(duplicate=outcome)
+                upload = outcome
+                async for message in request_iterator:
+                    if message.WhichOneof("part") != "chunk":
+                        raise MessageRejectedError(
+                            RejectReason.INVALID, "only chunks may follow the result header"
+                        )
+                    upload.spool.feed(*codec.chunk_from_proto(message.chunk))
+                    ServerMetrics.bytes_in(len(message.chunk.data))
+                delta = upload.spool.finish()
+            self.coordinator.finish_fit(upload, delta)
+            upload = None
+            return pb.PushResponse(duplicate=False)
+        except TimeoutError:
+            exc = MessageRejectedError(
+                RejectReason.TIMEOUT,
+                f"upload exceeded the {self.stream_timeout_s:.0f} s stream limit",
+            )
+            await _reject(context, "Push", exc)
+        except MessageRejectedError as exc:
+            await _reject(context, "Push", exc)
+        finally:
+            if upload is not None:
+                upload.spool.discard()
+                self.coordinator.finish_fit(upload, None)

@@ -1,0 +1,145 @@
+"""The run store: runs and their committed rounds in SQLite.
+
+A round is committed in one transaction after its checkpoint file is durable, so the
+database never names a file that is not whole. On restart, the latest committed round
+of an unfinished run says where to resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('running', 'finished')),
+    num_rounds INTEGER NOT NULL,
+    config TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    round INTEGER NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('ok', 'failed')),
+    checkpoint TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    finished_at REAL NOT NULL,
+    PRIMARY KEY (run_id, round)
+);
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    created_at: float
+    status: str
+    num_rounds: int
+    config: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRecord:
+    run_id: str
+    round: int
+    status: str
+    checkpoint: str
+    sha256: str
+    metrics: dict[str, Any]
+    started_at: float
+    finished_at: float
+
+
+class RunStore:
+    """SQLite-backed record of runs and rounds (``<state_dir>/fedloom.db``)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def create_run(self, run_id: str, num_rounds: int, config: dict[str, Any]) -> RunRecord:
+        record = RunRecord(run_id, time.time(), "running", num_rounds, config)
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
+                (run_id, record.created_at, "running", num_rounds, json.dumps(config)),
+            )
+        return record
+
+    def latest_unfinished_run(self) -> RunRecord | None:
+        row = self._db.execute(
+            "SELECT * FROM runs WHERE status = 'running' ORDER BY created_at DESC LIMIT 1"
+        ).fetchone()
+        return self._run(row) if row else None
+
+    def runs(self) -> list[RunRecord]:
+        rows = self._db.execute("SELECT * FROM runs ORDER BY created_at").fetchall()
+        return [self._run(r) for r in rows]
+
+    def finish_run(self, run_id: str) -> None:
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("UPDATE runs SET status = 'finished' WHERE run_id = ?", (run_id,))
+
+    def commit_round(self, record: RoundRecord) -> None:
+        """Record a round whose checkpoint file is already durable (one transaction)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.run_id,
+                    record.round,
+                    record.status,
+                    record.checkpoint,
+                    record.sha256,
+                    json.dumps(record.metrics),
+                    record.started_at,
+                    record.finished_at,
+                ),
+            )
+
+    def forget_rounds_after(self, run_id: str, server_round: int) -> None:
+        """Drop round records after ``server_round`` (their checkpoints are unusable)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "DELETE FROM rounds WHERE run_id = ? AND round > ?", (run_id, server_round)
+            )
+
+    def rounds(self, run_id: str) -> list[RoundRecord]:
+        rows = self._db.execute(
+            "SELECT * FROM rounds WHERE run_id = ? ORDER BY round", (run_id,)
+        ).fetchall()
+        return [self._round(r) for r in rows]
+
+    def latest_round(self, run_id: str) -> RoundRecord | None:
+        row = self._db.execute(
+            "SELECT * FROM rounds WHERE run_id = ? ORDER BY round DESC LIMIT 1", (run_id,)
+        ).fetchone()
+        return self._round(row) if row else None
+
+    @staticmethod
+    def _run(row: tuple[Any, ...]) -> RunRecord:
+        return RunRecord(row[0], row[1], row[2], row[3], json.loads(row[4]))
+
+    @staticmethod
+    def _round(row: tuple[Any, ...]) -> RoundRecord:
+        return RoundRecord(
+            row[0], row[1], row[2], row[3], row[4], json.loads(row[5]), row[6], row[7]
+        )
