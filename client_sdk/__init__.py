@@ -10,11 +10,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
+from fedloom.client_sdk.runner import Backoff, ClientRunner, ClientStats, start_client
 
 if TYPE_CHECKING:
     from fedloom.client_sdk.torch_trainer import TorchClient
 
-__all__ = ["Client", "EvaluateOutput", "FitOutput", "TorchClient"]
+__all__ = [
+    "Backoff",
+    "Client",
+    "ClientRunner",
+    "ClientStats",
+    "EvaluateOutput",
+    "FitOutput",
+    "TorchClient",
+    "start_client",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,265 @@
+"""The client's side of the Fleet protocol over a gRPC channel.
+
+`Connection` joins, long-polls for tasks (downloading and verifying their weights
+chunk by chunk), pushes results in chunks, sends heartbeats and leaves. gRPC errors
+are translated at this edge: a server that is unreachable or went away raises
+`TransportError` (retry later), an unknown session raises `SessionExpiredError`
+(join again), and a refused message raises `ResultRefusedError` (do not retry it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from fedloom.config import ClientConfig
+from fedloom.errors import ConfigError, MessageRejectedError, TransportError
+from fedloom.messages import (
+    PROTOCOL_VERSION,
+    JoinReply,
+    JoinRequest,
+    NoTask,
+    ResultHeader,
+    Session,
+    TaskHeader,
+)
+from fedloom.payload import PayloadReceiver, deserialize, iter_chunks
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.client")
+
+CAPABILITIES = frozenset({"fit", "evaluate"})
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+}
+
+
+class SessionExpiredError(TransportError):
+    """The server does not know this session (it restarted, or timed us out): re-join."""
+
+
+class ResultRefusedError(TransportError):
+    """The server refused a message for its content or timing; retrying will not help."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        super().__init__(f"{code.name}: {details}")
+
+
+def _translate(exc: grpc.RpcError, what: str) -> TransportError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return SessionExpiredError(f"{what}: {details}")
+    if code in _RETRYABLE:
+        return TransportError(f"{what}: {code.name}: {details}")
+    return ResultRefusedError(code, f"{what}: {details}")
+
+
+class _BufferSink:
+    def __init__(self, size: int) -> None:
+        self.buffer = bytearray(size)
+        self._view = memoryview(self.buffer)
+        self._pos = 0
+
+    def write(self, data: bytes) -> None:
+        self._view[self._pos : self._pos + len(data)] = data
+        self._pos += len(data)
+
+
+class _Watchdog:
+    """Cancels a streaming call that receives nothing for ``idle_s`` seconds."""
+
+    def __init__(self, call: Any, idle_s: float) -> None:
+        self._call = call
+        self.idle_s = idle_s
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self.fired = False
+        threading.Thread(target=self._watch, daemon=True, name="fedloom-watchdog").start()
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.25):
+            if time.monotonic() - self._last > self.idle_s:
+                self.fired = True
+                self._call.cancel()
+                return
+
+
+class Connection:
+    """One channel to the server, and the session on it once joined."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        t = config.transfer
+        self._channel = grpc.insecure_channel(
+            config.server_address,
+            options=[
+                ("grpc.max_receive_message_length", t.max_message_bytes),
+                ("grpc.max_send_message_length", t.max_message_bytes),
+                ("grpc.keepalive_time_ms", 20_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+            ],
+        )
+        self._stub = pb_grpc.FleetStub(self._channel)
+        self.session: Session | None = None
+        self.grant: JoinReply | None = None
+        self._active: Any = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.cancel_active()
+        self._channel.close()
+
+    def cancel_active(self) -> None:
+        with self._lock:
+            if self._active is not None:
+                self._active.cancel()
+
+    def _session_proto(self) -> pb.Session:
+        if self.session is None:
+            raise SessionExpiredError("not joined")
+        return codec.session_to_proto(self.session)
+
+    # -- session --------------------------------------------------------------------
+    def join(self, name: str, token: str = "") -> JoinReply:
+        request = JoinRequest(PROTOCOL_VERSION, CAPABILITIES, name, token)
+        try:
+            response = self._stub.Join(
+                codec.join_request_to_proto(request), timeout=self.config.rpc_timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise _translate(exc, "join") from exc
+        try:
+            grant = codec.join_reply_from_proto(response)
+        except MessageRejectedError as exc:
+            raise TransportError(f"the server's join reply is invalid: {exc}") from exc
+        if grant.chunk_size + 16 * 1024 > self.config.transfer.max_message_bytes:
+            raise ConfigError(
+                "max_message_bytes",
+                f"the server sends chunks of {grant.chunk_size} bytes; raise this client's "
+                "transfer.max_message_bytes above that (plus 16 KiB)",
+            )
+        self.session, self.grant = grant.session, grant
+        return grant
+
+    def heartbeat(self) -> None:
+        try:
+            self._stub.Heartbeat(
+                pb.HeartbeatRequest(session=self._session_proto()),
+                timeout=self.config.rpc_timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise _translate(exc, "heartbeat") from exc
+
+    def leave(self, reason: str) -> None:
+        if self.session is None:
+            return
+        try:
+            self._stub.Leave(
+                pb.LeaveRequest(session=self._session_proto(), reason=reason), timeout=5.0
+            )
+        except grpc.RpcError as exc:
+            log.debug("leave failed: %s", exc)
+        self.session = None
+
+    # -- tasks ----------------------------------------------------------------------
+    def pull(self) -> tuple[TaskHeader, Weights] | NoTask:
+        """Long-poll for a task; download, verify and return its weights."""
+        call = self._stub.Pull(pb.PullRequest(session=self._session_proto()))
+        first_wait = (self.grant.long_poll_s if self.grant else 20.0) + self.config.rpc_timeout_s
+        watchdog = _Watchdog(call, first_wait)
+        with self._lock:
+            self._active = call
+        try:
+            return self._receive_task(iter(call), watchdog)
+        except grpc.RpcError as exc:
+            if watchdog.fired:
+                raise TransportError("the server stopped sending (pull timed out)") from exc
+            raise _translate(exc, "pull") from exc
+        finally:
+            watchdog.close()
+            with self._lock:
+                self._active = None
+
+    def _receive_task(
+        self, stream: Iterator[pb.PullResponse], watchdog: _Watchdog
+    ) -> tuple[TaskHeader, Weights] | NoTask:
+        first = next(stream, None)
+        watchdog.touch()
+        if first is None:
+            raise TransportError("the server closed the pull stream without an answer")
+        part = first.WhichOneof("part")
+        if part == "no_task":
+            return codec.no_task_from_proto(first.no_task)
+        if part != "task":
+            raise TransportError(f"the server's pull stream began with {part!r}")
+        try:
+            task = codec.task_from_proto(first.task)
+        except MessageRejectedError as exc:
+            raise TransportError(f"the server sent an invalid task: {exc}") from exc
+        info = task.weights
+        limit = self.config.transfer.max_model_bytes
+        if info.total_bytes > limit:
+            raise ResultRefusedError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the model is {info.total_bytes} bytes; this client accepts at most {limit}",
+            )
+        watchdog.idle_s = self.config.rpc_timeout_s  # between chunks, from now on
+        sink = _BufferSink(info.total_bytes)
+        receiver = PayloadReceiver(
+            info.specs,
+            info.total_bytes,
+            info.sha256,
+            sink,
+            max_chunk_bytes=self.config.transfer.max_message_bytes,
+        )
+        try:
+            for message in stream:
+                watchdog.touch()
+                if message.WhichOneof("part") != "chunk":
+                    raise TransportError("the server sent a non-chunk inside a task stream")
+                receiver.feed(*codec.chunk_from_proto(message.chunk))
+            receiver.finish()
+        except MessageRejectedError as exc:
+            raise TransportError(f"the task's weights failed verification: {exc}") from exc
+        weights = deserialize(info.specs, memoryview(sink.buffer).toreadonly())
+        return task, weights
+
+    def push(self, result: ResultHeader, payload: memoryview | None) -> bool:
+        """Send a result (and its payload); returns True if the server had it already."""
+        chunk_size = self.grant.chunk_size if self.grant else self.config.transfer.chunk_size
+
+        def messages() -> Iterator[pb.PushRequest]:
+            yield codec.result_to_proto(result)
+            if payload is not None:
+                yield from codec.chunks_for_push(iter_chunks(payload, chunk_size))
+
+        size = len(payload) if payload is not None else 0
+        timeout = self.config.rpc_timeout_s + size / (1 << 20)  # >= 1 MiB/s
+        try:
+            response = self._stub.Push(messages(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _translate(exc, "push") from exc
+        return bool(response.duplicate)

@@ -1,0 +1,287 @@
+"""`start_client`: the blocking loop an application runs to take part in training.
+
+It joins, long-polls for tasks, runs them on the application's `Client`, pushes the
+results, sends heartbeats from a background thread, and reconnects with exponential
+backoff and full jitter when the server goes away (a restarted server forgets
+sessions: the client simply joins again). It returns when the server says the run is
+over, when ``stop`` is set, or on SIGINT/SIGTERM (when called from the main thread).
+
+Example::
+
+    from fedloom.client_sdk import start_client
+    stats = start_client("127.0.0.1:8080", MyClient(), name="hospital-7")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import signal
+import threading
+from types import FrameType
+
+import numpy as np
+
+from fedloom.client_sdk._client import Client
+from fedloom.client_sdk.connection import Connection, ResultRefusedError, SessionExpiredError
+from fedloom.config import ClientConfig
+from fedloom.errors import FedloomError, TransportError
+from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo, serialize
+from fedloom.types import TaskKind
+from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.client")
+
+PUSH_ATTEMPTS = 4
+
+
+@dataclasses.dataclass
+class ClientStats:
+    """What a `start_client` call did."""
+
+    fits: int = 0
+    evaluations: int = 0
+    failures: int = 0
+    refused: int = 0
+    reconnects: int = 0
+    run_finished: bool = False
+
+
+class Backoff:
+    """Exponential backoff with full jitter: sleep U(0, min(max, initial * 2**n))."""
+
+    def __init__(self, initial_s: float, max_s: float, rng: random.Random | None = None) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self.attempt = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self) -> float:
+        cap = min(self.max_s, self.initial_s * (2.0**self.attempt))
+        self.attempt += 1
+        return self._rng.uniform(0.0, cap)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class _Heartbeat:
+    def __init__(self, connection: Connection, interval_s: float, stop: threading.Event) -> None:
+        self._connection, self._interval, self._stop = connection, interval_s, stop
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fedloom-heartbeat")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval) and not self._stop.is_set():
+            try:
+                self._connection.heartbeat()
+            except TransportError as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def _check_output(global_weights: Weights, new_weights: Weights) -> str:
+    """Why the client's new weights cannot be sent ("" when they can)."""
+    try:
+        global_weights.check_same_layout(new_weights, what="the client's new weights")
+    except ValueError as exc:
+        return str(exc)
+    for name, arr in new_weights.items():
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            return f"the client's new weights hold NaN or Inf in {name!r}"
+    return ""
+
+
+class ClientRunner:
+    """The state of one `start_client` call (usable directly for finer control)."""
+
+    def __init__(
+        self,
+        client: Client,
+        config: ClientConfig,
+        token: str = "",
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.token = token
+        self.stop = stop or threading.Event()
+        self.stats = ClientStats()
+        self._connection: Connection | None = None
+
+    def request_stop(self) -> None:
+        self.stop.set()
+        if self._connection is not None:
+            self._connection.cancel_active()
+
+    def run(self) -> ClientStats:
+        backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
+        failures_in_a_row = 0
+        while not self.stop.is_set():
+            connection = Connection(self.config)
+            self._connection = connection
+            heartbeat: _Heartbeat | None = None
+            try:
+                grant = connection.join(self.config.name, self.token)
+                log.info(
+                    "joined %s as %s (run %s)",
+                    self.config.server_address,
+                    grant.session.client_id,
+                    grant.run_id,
+                )
+                backoff.reset()
+                failures_in_a_row = 0
+                heartbeat = _Heartbeat(connection, grant.heartbeat_interval_s, self.stop)
+                if self._serve(connection, grant.session):
+                    connection.leave("run finished")
+                    self.stats.run_finished = True
+                    return self.stats
+            except SessionExpiredError as exc:
+                log.info("session expired (%s); joining again", exc)
+                continue
+            except TransportError as exc:
+                failures_in_a_row += 1
+                limit = self.config.max_reconnect_attempts
+                if limit is not None and failures_in_a_row > limit:
+                    raise TransportError(
+                        f"gave up after {limit} reconnect attempts: {exc}"
+                    ) from exc
+                delay = backoff.next_delay()
+                log.warning("connection problem (%s); retrying in %.1f s", exc, delay)
+                self.stats.reconnects += 1
+                self.stop.wait(delay)
+            finally:
+                if heartbeat is not None:
+                    heartbeat.close()
+                if self.stop.is_set():
+                    connection.leave("client stopping")
+                connection.close()
+                self._connection = None
+        return self.stats
+
+    def _serve(self, connection: Connection, session: Session) -> bool:
+        """Pull and run tasks until the run finishes (True) or ``stop`` is set (False)."""
+        while not self.stop.is_set():
+            try:
+                outcome = connection.pull()
+            except ResultRefusedError as exc:
+                log.error("task refused by this client: %s", exc)
+                self.stats.refused += 1
+                self.stop.wait(1.0)
+                continue
+            if isinstance(outcome, NoTask):
+                if outcome.run_finished:
+                    log.info("the server says the run is finished")
+                    return True
+                if outcome.retry_after_s:
+                    self.stop.wait(outcome.retry_after_s)
+                continue
+            task, weights = outcome
+            result, payload = self._execute(session, task, weights)
+            self._push(connection, result, payload)
+        return False
+
+    def _push(
+        self, connection: Connection, result: ResultHeader, payload: memoryview | None
+    ) -> None:
+        """Push, retrying transient failures: a repeated result is idempotent server-side."""
+        backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
+        for attempt in range(PUSH_ATTEMPTS):
+            try:
+                connection.push(result, payload)
+                return
+            except ResultRefusedError as exc:
+                log.warning("server refused the result of task %s: %s", result.task_id[:8], exc)
+                self.stats.refused += 1
+                return
+            except SessionExpiredError:
+                raise
+            except TransportError as exc:
+                if attempt == PUSH_ATTEMPTS - 1 or self.stop.is_set():
+                    raise
+                delay = backoff.next_delay()
+                log.warning("push failed (%s); retrying in %.1f s", exc, delay)
+                self.stop.wait(delay)
+
+    def _execute(
+        self, session: Session, task: TaskHeader, weights: Weights
+    ) -> tuple[ResultHeader, memoryview | None]:
+        try:
+            if task.kind is TaskKind.FIT:
+                fit = self.client.fit(weights, task.config)
+                problem = _check_output(weights, fit.weights)
+                if problem:
+                    raise ValueError(problem)
+                payload = serialize(fit.weights.subtract(weights))
+                self.stats.fits += 1
+                return ResultHeader(
+                    session,
+                    task.task_id,
+                    task.round,
+                    TaskKind.FIT,
+                    num_examples=fit.num_examples,
+                    base_round=task.round - 1,
+                    metrics=fit.metrics,
+                    update=PayloadInfo.describe(weights.specs(), payload),
+                ), payload
+            evaluation = self.client.evaluate(weights, task.config)
+            self.stats.evaluations += 1
+            return ResultHeader(
+                session,
+                task.task_id,
+                task.round,
+                TaskKind.EVALUATE,
+                num_examples=evaluation.num_examples,
+                loss=float(evaluation.loss),
+                metrics=evaluation.metrics,
+            ), None
+        except (FedloomError, ValueError, TypeError, RuntimeError, ArithmeticError) as exc:
+            log.exception("task %s (%s, round %d) failed", task.task_id[:8], task.kind, task.round)
+            self.stats.failures += 1
+            message = f"{type(exc).__name__}: {exc}"
+            return ResultHeader(session, task.task_id, task.round, None, failure=message), None
+
+
+def start_client(
+    server_address: str,
+    client: Client,
+    *,
+    name: str = "",
+    token: str = "",
+    config: ClientConfig | None = None,
+    stop: threading.Event | None = None,
+    handle_signals: bool = True,
+) -> ClientStats:
+    """Take part in federated training until the run ends; see the module docstring.
+
+    Args:
+        server_address: ``HOST:PORT`` of the fedloom server.
+        client: the application's `Client` (e.g. a `TorchClient`).
+        name: a stable name for this client (shown in the server's logs).
+        token: a credential, when the server requires one.
+        config: connection settings; ``server_address`` and ``name`` override its own.
+        stop: set it (from another thread) to stop after the current task.
+        handle_signals: install SIGINT/SIGTERM handlers that stop the loop cleanly
+            (only from the main thread; the previous handlers are restored after).
+    """
+    base = config or ClientConfig(server_address=server_address)
+    settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)
+    runner = ClientRunner(client, settings, token, stop)
+    previous: dict[int, object] = {}
+    if handle_signals and threading.current_thread() is threading.main_thread():
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("signal %d: stopping", signum)
+            runner.request_stop()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        return runner.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
