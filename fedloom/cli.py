@@ -1,0 +1,196 @@
+"""The ``fedloom`` command: the composition root (wings are imported per subcommand).
+
+- ``fedloom server --config server.toml [--flag value ...]``
+- ``fedloom client --server HOST:PORT --app module:attr``
+- ``fedloom demo [--clients 8 --rounds 20 --seed 0 --out fedloom-out]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+import tomllib
+from collections.abc import Sequence
+from typing import Any
+
+from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
+from fedloom.errors import FedloomError
+
+SERVER_HELP = {
+    "address": "HOST:PORT to listen on (port 0 picks a free port)",
+    "num_rounds": "rounds of training in the run",
+    "min_clients": "connected clients needed before a round starts",
+    "fraction_fit": "share of connected clients sampled to train each round, in (0, 1]",
+    "min_fit_clients": "fewest updates a round needs (sampled at least; deadline minimum)",
+    "fraction_evaluate": "share of clients sampled for federated evaluation (0 disables)",
+    "min_evaluate_clients": "fewest evaluation results for federated metrics",
+    "round_timeout_s": "seconds a round waits for updates before closing",
+    "evaluate_timeout_s": "seconds federated evaluation waits for results",
+    "seed": "seed of client sampling (checkpointed, so a resumed run samples alike)",
+    "state_dir": "folder for the run database, checkpoints and upload spool",
+    "resume": "resume the latest unfinished run in state_dir",
+    "keep_checkpoints": "checkpoints kept per run (the newest)",
+    "max_num_examples": "largest num_examples a client may claim",
+    "long_poll_s": "seconds a Pull waits for a task before answering 'no task yet'",
+    "heartbeat_interval_s": "seconds between client heartbeats",
+    "client_timeout_s": "seconds of silence after which a client is dropped",
+    "stream_timeout_s": "time limit of one upload stream, in seconds",
+    "max_clients": "most clients connected at once",
+    "progress": "show the live progress display",
+    "chunk_size": "bytes per weights chunk on the wire",
+    "max_message_bytes": "largest gRPC message accepted (keep near 2x chunk_size)",
+    "max_model_bytes": "largest model or update accepted, in bytes",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: str) -> None:
+    for field in dataclasses.fields(cls):
+        if field.name in ("transfer", "strategy"):
+            continue
+        kind = {"int": int, "float": float, "bool": _parse_bool}.get(str(field.type), str)
+        default = field.default if field.default is not dataclasses.MISSING else None
+        parser.add_argument(
+            _flag(field.name),
+            dest=dest_prefix + field.name,
+            type=kind,
+            default=None,
+            metavar=str(field.type).upper(),
+            help=f"{SERVER_HELP.get(field.name, '')} (default: {default})",
+        )
+
+
+def _server_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "server",
+        help="run the aggregation server",
+        description="Run the aggregation server. Settings come from "
+        "defaults, then --config FILE, then flags.",
+    )
+    p.add_argument("--config", help="TOML file of settings ([strategy] and [transfer] tables)")
+    p.add_argument("--initial-weights", help="safetensors file of the starting model")
+    p.add_argument("--evaluate-fn", help="module:attr of evaluate_fn(round, weights)")
+    p.add_argument("--strategy", help="strategy name (see the README's strategy list)")
+    p.add_argument(
+        "--strategy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a strategy setting; VALUE is TOML (e.g. eta=0.01); repeatable",
+    )
+    p.add_argument("--log-level", default="INFO")
+    _add_fields(p, ServerConfig, "cfg_")
+    _add_fields(p, TransferConfig, "transfer_")
+
+
+def _load_attr(spec: str, setting: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise FedloomError(f"{setting}: {spec!r} must be module:attr")
+    sys.path.insert(0, ".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise FedloomError(f"{setting}: cannot load {spec!r}: {exc}") from exc
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    data: dict[str, Any] = load_toml(args.config) if args.config else {}
+    for key, value in vars(args).items():
+        if value is None:
+            continue
+        if key.startswith("cfg_"):
+            data[key[4:]] = value
+        elif key.startswith("transfer_"):
+            data.setdefault("transfer", {})[key[9:]] = value
+    strategy = dict(data.get("strategy", {}))
+    if args.strategy:
+        strategy["name"] = args.strategy
+    for item in args.strategy_param:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise FedloomError(f"--strategy-param {item!r}: expected KEY=VALUE")
+        try:
+            strategy[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            strategy[key] = raw
+    if strategy:
+        data["strategy"] = strategy
+    return from_mapping(ServerConfig, data)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    from fedloom.server import Server, load_weights
+
+    config = server_config_from_args(args)
+    weights = load_weights(args.initial_weights) if args.initial_weights else None
+    evaluate_fn = _load_attr(args.evaluate_fn, "--evaluate-fn") if args.evaluate_fn else None
+    Server(config, initial_weights=weights, evaluate_fn=evaluate_fn).run()
+    return 0
+
+
+def _run_client(args: argparse.Namespace) -> int:
+    from fedloom.client_sdk import Client, start_client
+
+    app = _load_attr(args.app, "--app")
+    client = app() if callable(app) and not isinstance(app, Client) else app
+    if not isinstance(client, Client):
+        raise FedloomError(f"--app {args.app} is not a fedloom Client (or a factory of one)")
+    stats = start_client(args.server, client, name=args.name or "", token=args.token or "")
+    print(f"client done: {stats}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedloom", description="fedloom federated learning")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _server_parser(sub)
+    c = sub.add_parser("client", help="run a client defined in a Python module")
+    c.add_argument("--server", required=True, help="HOST:PORT of the server")
+    c.add_argument("--app", required=True, help="module:attr — a Client, or a function making one")
+    c.add_argument("--name", help="a stable name for this client")
+    c.add_argument("--token", help="credential, when the server requires one")
+    c.add_argument("--log-level", default="INFO")
+    d = sub.add_parser("demo", help="a real federated run on loopback (digits, PyTorch)")
+    from fedloom.simulations.demo import add_arguments
+
+    add_arguments(d)
+    d.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "server":
+            return _run_server(args)
+        if args.command == "client":
+            return _run_client(args)
+        from fedloom.simulations.demo import main as demo_main
+
+        return demo_main(args)
+    except FedloomError as exc:
+        print(f"fedloom {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
