@@ -1,0 +1,85 @@
+"""`make_mlp` and `make_torch_client`: seeded shuffling, fit reproducible from its config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedloom.client_sdk import TorchClient
+from fedloom.errors import ConfigError
+from fedloom.simulations.datasets import load_digits
+from fedloom.simulations.models import initial_weights, make_mlp, make_torch_client
+
+DIGITS = load_digits()
+X, Y = DIGITS.x_train[:200], DIGITS.y_train[:200]
+
+
+def test_mlp_shape_and_parameter_count() -> None:
+    model = make_mlp()
+    assert model(torch.zeros(3, 64)).shape == (3, 10)
+    # 64*64 + 64 + 64*10 + 10
+    assert sum(p.numel() for p in model.parameters()) == 4810
+
+
+def test_initial_weights_depend_only_on_the_seed() -> None:
+    a = initial_weights(make_mlp(), 1)
+    torch.manual_seed(99)
+    state = torch.random.get_rng_state()
+    b = initial_weights(make_mlp(), 1)
+    assert torch.equal(state, torch.random.get_rng_state())  # caller's RNG untouched
+    assert a.allclose(b, rtol=0, atol=0)
+    assert not a.allclose(initial_weights(make_mlp(), 2))
+
+
+def test_fit_depends_only_on_its_config_seed() -> None:
+    client = make_torch_client(X, Y, batch_size=16, seed=0)
+    assert isinstance(client, TorchClient)
+    start = client.get_weights()
+    first = client.fit(start, {"seed": 5})
+    client.fit(start, {"seed": 6})  # advances nothing that the next fit sees
+    again = client.fit(start, {"seed": 5})
+    fresh = make_torch_client(X, Y, batch_size=16, seed=123).fit(start, {"seed": 5})
+    assert first.weights.allclose(again.weights, rtol=0, atol=0)
+    assert first.weights.allclose(fresh.weights, rtol=0, atol=0)
+    other = client.fit(start, {"seed": 6})
+    assert not first.weights.allclose(other.weights, rtol=0, atol=1e-7)
+
+
+def test_training_learns_digits() -> None:
+    client = make_torch_client(
+        DIGITS.x_train, DIGITS.y_train, x_val=DIGITS.x_test, y_val=DIGITS.y_test, seed=0
+    )
+    weights = client.get_weights()
+    before = client.evaluate(weights, {})
+    out = client.fit(weights, {"seed": 0, "local_epochs": 3})
+    after = client.evaluate(out.weights, {})
+    assert out.num_examples == len(DIGITS.y_train)
+    assert after.num_examples == len(DIGITS.y_test)
+    assert after.loss < before.loss and after.metrics["accuracy"] > 0.85
+
+
+def test_config_lr_overrides_the_constructor() -> None:
+    client = make_torch_client(X, Y, lr=0.05, seed=0)
+    start = client.get_weights()
+    tiny = client.fit(start, {"seed": 1, "lr": 1e-9}).weights
+    assert tiny.allclose(start, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"lr": 0.0}, "lr"),
+        ({"x_val": np.zeros((2, 64), np.float32)}, "x_val/y_val"),
+    ],
+)
+def test_factory_refuses_bad_arguments(kwargs: dict, setting: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        make_torch_client(X, Y, **kwargs)
+    assert err.value.setting == setting
+
+
+def test_factory_refuses_mismatched_arrays() -> None:
+    with pytest.raises(ConfigError):
+        make_torch_client(X, Y[:-1])

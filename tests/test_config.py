@@ -1,0 +1,61 @@
+"""Configuration validation: bad settings are refused with the setting named."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedloom import ConfigError, ServerConfig, StrategyConfig
+from fedloom.cli import build_parser, server_config_from_args
+from fedloom.config import from_mapping
+from fedloom.strategies import build_strategy
+
+
+@pytest.mark.parametrize(("overrides", "setting"), [
+    ({"address": "nonsense"}, "address"),
+    ({"num_rounds": 0}, "num_rounds"),
+    ({"fraction_fit": 0.0}, "fraction_fit"),
+    ({"fraction_fit": 1.5}, "fraction_fit"),
+    ({"min_fit_clients": 5, "min_clients": 2}, "min_fit_clients"),
+    ({"round_timeout_s": -1.0}, "round_timeout_s"),
+    ({"client_timeout_s": 1.0, "heartbeat_interval_s": 2.0}, "client_timeout_s"),
+])
+def test_bad_server_settings_name_the_setting(overrides, setting) -> None:
+    with pytest.raises(ConfigError) as info:
+        ServerConfig(**overrides)
+    assert info.value.setting == setting
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'num_rounds'"):
+        from_mapping(ServerConfig, {"num_round": 3})
+
+
+def test_wrong_type_is_refused() -> None:
+    with pytest.raises(ConfigError, match="must be an integer"):
+        from_mapping(ServerConfig, {"num_rounds": "three"})
+
+
+def test_unknown_strategy_and_setting() -> None:
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        build_strategy(StrategyConfig("fedavgg"))
+    with pytest.raises(ConfigError, match="no such setting"):
+        build_strategy(StrategyConfig("fedavg", {"eta": 0.1}))
+    with pytest.raises(ConfigError, match="top-level server setting"):
+        build_strategy(StrategyConfig("fedavg", {"fraction_fit": 0.5}))
+
+
+def test_toml_then_flags(tmp_path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text('num_rounds = 7\nmin_clients = 4\n[transfer]\nchunk_size = 65536\n'
+                    'max_message_bytes = 200000\n[strategy]\nname = "fedavg"\n')
+    args = build_parser().parse_args(["server", "--config", str(path), "--num-rounds", "9"])
+    config = server_config_from_args(args)
+    assert config.num_rounds == 9 and config.min_clients == 4
+    assert config.transfer.chunk_size == 65536
+    assert config.strategy.name == "fedavg"
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path) -> None:
+    args = build_parser().parse_args(["server", "--config", str(tmp_path / "nope.toml")])
+    with pytest.raises(ConfigError, match="not found"):
+        server_config_from_args(args)
