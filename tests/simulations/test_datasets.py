@@ -1,4 +1,4 @@
-"""Data sets: shapes, dtypes, stratification, reproducibility, Synthetic(α, β)'s law."""
+"""Data sets: shapes, dtypes, stratification, reproducibility, Synthetic(alpha, beta)'s law."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_synthetic_shapes_and_reproducibility() -> None:
     assert len(a) == 8
     for s in a:
         assert s.x_train.shape[1] == 60 and s.x_train.dtype == np.float32
-        assert s.y_train.dtype == np.int64 and 0 <= s.y_train.min() and s.y_train.max() < 10
+        assert s.y_train.dtype == np.int64 and s.y_train.min() >= 0 and s.y_train.max() < 10
         assert len(s.y_train) + len(s.y_test) >= 50  # power law: floor(lognormal) + 50
     for s, t in zip(a, b, strict=True):
         np.testing.assert_array_equal(s.x_train, t.x_train)

@@ -1,0 +1,180 @@
+"""Small torch models and a `TorchClient` factory for simulations (needs ``fedloom[torch]``).
+
+`make_torch_client` turns numpy arrays into data loaders and a `TorchClient`. The
+training loader shuffles with its own ``torch.Generator``; the returned client reseeds
+that generator from the fit config's ``seed`` at the start of every fit, so one fit's
+batches depend only on (data, weights, config) — not on how many fits the same
+object ran before, nor on which process runs it. That is what lets the local engine
+and Flower's engine (which builds clients afresh per message) agree round by round.
+
+>>> import numpy as np
+>>> client = make_torch_client(np.zeros((8, 64), np.float32), np.zeros(8, np.int64))
+>>> list(client.get_weights())
+['0.weight', '0.bias', '2.weight', '2.bias']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
+
+from fedloom.client_sdk._client import FitOutput
+from fedloom.client_sdk.torch_trainer import TorchClient
+from fedloom.errors import ConfigError
+from fedloom.types import Config
+from fedloom.weights import Weights
+
+DEFAULT_LR = 0.05
+
+
+def make_mlp(in_features: int = 64, hidden: int = 64, num_classes: int = 10) -> torch.nn.Module:
+    """A one-hidden-layer perceptron: Linear → ReLU → Linear (logits).
+
+    With the defaults (digits: 64 inputs, 10 classes) it has 4,810 parameters.
+    """
+    for name, value in (("in_features", in_features), ("hidden", hidden)):
+        if value < 1:
+            raise ConfigError(name, f"must be at least 1, got {value}")
+    if num_classes < 2:
+        raise ConfigError("num_classes", f"must be at least 2, got {num_classes}")
+    return torch.nn.Sequential(
+        torch.nn.Linear(in_features, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, num_classes),
+    )
+
+
+def initial_weights(model: torch.nn.Module, seed: int) -> Weights:
+    """Re-initialise ``model``'s layers from ``seed`` (torch's default init) and return them.
+
+    Uses a forked RNG, so the caller's torch random state is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return Weights((k, v.detach().cpu().numpy().copy()) for k, v in model.state_dict().items())
+
+
+class _SeededTorchClient(TorchClient):
+    """A `TorchClient` whose shuffling generator restarts from the fit config's seed."""
+
+    def __init__(self, *args: object, generator: torch.Generator, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.generator = generator
+
+    def fit(self, weights: Weights, config: Config) -> FitOutput:
+        if "seed" in config:
+            self.generator.manual_seed(int(config["seed"]))
+        return super().fit(weights, config)
+
+
+def _loader(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None
+) -> DataLoader[tuple[torch.Tensor, ...]]:
+    """A ``DataLoader`` that indexes whole batches at once (no per-example collation).
+
+    A ``BatchSampler`` hands the dataset a list of indices and ``batch_size=None``
+    turns off the loader's own batching: one tensor gather per batch instead of
+    collating examples one by one, which matters when a fit is a handful of batches.
+    """
+    dataset = TensorDataset(x, y)
+    base: Sampler[int] = (
+        RandomSampler(dataset, generator=generator)
+        if generator is not None
+        else SequentialSampler(dataset)
+    )
+    return DataLoader(
+        dataset,
+        sampler=BatchSampler(base, batch_size, drop_last=False),
+        batch_size=None,
+    )
+
+
+def _as_tensors(x: np.ndarray, y: np.ndarray, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    xa, ya = np.asarray(x), np.asarray(y)
+    if xa.ndim < 2 or ya.ndim != 1 or len(xa) != len(ya) or len(ya) == 0:
+        raise ConfigError(
+            what, f"need x of (n, ...) and y of (n,), n > 0; got {xa.shape}, {ya.shape}"
+        )
+    return (
+        torch.from_numpy(np.ascontiguousarray(xa, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(ya, dtype=np.int64)),
+    )
+
+
+def make_torch_client(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    x_val: np.ndarray | None = None,
+    y_val: np.ndarray | None = None,
+    batch_size: int = 32,
+    local_epochs: int = 1,
+    lr: float = DEFAULT_LR,
+    momentum: float = 0.9,
+    seed: int = 0,
+    model: torch.nn.Module | None = None,
+    hidden: int = 64,
+    num_classes: int = 10,
+    device: str = "cpu",
+) -> TorchClient:
+    """A `TorchClient` over numpy arrays, training ``model`` (default: `make_mlp`).
+
+    Args:
+        x, y: local training data (x float, y integer labels).
+        x_val, y_val: local validation data for `evaluate` (default: the training data).
+        batch_size: examples per step.
+        local_epochs: default passes per fit (the fit config's ``local_epochs`` wins).
+        lr: SGD learning rate (the fit config's ``lr`` wins); momentum ``momentum``.
+        seed: seeds the model's initial weights and the shuffling generator until a
+            fit config brings its own ``seed``.
+        model: the network; by default ``make_mlp(x.shape[1], hidden, num_classes)``.
+        hidden, num_classes: sizes of the default MLP.
+        device: ``"cpu"`` (the default: tiny models train faster there), ``"auto"``...
+    """
+    if batch_size < 1:
+        raise ConfigError("batch_size", f"must be at least 1, got {batch_size}")
+    if not lr > 0:
+        raise ConfigError("lr", f"must be positive, got {lr}")
+    if (x_val is None) != (y_val is None):
+        raise ConfigError("x_val/y_val", "give both or neither")
+    xt, yt = _as_tensors(x, y, "x/y")
+    generator = torch.Generator().manual_seed(seed)
+    train_loader = _loader(xt, yt, batch_size, generator)
+    val_loader = None
+    if x_val is not None and y_val is not None:
+        xv, yv = _as_tensors(x_val, y_val, "x_val/y_val")
+        val_loader = _loader(xv, yv, max(batch_size, 256), None)
+    if model is None:
+        if xt.ndim != 2:
+            raise ConfigError(
+                "x", f"the default MLP needs (n, features) inputs, got {tuple(xt.shape)}"
+            )
+        model = make_mlp(int(xt.shape[1]), hidden, num_classes)
+        initial_weights(model, seed)
+
+    def optimizer_factory(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+    return _SeededTorchClient(
+        model,
+        train_loader,
+        val_loader,
+        optimizer_factory=optimizer_factory,
+        local_epochs=local_epochs,
+        device=device,
+        generator=generator,
+    )
