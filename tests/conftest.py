@@ -1,39 +1,13 @@
-"""Shared fixtures: in-process servers and scripted clients on loopback."""
+"""Shared fixtures: server configurations for loopback tests."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from fedloom import ServerConfig, Weights
-from fedloom.client_sdk import Client, EvaluateOutput, FitOutput, start_client
-from fedloom.config import ClientConfig
-
-
-class ScriptedClient(Client):
-    """Adds a seeded random step to every tensor; records what it sent."""
-
-    def __init__(self, seed: int, num_examples: int) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.num_examples = num_examples
-        self.sent: list[tuple[int, Weights, Weights]] = []  # (round, global, new)
-
-    def fit(self, weights: Weights, config):  # type: ignore[no-untyped-def]
-        new = Weights({n: (a + self.rng.normal(size=a.shape)).astype(a.dtype)
-                       for n, a in weights.items()})
-        self.sent.append((int(config["server_round"]), weights.copy(), new))
-        return FitOutput(new, self.num_examples, {"train_loss": 1.0})
-
-    def evaluate(self, weights: Weights, config):  # type: ignore[no-untyped-def]
-        return EvaluateOutput(float(np.mean(weights["w"])), self.num_examples, {"accuracy": 0.5})
-
-
-def small_weights() -> Weights:
-    return Weights({"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)})
+from fedloom import ServerConfig
 
 
 @pytest.fixture
@@ -46,16 +20,3 @@ def server_config(tmp_path: Path) -> Callable[..., ServerConfig]:
         return ServerConfig(**base)
 
     return make
-
-
-def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading.Thread]:  # type: ignore[no-untyped-def]
-    config = ClientConfig(server_address=address, long_poll_s=2.0, rpc_timeout_s=10.0,
-                          reconnect_initial_s=0.05, reconnect_max_s=0.5)
-    threads = []
-    for i, client in enumerate(clients):
-        t = threading.Thread(target=start_client, args=(address, client), daemon=True,
-                             kwargs={"name": f"c{i}", "config": config,
-                                     "handle_signals": False, **kwargs})
-        t.start()
-        threads.append(t)
-    return threads
