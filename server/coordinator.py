@@ -86,6 +86,9 @@ class Coordinator:
         self.history: list[dict[str, Any]] = persistence.history()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aggregate")
         self._phase: RoundTasks | None = None
+        # Accepted results of the last closed phase: task id -> (client id, fingerprint),
+        # so a retry whose acknowledgement was lost is still answered "duplicate".
+        self._recently_accepted: dict[str, tuple[str, bytes]] = {}
         self._spool_dir = persistence.state_dir / "spool" / self.run_id
         self._set_global(persistence.weights)
         self.next_round = persistence.completed_round + 1
@@ -168,6 +171,13 @@ class Coordinator:
         phase = self._phase
         task = phase.tasks.get(header.task_id) if phase else None
         if task is None or phase is None:
+            accepted = self._recently_accepted.get(header.task_id)
+            if accepted is not None and accepted[0] == record.client_id:
+                if accepted[1] == self._result_fingerprint(header):
+                    return True  # a retry after a lost acknowledgement; its round closed
+                raise MessageRejectedError(
+                    RejectReason.CONFLICT, "a different result was already accepted for this task"
+                )
             raise MessageRejectedError(
                 RejectReason.STALE,
                 f"task {header.task_id[:40]!r} is not open (unknown, or its round has closed)",
@@ -347,7 +357,7 @@ class Coordinator:
             log.warning("round %d failed: %s; the global model is unchanged", server_round, exc)
             result = None
         finally:
-            self._phase = None
+            self._close_phase(phase)
             self._clean_spool()
         record: dict[str, Any] = {
             "round": server_round,
@@ -379,6 +389,14 @@ class Coordinator:
         self.history.append(record)
         ServerMetrics.round_done(record["status"], record["duration_s"])
         self.reporter.round_finished(record)
+
+    def _close_phase(self, phase: RoundTasks) -> None:
+        self._phase = None
+        self._recently_accepted = {
+            t.task_id: (t.client_id, t.result_fingerprint)
+            for t in phase.tasks.values()
+            if t.status is TaskStatus.ACCEPTED
+        }
 
     def _open_phase(
         self,
@@ -424,7 +442,7 @@ class Coordinator:
         try:
             enough = await phase.wait(self.config.evaluate_timeout_s)
         finally:
-            self._phase = None
+            self._close_phase(phase)
         if not enough:
             log.warning(
                 "round %d: only %d evaluation results; skipping federated metrics",
