@@ -1,29 +1,80 @@
 """Aggregation strategies: pure numpy math on kernel types.
 
 Never imports the server, grpc, protobuf, torch or flwr. See `strategies._base` for the
-contract and `build_strategy` for building one by name from configuration.
+contract, `build_strategy` for building one by name from configuration and
+`describe_strategies` for the list of names and settings.
+
+Linear strategies (FedAvg, FedAvgM, FedProx, FedAdagrad, FedAdam, FedYogi) aggregate as
+a stream; the robust ones (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) hold the
+round's updates (their aggregator's ``holds_all_updates`` is true). `NormBoundedStrategy`
+bounds update norms for any of them; `clip_update` is the client-side form.
 """
 
+from fedloom.strategies._adaptive import (
+    AdaptiveServerOptimizer,
+    ServerAdagrad,
+    ServerAdam,
+    ServerYogi,
+)
 from fedloom.strategies._base import Aggregator, MeanUpdate, ServerOptimizer, StateDict, Strategy
+from fedloom.strategies._bulyan import Bulyan, BulyanAggregator
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._fedavg import FedAvg
+from fedloom.strategies._fedopt import FedAdagrad, FedAdam, FedYogi
+from fedloom.strategies._fedprox import FedProx
+from fedloom.strategies._holding import HoldingAggregator
+from fedloom.strategies._krum import Krum, KrumAggregator, MultiKrum
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._median import CoordinateMedianAggregator, FedMedian
+from fedloom.strategies._momentum import FedAvgM, ServerMomentum
+from fedloom.strategies._norm_bound import NormBoundedStrategy, clip_update, update_norm
 from fedloom.strategies._optimizers import ServerSGD, add_delta
-from fedloom.strategies._registry import STRATEGIES, build_strategy
+from fedloom.strategies._registry import (
+    STRATEGIES,
+    build_strategy,
+    describe_strategies,
+    strategy_settings,
+)
 from fedloom.strategies._sampling import ClientSampler
+from fedloom.strategies._trimmed_mean import FedTrimmedAvg, TrimmedMeanAggregator
 
 __all__ = [
     "STRATEGIES",
+    "AdaptiveServerOptimizer",
     "Aggregator",
+    "Bulyan",
+    "BulyanAggregator",
     "ClientSampler",
     "ComposedStrategy",
+    "CoordinateMedianAggregator",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
+    "FedAvgM",
+    "FedMedian",
+    "FedProx",
+    "FedTrimmedAvg",
+    "FedYogi",
+    "HoldingAggregator",
+    "Krum",
+    "KrumAggregator",
     "MeanUpdate",
+    "MultiKrum",
+    "NormBoundedStrategy",
+    "ServerAdagrad",
+    "ServerAdam",
+    "ServerMomentum",
     "ServerOptimizer",
     "ServerSGD",
+    "ServerYogi",
     "StateDict",
     "Strategy",
+    "TrimmedMeanAggregator",
     "WeightedMeanAggregator",
     "add_delta",
     "build_strategy",
+    "clip_update",
+    "describe_strategies",
+    "strategy_settings",
+    "update_norm",
 ]

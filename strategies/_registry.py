@@ -1,39 +1,86 @@
-"""Build a strategy by name from configuration (``[strategy] name = "fedavg"``).
+"""Build a strategy by name from configuration (``[strategy] name = "fedyogi"``).
 
-`STRATEGIES` maps each configurable name to its class. Hyperparameters are the class's
-keyword arguments; unknown names, unknown settings and values of the wrong type are
-refused with a `ConfigError` that names the setting.
+`STRATEGIES` maps each configurable name to its class. A strategy's settings are its
+constructor's keyword arguments (typed by their annotations, ranges checked by the
+constructor), plus two that every strategy takes and that wrap it in
+`NormBoundedStrategy`: ``max_update_norm`` and ``norm_bound_mode``. Client selection
+(``fraction_fit``, ``min_fit_clients``, ...) and ``seed`` are top-level server settings
+and are refused inside ``[strategy]``. Unknown names, unknown settings, values of the
+wrong type and out-of-range values raise a `ConfigError` naming the setting.
+
+.. code-block:: toml
+
+    [strategy]
+    name = "fedyogi"
+    eta = 0.01
+    max_update_norm = 10.0
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import textwrap
+import typing
 from collections.abc import Mapping
 from typing import Any
 
 from fedloom.config import StrategyConfig
 from fedloom.errors import ConfigError
+from fedloom.strategies._base import Strategy
+from fedloom.strategies._bulyan import Bulyan
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._fedavg import FedAvg
+from fedloom.strategies._fedopt import FedAdagrad, FedAdam, FedYogi
+from fedloom.strategies._fedprox import FedProx
+from fedloom.strategies._krum import Krum, MultiKrum
+from fedloom.strategies._median import FedMedian
+from fedloom.strategies._momentum import FedAvgM
+from fedloom.strategies._norm_bound import NormBoundedStrategy, NormBoundMode
+from fedloom.strategies._settings import (
+    argument_docs,
+    coerce,
+    format_default,
+    summary_line,
+    type_name,
+)
+from fedloom.strategies._trimmed_mean import FedTrimmedAvg
 
 STRATEGIES: dict[str, type[ComposedStrategy]] = {
     "fedavg": FedAvg,
+    "fedavgm": FedAvgM,
+    "fedprox": FedProx,
+    "fedadagrad": FedAdagrad,
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
+    "fedmedian": FedMedian,
+    "fedtrimmedavg": FedTrimmedAvg,
+    "krum": Krum,
+    "multikrum": MultiKrum,
+    "bulyan": Bulyan,
 }
 
 #: Settings the server passes from its own configuration, not from ``[strategy]``.
 SERVER_OWNED = ("fraction_fit", "min_fit_clients", "fraction_evaluate", "min_evaluate_clients",
                 "seed")
 
-
-def strategy_settings(name: str) -> dict[str, inspect.Parameter]:
-    """The ``[strategy]`` settings a named strategy accepts, with their defaults."""
-    cls = _lookup(name)
-    params = inspect.signature(cls.__init__).parameters
-    return {
-        k: p for k, p in params.items()
-        if k != "self" and p.kind is p.KEYWORD_ONLY and k not in SERVER_OWNED
-    }
+_KW = inspect.Parameter.KEYWORD_ONLY
+#: Settings every strategy takes; they wrap it in `NormBoundedStrategy` when set.
+NORM_BOUND_SETTINGS: dict[str, inspect.Parameter] = {
+    "max_update_norm": inspect.Parameter("max_update_norm", _KW, default=None,
+                                         annotation=float | None),
+    "norm_bound_mode": inspect.Parameter("norm_bound_mode", _KW, default="clip",
+                                         annotation=NormBoundMode),
+}
+_COMMON_DOCS = {
+    "max_update_norm": "bound on each update's global L2 norm, > 0; unset (default) means "
+                       "no bound. Sent to clients in the fit config too.",
+    "norm_bound_mode": '"clip" scales a larger delta down to the bound (default); "reject" '
+                       "drops it. Counted as num_clipped / num_rejected in round metrics.",
+    "fit_config": "extra entries sent to every client with each fit task (a table).",
+    "evaluate_config": "extra entries sent with each evaluate task (a table).",
+}
+_COMMON = ("fit_config", "evaluate_config", *NORM_BOUND_SETTINGS)
 
 
 def _lookup(name: str) -> type[ComposedStrategy]:
@@ -47,8 +94,26 @@ def _lookup(name: str) -> type[ComposedStrategy]:
     return cls
 
 
-def build_strategy(config: StrategyConfig, **server_owned: Any) -> ComposedStrategy:
-    """Instantiate ``config.name`` with ``config.params`` plus the server-owned settings."""
+def strategy_settings(name: str) -> dict[str, inspect.Parameter]:
+    """The ``[strategy]`` settings a named strategy accepts, with defaults and annotations."""
+    cls = _lookup(name)
+    hints = typing.get_type_hints(cls.__init__)
+    params = inspect.signature(cls.__init__).parameters
+    out = {
+        k: p.replace(annotation=hints.get(k, p.annotation)) for k, p in params.items()
+        if k != "self" and p.kind is p.KEYWORD_ONLY and k not in SERVER_OWNED
+    }
+    out.update(NORM_BOUND_SETTINGS)
+    return out
+
+
+def build_strategy(config: StrategyConfig, **server_owned: Any) -> Strategy:
+    """Instantiate ``config.name`` with ``config.params`` plus the server-owned settings.
+
+    Returns the strategy, wrapped in `NormBoundedStrategy` when ``max_update_norm`` is
+    set. Raises `ConfigError` for an unknown name or setting, a value of the wrong type
+    or out of range (the setting is named ``strategy.<setting>``).
+    """
     cls = _lookup(config.name)
     accepted = strategy_settings(config.name)
     kwargs: dict[str, Any] = {}
@@ -62,34 +127,63 @@ def build_strategy(config: StrategyConfig, **server_owned: Any) -> ComposedStrat
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
                 f"strategy.{key}",
-                f"{config.name} has no such setting{hint}; "
-                f"it takes: {', '.join(accepted) or 'none'}",
+                f"{config.name} has no such setting{hint}; it takes: {', '.join(accepted)}",
             )
-        kwargs[key] = _check_type(f"strategy.{key}", accepted[key], value)
+        kwargs[key] = coerce(f"strategy.{key}", accepted[key].annotation, value)
     for key, value in server_owned.items():
         if key not in SERVER_OWNED:
             raise TypeError(f"{key} is not a server-owned strategy setting")
         kwargs[key] = value
+    max_norm = kwargs.pop("max_update_norm", None)
+    mode = kwargs.pop("norm_bound_mode", "clip")
     try:
-        return cls(**kwargs)
+        strategy: Strategy = cls(**kwargs)
+        if max_norm is not None:
+            strategy = NormBoundedStrategy(strategy, max_norm, mode)
+    except ConfigError as exc:
+        if exc.setting in accepted:
+            raise ConfigError(f"strategy.{exc.setting}", exc.problem) from exc
+        raise
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
         raise ConfigError(f"strategy ({config.name})", str(exc)) from exc
+    return strategy
 
 
-def _check_type(setting: str, param: inspect.Parameter, value: Any) -> Any:
-    default = param.default
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(setting, f"must be true or false, got {value!r}")
-    elif isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(setting, f"must be a number, got {value!r}")
-        return float(value)
-    elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(setting, f"must be an integer, got {value!r}")
-    elif default is None and isinstance(value, Mapping):
-        return dict(value)
-    return value
+def describe_strategies(width: int = 100) -> str:
+    """A human-readable list of every strategy and its settings, with defaults.
+
+    For ``fedloom server --help`` and the README; built from the constructors'
+    signatures and docstrings, so it cannot drift from the code.
+    """
+    lines = ['Strategies ([strategy] name = "<name>", settings in the same table):', ""]
+    for name, cls in STRATEGIES.items():
+        lines.append(f"{name}: {_plain(summary_line(cls))}")
+        docs = argument_docs(cls)
+        own = [(k, p) for k, p in strategy_settings(name).items() if k not in _COMMON]
+        if not own:
+            lines.append("    (no settings of its own)")
+        for key, param in own:
+            lines.extend(_describe_setting(key, param, docs.get(key, ""), width))
+        lines.append("")
+    lines.append("Settings every strategy takes:")
+    common = {**NORM_BOUND_SETTINGS, **{
+        k: inspect.Parameter(k, _KW, default=None, annotation=Mapping) for k in
+        ("fit_config", "evaluate_config")}}
+    for key in _COMMON:
+        lines.extend(_describe_setting(key, common[key], _COMMON_DOCS[key], width))
+    lines.append("")
+    lines.extend(textwrap.wrap("Top-level server settings (not in [strategy]): "
+                               + ", ".join(SERVER_OWNED), width=width))
+    return "\n".join(lines)
+
+
+def _plain(text: str) -> str:
+    """Drop reST markup (````code````, ```ref```) for terminal help text."""
+    return text.replace("``", "").replace("`", "")
+
+
+def _describe_setting(key: str, param: inspect.Parameter, doc: str, width: int) -> list[str]:
+    head = f"    {key} ({type_name(param.annotation)}) = {format_default(param.default)}"
+    body = textwrap.wrap(_plain(doc), width=width, initial_indent=" " * 8,
+                         subsequent_indent=" " * 8)
+    return [head, *body]

@@ -1,0 +1,103 @@
+"""FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).
+
+The server side of FedProx is FedAvg's aggregation; what changes is the client's local
+objective, ``loss + proximal_mu / 2 * ||w - w_global||²``. The strategy sends
+``proximal_mu`` in every fit config (key ``"proximal_mu"``; Flower 1.42's message API
+sends it as ``"proximal-mu"``) and `TorchClient` applies it. A client that applies the
+term echoes the value back as the fit metric ``"proximal_mu"``; updates that do not
+(missing, or another value) are counted in the round metric
+``"num_ignored_proximal_mu"`` so an operator can see clients that ignore it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+
+from fedloom.errors import ConfigError
+from fedloom.strategies._composed import ComposedStrategy
+from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._optimizers import ServerSGD
+from fedloom.types import AggregateResult, ClientUpdate, Config, Scalar
+from fedloom.weights import Weights
+
+#: The fit-config key (and echoed fit metric) that carries ``proximal_mu``.
+PROXIMAL_MU_KEY = "proximal_mu"
+#: Round metric: updates whose metrics do not echo the ``proximal_mu`` that was sent.
+IGNORED_METRIC = "num_ignored_proximal_mu"
+
+
+class FedProx(ComposedStrategy):
+    """FedProx (Li et al., 2020): FedAvg's aggregation, ``proximal_mu`` sent to clients.
+
+    Flower 1.42's ``FedProx``. The round metric ``num_ignored_proximal_mu`` counts updates
+    that do not echo ``proximal_mu`` in their metrics.
+
+    Args:
+        proximal_mu: weight of the proximal term, >= 0. Default 0.0 (Flower's; then
+            FedProx is FedAvg). Li et al. tune it in {0.001, 0.01, 0.1, 0.5, 1}.
+        fraction_fit: share of connected clients sampled for training each round.
+        min_fit_clients: never sample fewer (if that many are connected).
+        fraction_evaluate: share sampled for federated evaluation (0 disables it).
+        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
+        seed: seeds client sampling.
+        fit_config: extra entries sent to every client with each fit task.
+        evaluate_config: extra entries sent with each evaluate task.
+    """
+
+    def __init__(
+        self,
+        *,
+        proximal_mu: float = 0.0,
+        fraction_fit: float = 1.0,
+        min_fit_clients: int = 2,
+        fraction_evaluate: float = 1.0,
+        min_evaluate_clients: int = 0,
+        seed: int = 0,
+        fit_config: Mapping[str, Scalar] | None = None,
+        evaluate_config: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        if not (math.isfinite(proximal_mu) and proximal_mu >= 0):
+            raise ConfigError("proximal_mu", f"must be a number >= 0, got {proximal_mu}")
+        super().__init__(
+            WeightedMeanAggregator(),
+            ServerSGD(1.0),
+            fraction_fit=fraction_fit,
+            min_fit_clients=min_fit_clients,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_clients=min_evaluate_clients,
+            seed=seed,
+            fit_config=fit_config,
+            evaluate_config=evaluate_config,
+        )
+        self.proximal_mu = float(proximal_mu)
+
+    def fit_round_config(self, server_round: int) -> Config:
+        return {**super().fit_round_config(server_round), PROXIMAL_MU_KEY: self.proximal_mu}
+
+    def aggregate_fit(
+        self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
+    ) -> AggregateResult:
+        ignored = 0
+
+        def watched() -> Iterator[ClientUpdate]:
+            nonlocal ignored
+            for update in updates:
+                echoed = update.metrics.get(PROXIMAL_MU_KEY)
+                if self.proximal_mu > 0 and not _same(echoed, self.proximal_mu):
+                    ignored += 1
+                yield update
+
+        result = super().aggregate_fit(server_round, current, watched())
+        if result.weights is None:
+            return result
+        return AggregateResult(
+            result.weights, {**result.metrics, IGNORED_METRIC: ignored},
+            num_updates=result.num_updates,
+        )
+
+
+def _same(echoed: Scalar | None, mu: float) -> bool:
+    if isinstance(echoed, bool) or not isinstance(echoed, int | float):
+        return False
+    return math.isclose(float(echoed), mu, rel_tol=1e-6, abs_tol=0.0)
