@@ -1,0 +1,42 @@
+"""The committed generated code equals what protos/generate.sh produces now."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generated_code_is_fresh(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools")
+    subprocess.run(["bash", str(ROOT / "protos" / "generate.sh"), str(tmp_path)], check=True,
+                   capture_output=True)
+    generated = sorted((tmp_path / "fedloom" / "v1").glob("*_pb2*"))
+    assert generated, "generate.sh produced nothing"
+    for path in generated:
+        committed = ROOT / "protos" / "fedloom" / "v1" / path.name
+        assert committed.read_text() == path.read_text(), (
+            f"{committed.name} is stale: run protos/generate.sh and commit the result"
+        )
+
+
+def test_import_walls() -> None:
+    """strategies and the kernel import no transport, torch or flwr (DESIGN.md)."""
+    import re
+
+    walls = {
+        "strategies": r"grpc|torch|flwr|fedloom\.(server|client_sdk|protos)",
+        "fedloom": r"grpc|google\.protobuf|torch|flwr|fedloom\.(server|client_sdk|strategies|protos|simulations)",
+        "server": r"torch|flwr|fedloom\.client_sdk",
+        "client_sdk": r"flwr|fedloom\.(server|strategies)",
+    }
+    pattern = r"^\s*(from|import)\s+({})"
+    for folder, forbidden in walls.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            if folder == "fedloom" and path.name == "cli.py":
+                continue
+            for line in path.read_text().splitlines():
+                assert not re.match(pattern.format(forbidden), line), f"{path}: {line}"
