@@ -29,7 +29,7 @@ def setup_flower() -> None:
     import flwr.app.message.arrayrecord as arrayrecord_module
     from flwr.supercore.task_identity import TaskIdentity
 
-    arrayrecord_module.gc = types.SimpleNamespace(collect=lambda: 0)  # type: ignore[attr-defined]
+    arrayrecord_module.gc = types.SimpleNamespace(collect=lambda: 0)  # type: ignore[assignment]
 
     TaskIdentity.run_id = 1
     TaskIdentity.task_id = 1

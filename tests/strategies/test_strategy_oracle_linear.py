@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("flwr")
 
-from flower_oracle import (  # noqa: E402
+from flower_oracle import (
     SHAPES,
     assert_close,
     client_weights,
@@ -30,7 +30,7 @@ from flower_oracle import (  # noqa: E402
     to_dict,
 )
 
-from fedloom.strategies import (  # noqa: E402
+from fedloom.strategies import (
     FedAdagrad,
     FedAdam,
     FedAvg,

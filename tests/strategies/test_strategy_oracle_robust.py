@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("flwr")
 
-from flower_oracle import (  # noqa: E402
+from flower_oracle import (
     SHAPES,
     assert_close,
     client_weights,
@@ -28,8 +28,8 @@ from flower_oracle import (  # noqa: E402
     to_dict,
 )
 
-from fedloom import Weights  # noqa: E402
-from fedloom.strategies import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum  # noqa: E402
+from fedloom import Weights
+from fedloom.strategies import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
 setup_flower()
 
