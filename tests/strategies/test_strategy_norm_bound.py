@@ -122,3 +122,25 @@ def test_registry_wraps_any_strategy() -> None:
     with pytest.raises(ConfigError, match=r"strategy\.norm_bound_mode"):
         build_strategy(StrategyConfig("fedavg", {"max_update_norm": 1.0,
                                                  "norm_bound_mode": "scale"}))
+
+
+def test_aborted_stream_through_the_wrapper_leaves_state_unchanged() -> None:
+    from fedloom import RoundAbortedError
+    from fedloom.strategies import FedAdam
+
+    current, ups, _ = _round(5)
+    strategy = NormBoundedStrategy(FedAdam(), 1.0, "clip")
+    strategy.aggregate_fit(1, current, ups)
+    before = strategy.state_dict()
+
+    def stream():  # type: ignore[no-untyped-def]
+        yield ups[1]  # clipped on the way through
+        raise RoundAbortedError("deadline")
+
+    with pytest.raises(RoundAbortedError):
+        strategy.aggregate_fit(2, current, stream())
+    after = strategy.state_dict()
+    assert after["optimizer"]["steps"] == before["optimizer"]["steps"] == 1
+    for key in ("m", "v"):
+        for name, arr in before["optimizer"][key].items():
+            assert np.array_equal(after["optimizer"][key][name], arr)
