@@ -109,10 +109,12 @@ def _as_tensors(x: np.ndarray, y: np.ndarray, what: str) -> tuple[torch.Tensor, 
         raise ConfigError(
             what, f"need x of (n, ...) and y of (n,), n > 0; got {xa.shape}, {ya.shape}"
         )
-    return (
-        torch.from_numpy(np.ascontiguousarray(xa, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(ya, dtype=np.int64)),
-    )
+    xc = np.ascontiguousarray(xa, dtype=np.float32)
+    yc = np.ascontiguousarray(ya, dtype=np.int64)
+    # Arrays unpickled from shared memory (Ray) are read-only; torch wants writable ones.
+    xc = xc if xc.flags.writeable else xc.copy()
+    yc = yc if yc.flags.writeable else yc.copy()
+    return torch.from_numpy(xc), torch.from_numpy(yc)
 
 
 def make_torch_client(
@@ -135,7 +137,8 @@ def make_torch_client(
 
     Args:
         x, y: local training data (x float, y integer labels).
-        x_val, y_val: local validation data for `evaluate` (default: the training data).
+        x_val, y_val: local validation data for `evaluate` (default: the training data,
+            unshuffled).
         batch_size: examples per step.
         local_epochs: default passes per fit (the fit config's ``local_epochs`` wins).
         lr: SGD learning rate (the fit config's ``lr`` wins); momentum ``momentum``.
@@ -154,10 +157,12 @@ def make_torch_client(
     xt, yt = _as_tensors(x, y, "x/y")
     generator = torch.Generator().manual_seed(seed)
     train_loader = _loader(xt, yt, batch_size, generator)
-    val_loader = None
     if x_val is not None and y_val is not None:
         xv, yv = _as_tensors(x_val, y_val, "x_val/y_val")
-        val_loader = _loader(xv, yv, max(batch_size, 256), None)
+    else:
+        xv, yv = xt, yt
+    # Evaluation never shuffles: its sums then run in one order wherever it runs.
+    val_loader = _loader(xv, yv, max(batch_size, 256), None)
     if model is None:
         if xt.ndim != 2:
             raise ConfigError(

@@ -1,0 +1,110 @@
+"""The Flower engine: a fedloom strategy and ClientApp on Flower's simulation runtime.
+
+`run_flower` wraps the strategy in `FlowerStrategy`, runs it from a ``ServerApp``
+under ``flwr.simulation.run_simulation`` (Ray backend: one machine, or a Ray cluster
+through ``init_args={"address": ...}``) and records rounds through the same
+`RoundRecorder` as the local engine. The ``ServerApp`` runs in a thread of this
+process, so the strategy object and the recorder are the caller's own.
+
+Example — any ``ClientApp`` (e.g. from `to_client_app`)::
+
+    history = run_flower(FedAvg(fraction_fit=0.1, seed=0), app, initial,
+                         num_clients=100, num_rounds=5,
+                         backend_config={"client_resources": {"num_cpus": 1}})
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+from fedloom.simulations._records import arrays_to_weights, metrics_to_record, weights_to_arrays
+from fedloom.simulations.flower_strategy import FlowerStrategy
+from fedloom.simulations.history import History, RoundRecord, RoundRecorder
+from fedloom.strategies import Strategy
+from fedloom.types import Metrics, Scalar
+from fedloom.weights import Weights
+
+EvaluateFn = Callable[[int, Weights], Metrics | None]
+
+
+def run_flower(
+    strategy: Strategy,
+    client_app: ClientApp,
+    initial: Weights,
+    *,
+    num_clients: int,
+    num_rounds: int,
+    base_seed: int = 0,
+    fit_defaults: Mapping[str, Scalar] | None = None,
+    evaluate_fn: EvaluateFn | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    backend_config: Mapping[str, Any] | None = None,
+    timeout_s: float = 3600.0,
+    verbose: bool = False,
+) -> History:
+    """Run ``num_rounds`` rounds on ``num_clients`` virtual SuperNodes.
+
+    Args mirror `run_local`; in addition:
+        client_app: the ClientApp every SuperNode runs (partition ``i`` is the node
+            whose ``node_config["partition-id"]`` is ``i``).
+        backend_config: Flower's ``backend_config`` (``client_resources``,
+            ``init_args`` for ``ray.init``...).
+        timeout_s: how long a round waits for replies.
+        verbose: Flower's DEBUG logging.
+    """
+    started = time.perf_counter()
+    recorder = RoundRecorder(on_round)
+    bridge = FlowerStrategy(
+        strategy,
+        base_seed=base_seed,
+        fit_defaults=fit_defaults,
+        min_available_nodes=num_clients,
+        on_fit_round=lambda _r, result, failures: recorder.fit(result, failures),
+        on_evaluate_round=lambda _r, metrics: recorder.evaluate(metrics),
+    )
+    final: dict[str, Weights] = {"weights": initial}
+
+    def central(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        weights = arrays_to_weights(arrays)
+        final["weights"] = weights
+        metrics = evaluate_fn(server_round, weights) if evaluate_fn else None
+        recorder.finish(server_round, metrics)
+        return metrics_to_record(metrics) if metrics else None
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        bridge.start(
+            grid,
+            weights_to_arrays(initial),
+            num_rounds=num_rounds,
+            timeout=timeout_s,
+            evaluate_fn=central,
+        )
+
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=num_clients,
+        backend_config=_plain(backend_config or {}),
+        verbose_logging=verbose,
+    )
+    if len(recorder.records) != num_rounds + 1:
+        raise RuntimeError(
+            f"Flower's simulation ended after {len(recorder.records) - 1} of {num_rounds} "
+            "rounds; see its log above"
+        )
+    return History("flower", recorder.records, final["weights"], time.perf_counter() - started)
+
+
+def _plain(config: Mapping[str, Any]) -> Any:
+    """A deep copy as plain dicts (Flower serialises ``backend_config`` to JSON)."""
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in config.items()}

@@ -1,0 +1,310 @@
+"""A fedloom `Strategy` as a Flower message-API strategy (``flwr.serverapp.strategy``).
+
+`FlowerStrategy` drops any fedloom strategy (FedAvg, the FedOpt family, the robust
+rules...) into a Flower ``ServerApp``; Flower's own ``Strategy.start`` runs the loop.
+What it adds to Flower's behaviour, by design:
+
+- **seeded sampling**: clients are chosen by the fedloom strategy's seeded sampler
+  (Flower's own strategies use an unseeded ``random.sample``). To sample by partition
+  rather than by Flower's random node ids, the bridge asks each new node once for its
+  ``partition-id`` (the ``query.fedloom_identity`` message that `to_client_app`
+  answers) and presents it as `fedloom.simulations.plan.client_info`;
+- **a seed per (client, round)** in every fit config (`plan.client_fit_config`);
+- **deterministic aggregation order**: replies are folded in the plan's order, not in
+  arrival order, so float sums do not depend on scheduling;
+- **deltas**: replies carry new weights (Flower's convention); the bridge turns each
+  into the delta from the round's global model, which is what fedloom strategies take.
+  A failed, malformed or non-finite reply is skipped and counted in ``num-failures``.
+
+Example — a ``ServerApp`` running fedloom's FedAvg over any ClientApp::
+
+    from flwr.app import ArrayRecord, ConfigRecord, Context
+    from flwr.serverapp import Grid, ServerApp
+    from fedloom.strategies import FedAvg
+    from fedloom.simulations.flower_strategy import FlowerStrategy
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = FlowerStrategy(FedAvg(fraction_fit=0.1, seed=0), base_seed=0)
+        result = strategy.start(grid, ArrayRecord(initial_state_dict), num_rounds=5,
+                                train_config=ConfigRecord({"local_epochs": 1}))
+
+A node whose ClientApp does not answer the identity query (a plain Flower app) is
+still used, under the client id ``node-<node id>`` and with its node id as the seed
+index: sampling is then seeded but depends on Flower's random node ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy as FlowerBaseStrategy
+
+from fedloom.simulations._records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    IDENTITY_MESSAGE_TYPE,
+    NUM_EXAMPLES_KEY,
+    PARTITION_ID_KEY,
+    arrays_to_weights,
+    config_to_record,
+    metrics_to_record,
+    record_to_config,
+    weights_to_arrays,
+)
+from fedloom.simulations.plan import client_fit_config, client_info, to_update
+from fedloom.strategies import Strategy
+from fedloom.types import (
+    AggregateResult,
+    ClientInfo,
+    ClientUpdate,
+    EvaluateResult,
+    Metrics,
+    Scalar,
+)
+from fedloom.weights import Weights
+
+logger = logging.getLogger(__name__)
+
+FitCallback = Callable[[int, AggregateResult, int], None]
+EvaluateCallback = Callable[[int, Metrics], None]
+
+
+class FlowerStrategy(FlowerBaseStrategy):
+    """Adapts a fedloom `Strategy` to Flower's message-API ``Strategy``.
+
+    Args:
+        strategy: the fedloom strategy; it samples, configures and aggregates.
+        base_seed: the run seed from which each client's per-round ``seed`` derives.
+        fit_defaults: client settings sent with every fit (e.g. ``local_epochs``, ``lr``);
+            the strategy's own fit config and Flower's ``train_config`` override them.
+        min_available_nodes: wait for this many connected nodes before sampling.
+        identify_timeout: seconds to wait for nodes' answers to the identity query.
+        on_fit_round: called as ``(server_round, result, num_failures)`` after each
+            aggregation (progress displays, history, checkpoints).
+        on_evaluate_round: called as ``(server_round, metrics)`` after each federated
+            evaluation that had results.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        base_seed: int = 0,
+        fit_defaults: Mapping[str, Scalar] | None = None,
+        min_available_nodes: int = 2,
+        identify_timeout: float = 60.0,
+        on_fit_round: FitCallback | None = None,
+        on_evaluate_round: EvaluateCallback | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self.base_seed = base_seed
+        self.fit_defaults: dict[str, Scalar] = dict(fit_defaults or {})
+        self.min_available_nodes = min_available_nodes
+        self.identify_timeout = identify_timeout
+        self.on_fit_round = on_fit_round
+        self.on_evaluate_round = on_evaluate_round
+        self.current: Weights | None = None
+        self._client_of_node: dict[int, ClientInfo] = {}
+        self._node_of_client: dict[str, int] = {}
+        self._seed_index: dict[str, int] = {}
+        self._plan_order: list[str] = []
+
+    def summary(self) -> None:
+        logger.info("FlowerStrategy over %r (base seed %d)", self.strategy, self.base_seed)
+
+    # -- nodes -----------------------------------------------------------------------
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        waited = False
+        while len(nodes := sorted(grid.get_node_ids())) < self.min_available_nodes:
+            if not waited:
+                logger.info("waiting for %d nodes (%d connected)", self.min_available_nodes,
+                            len(nodes))
+                waited = True
+            time.sleep(0.1)
+        return nodes
+
+    def _clients(self, grid: Grid) -> list[ClientInfo]:
+        """The connected nodes as fedloom clients, asking new nodes who they are."""
+        nodes = self._wait_for_nodes(grid)
+        new = [n for n in nodes if n not in self._client_of_node]
+        if new:
+            queries = [
+                Message(RecordDict(), dst_node_id=n, message_type=IDENTITY_MESSAGE_TYPE)
+                for n in new
+            ]
+            answered: dict[int, int] = {}
+            for reply in grid.send_and_receive(queries, timeout=self.identify_timeout):
+                if reply.has_error():
+                    continue
+                for record in reply.content.config_records.values():
+                    value = record.get(PARTITION_ID_KEY)
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        answered[reply.metadata.src_node_id] = value
+            for node in new:
+                if node in answered:
+                    info, seed_index = client_info(answered[node]), answered[node]
+                else:
+                    logger.warning("node %d did not say its partition-id; using its node id",
+                                   node)
+                    info, seed_index = ClientInfo(f"node-{node}", f"node-{node}"), node
+                if info.client_id in self._node_of_client:
+                    raise ValueError(
+                        f"two Flower nodes claim partition {info.client_id}: give each "
+                        "SuperNode its own --node-config partition-id"
+                    )
+                self._client_of_node[node] = info
+                self._node_of_client[info.client_id] = node
+                self._seed_index[info.client_id] = seed_index
+        connected = set(nodes)
+        return [info for node, info in self._client_of_node.items() if node in connected]
+
+    # -- train -----------------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        current = arrays_to_weights(arrays)
+        self.current = current
+        plan = self.strategy.configure_fit(server_round, current, self._clients(grid))
+        self._plan_order = list(plan.client_ids)
+        defaults = {**self.fit_defaults, **record_to_config(config)}
+        messages = []
+        for cid in plan.client_ids:
+            fit_config = client_fit_config(
+                plan.config,
+                base_seed=self.base_seed,
+                client_index=self._seed_index[cid],
+                server_round=server_round,
+                defaults=defaults,
+            )
+            content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: config_to_record(fit_config)})
+            messages.append(
+                Message(content, dst_node_id=self._node_of_client[cid],
+                        message_type=MessageType.TRAIN)
+            )
+        return messages
+
+    def _ordered(self, replies: Iterable[Message]) -> list[tuple[str, Message]]:
+        rank = {cid: i for i, cid in enumerate(self._plan_order)}
+        known = []
+        for reply in replies:
+            info = self._client_of_node.get(reply.metadata.src_node_id)
+            if info is not None:
+                known.append((info.client_id, reply))
+        known.sort(key=lambda pair: rank.get(pair[0], len(rank)))
+        return known
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        current = self.current
+        if current is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        ordered = self._ordered(replies)
+        failures = [0]
+
+        def updates() -> Iterator[ClientUpdate]:
+            for cid, reply in ordered:
+                update = _to_update(cid, reply, current, server_round)
+                if update is None:
+                    failures[0] += 1
+                else:
+                    yield update
+
+        result = self.strategy.aggregate_fit(server_round, current, updates())
+        failures[0] += len(self._plan_order) - len(ordered)  # no reply at all
+        metrics = metrics_to_record({**result.metrics, "num-failures": failures[0]})
+        if self.on_fit_round is not None:
+            self.on_fit_round(server_round, result, failures[0])
+        if result.weights is None:
+            logger.warning("round %d produced no model: %s", server_round, result.reason)
+            return None, metrics
+        self.current = result.weights
+        return weights_to_arrays(result.weights), metrics
+
+    # -- evaluate --------------------------------------------------------------------
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        current = arrays_to_weights(arrays)
+        plan = self.strategy.configure_evaluate(server_round, current, self._clients(grid))
+        record = config_to_record({**record_to_config(config), **plan.config})
+        content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: record})
+        return [
+            Message(content, dst_node_id=self._node_of_client[cid],
+                    message_type=MessageType.EVALUATE)
+            for cid in plan.client_ids
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        results = []
+        for cid, reply in self._ordered(replies):
+            result = _to_evaluate_result(cid, reply)
+            if result is not None:
+                results.append(result)
+        if not results:
+            return None
+        metrics = self.strategy.aggregate_evaluate(server_round, results)
+        if self.on_evaluate_round is not None:
+            self.on_evaluate_round(server_round, metrics)
+        return metrics_to_record(metrics)
+
+
+def _metrics_of(reply: Message) -> dict[str, Scalar] | None:
+    records = list(reply.content.metric_records.values())
+    return record_to_config(records[0]) if len(records) == 1 else None
+
+
+def _num_examples(metrics: dict[str, Scalar]) -> int | None:
+    n = metrics.pop(NUM_EXAMPLES_KEY, None)
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        return None
+    return n
+
+
+def _to_update(
+    cid: str, reply: Message, current: Weights, server_round: int
+) -> ClientUpdate | None:
+    """The reply as a `ClientUpdate` (a delta), or None when it is unusable."""
+    if reply.has_error():
+        logger.warning("client %s failed: %s", cid, reply.error.reason)
+        return None
+    metrics = _metrics_of(reply)
+    arrays = list(reply.content.array_records.values())
+    if metrics is None or len(arrays) != 1:
+        logger.warning("client %s: reply lacks one ArrayRecord and one MetricRecord", cid)
+        return None
+    n = _num_examples(metrics)
+    try:
+        if n is None:
+            raise ValueError("num-examples is missing or not a positive integer")
+        return to_update(cid, arrays_to_weights(arrays[0]), n, metrics, current, server_round)
+    except (ValueError, TypeError) as exc:
+        logger.warning("client %s: unusable reply: %s", cid, exc)
+        return None
+
+
+def _to_evaluate_result(cid: str, reply: Message) -> EvaluateResult | None:
+    if reply.has_error():
+        return None
+    metrics = _metrics_of(reply)
+    if metrics is None:
+        return None
+    n = _num_examples(metrics)
+    loss = metrics.pop("loss", metrics.pop("eval_loss", None))
+    if n is None or isinstance(loss, bool) or not isinstance(loss, int | float):
+        return None
+    try:
+        return EvaluateResult(cid, n, float(loss), metrics)
+    except ValueError:
+        return None

@@ -1,0 +1,137 @@
+"""The local engine: a federated run in one process, no Ray, no serialisation.
+
+`run_local` drives a fedloom `Strategy` over simulated clients exactly as the Flower
+bridge (`FlowerStrategy` under Flower's ``Strategy.start``) does, step for step:
+
+1. round 0: ``evaluate_fn(0, initial)``;
+2. each round r: ``configure_fit`` over `plan.client_infos` → each sampled client
+   fits, in plan order, with `plan.client_fit_config` (its ``seed`` from `fit_seed`) →
+   its new weights become a delta (`plan.to_update`) → ``aggregate_fit``;
+   ``configure_evaluate`` → ``aggregate_evaluate``; ``evaluate_fn(r, weights)``.
+
+Same calls in the same order with the same configs give the same model as the Flower
+engine, round for round (tests/simulations check it). A client that raises, or returns
+unusable weights, is counted in ``num_failures`` and left out of the round.
+
+Example::
+
+    from fedloom.strategies import FedAvg
+    from fedloom.simulations.local_engine import run_local
+
+    history = run_local(FedAvg(fraction_fit=0.1, seed=0), make_client, initial,
+                        num_clients=100, num_rounds=20, base_seed=0)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from fedloom.client_sdk._client import Client
+from fedloom.simulations.history import History, RoundRecord, RoundRecorder
+from fedloom.simulations.plan import client_fit_config, client_infos, to_update
+from fedloom.strategies import Strategy
+from fedloom.types import ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
+from fedloom.weights import Weights
+
+logger = logging.getLogger(__name__)
+
+ClientFactory = Callable[[int], Client]
+EvaluateFn = Callable[[int, Weights], Metrics | None]
+
+
+def run_local(
+    strategy: Strategy,
+    client_fn: ClientFactory,
+    initial: Weights,
+    *,
+    num_clients: int,
+    num_rounds: int,
+    base_seed: int = 0,
+    fit_defaults: Mapping[str, Scalar] | None = None,
+    evaluate_fn: EvaluateFn | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> History:
+    """Run ``num_rounds`` rounds of ``strategy`` over clients ``0 .. num_clients - 1``.
+
+    Args:
+        strategy: any fedloom strategy (it samples and aggregates).
+        client_fn: builds (or returns a cached) `Client` for a partition id.
+        initial: the global model of round 0.
+        num_clients: how many simulated clients exist.
+        num_rounds: rounds to run.
+        base_seed: the run seed behind each client's per-round ``seed``.
+        fit_defaults: client settings sent with every fit (``local_epochs``, ``lr``...).
+        evaluate_fn: central evaluation, ``(round, weights) -> metrics``.
+        on_round: called with each finished `RoundRecord` (progress displays).
+
+    Returns:
+        The `History`: round 0 (initial evaluation) and one record per round, and the
+        final weights.
+    """
+    if num_clients < 1 or num_rounds < 1:
+        raise ValueError("num_clients and num_rounds must be at least 1")
+    started = time.perf_counter()
+    infos = client_infos(num_clients)
+    recorder = RoundRecorder(on_round)
+    current = initial
+    recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None)
+    for server_round in range(1, num_rounds + 1):
+        plan = strategy.configure_fit(server_round, current, infos)
+        failures: list[str] = []
+        updates = _fit_updates(
+            client_fn, plan, current, server_round, base_seed, fit_defaults, failures
+        )
+        result = strategy.aggregate_fit(server_round, current, updates)
+        recorder.fit(result, len(failures))
+        if result.weights is not None:
+            current = result.weights
+        else:
+            logger.warning("round %d produced no model: %s", server_round, result.reason)
+
+        eval_plan = strategy.configure_evaluate(server_round, current, infos)
+        if eval_plan.client_ids:
+            results = []
+            for cid in eval_plan.client_ids:
+                try:
+                    out_e = client_fn(int(cid)).evaluate(current, eval_plan.config)
+                    results.append(EvaluateResult(cid, out_e.num_examples, out_e.loss,
+                                                  out_e.metrics))
+                except Exception as exc:
+                    logger.warning("client %s failed to evaluate: %s", cid, exc)
+            if results:
+                recorder.evaluate(strategy.aggregate_evaluate(server_round, results))
+        recorder.finish(server_round, evaluate_fn(server_round, current) if evaluate_fn else None)
+    return History("local", recorder.records, current, time.perf_counter() - started)
+
+
+def _fit_updates(
+    client_fn: ClientFactory,
+    plan: FitPlan,
+    current: Weights,
+    server_round: int,
+    base_seed: int,
+    fit_defaults: Mapping[str, Scalar] | None,
+    failures: list[str],
+) -> Iterator[ClientUpdate]:
+    """Fit the plan's clients one by one, in plan order, yielding their updates.
+
+    Lazy, so a streaming aggregator holds one update at a time. A client that fails is
+    appended to ``failures`` and skipped.
+    """
+    for cid in plan.client_ids:
+        index = int(cid)
+        config = client_fit_config(
+            plan.config, base_seed=base_seed, client_index=index,
+            server_round=server_round, defaults=fit_defaults,
+        )
+        try:
+            out = client_fn(index).fit(current, config)
+            update = to_update(cid, out.weights, out.num_examples, out.metrics, current,
+                               server_round)
+        except Exception as exc:  # a failed client is data, not the end of the round
+            logger.warning("client %s failed in round %d: %s", cid, server_round, exc)
+            failures.append(cid)
+            continue
+        yield update

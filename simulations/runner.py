@@ -1,0 +1,172 @@
+"""`run_scenario`: run a `Scenario` on its engine and write its history, plot and model.
+
+>>> from fedloom.simulations.scenario import Scenario
+>>> history = run_scenario(Scenario(num_clients=4, clients_per_round=2, rounds=1,
+...                                 progress=False), out_dir=None)
+>>> [r.round for r in history.rounds]
+[0, 1]
+
+With ``out_dir`` set it writes ``history.json``, ``history.csv``, ``history.png`` and
+``final.safetensors`` there (see `fedloom.simulations.history`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from fedloom.client_sdk.torch_trainer import TorchClient
+from fedloom.simulations.history import History, RoundRecord
+from fedloom.simulations.job import Job
+from fedloom.simulations.local_engine import run_local
+from fedloom.simulations.scenario import Scenario
+from fedloom.strategies import Strategy
+from fedloom.types import Metrics
+from fedloom.weights import Weights
+
+if TYPE_CHECKING:  # flwr is optional (fedloom[flower]); the local engine runs without it
+    from flwr.app import Context
+    from flwr.clientapp import ClientApp
+
+
+def run_scenario(scenario: Scenario, out_dir: str | Path | None) -> History:
+    """Run ``scenario`` on ``scenario.engine`` and, when ``out_dir`` is given, write
+    history.json, history.csv, history.png and final.safetensors there.
+
+    Raises:
+        ConfigError: when the scenario cannot be built (unknown strategy setting, a
+            partition that leaves a client too few examples...).
+    """
+    job = Job.from_scenario(scenario)
+    strategy = job.build_strategy()  # validate before anything starts
+    initial = job.initial_weights()
+
+    def evaluate(_round: int, weights: Weights) -> Metrics:
+        return job.central_evaluate(weights)
+
+    with _progress(scenario) as on_round:
+        if scenario.engine == "local":
+            history = _run_local(job, strategy, initial, evaluate, on_round)
+        else:
+            history = _run_flower(job, strategy, initial, evaluate, on_round)
+    history.scenario = scenario.to_dict()
+    if out_dir is not None:
+        history.write(out_dir)
+    return history
+
+
+def _run_local(
+    job: Job, strategy: Strategy, initial: Weights,
+    evaluate: Callable[[int, Weights], Metrics], on_round: Callable[[RoundRecord], None],
+) -> History:
+    scenario = job.scenario
+    shared = job.make_model()  # fits run one at a time: one module serves every client
+    clients: dict[int, TorchClient] = {}
+
+    def client_fn(index: int) -> TorchClient:
+        if index not in clients:
+            clients[index] = job.make_client(index, model=shared)
+        return clients[index]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as Ray's actors run (OMP_NUM_THREADS=1): same kernels
+    try:
+        return run_local(
+            strategy, client_fn, initial,
+            num_clients=scenario.num_clients, num_rounds=scenario.rounds,
+            base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
+            evaluate_fn=evaluate, on_round=on_round,
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def job_client_app(job: Job) -> ClientApp:
+    """A Flower ``ClientApp`` serving the job's clients (one torch thread each)."""
+    from fedloom.simulations.flower_client import partition_id, to_client_app
+
+    cache: dict[int, TorchClient] = {}  # per Ray worker process, once unpickled
+
+    def client_fn(context: Context) -> TorchClient:
+        torch.set_num_threads(1)
+        index = partition_id(context)
+        if index not in cache:
+            cache[index] = job.make_client(index)
+        return cache[index]
+
+    return to_client_app(client_fn)
+
+
+def _run_flower(
+    job: Job, strategy: Strategy, initial: Weights,
+    evaluate: Callable[[int, Weights], Metrics], on_round: Callable[[RoundRecord], None],
+) -> History:
+    from fedloom.simulations.flower_engine import run_flower
+
+    scenario, flower = job.scenario, job.scenario.flower
+    quiet = scenario.progress and not flower.verbose
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    if quiet:
+        flwr_logger.setLevel(logging.WARNING)
+    try:
+        return run_flower(
+            strategy, job_client_app(job), initial,
+            num_clients=scenario.num_clients, num_rounds=scenario.rounds,
+            base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
+            evaluate_fn=evaluate, on_round=on_round,
+            backend_config=flower.backend_config(), timeout_s=flower.timeout_s,
+            verbose=flower.verbose,
+        )
+    finally:
+        flwr_logger.setLevel(level)
+
+
+def _describe(record: RoundRecord) -> str:
+    parts = [f"round {record.round}"]
+    for key, label in (("test_accuracy", "acc"), ("test_loss", "loss"),
+                       ("train_loss", "train"), ("num_failures", "failed")):
+        value = record.get(key)
+        if isinstance(value, float):
+            parts.append(f"{label} {value:.4f}")
+        elif isinstance(value, int) and value:
+            parts.append(f"{label} {value}")
+    return " · ".join(parts)
+
+
+@contextlib.contextmanager
+def _progress(scenario: Scenario) -> Iterator[Callable[[RoundRecord], None]]:
+    """A rich progress bar over the rounds; yields the engine's ``on_round``."""
+    if not scenario.progress:
+        yield lambda _record: None
+        return
+    progress = Progress(
+        TextColumn(f"[bold]{scenario.name}[/] ({scenario.engine})"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+    with progress:
+        task = progress.add_task("starting", total=scenario.rounds)
+
+        def on_round(record: RoundRecord) -> None:
+            progress.update(task, completed=record.round, description=_describe(record))
+
+        yield on_round

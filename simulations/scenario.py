@@ -1,0 +1,247 @@
+"""`Scenario`: one simulated federated run, as frozen dataclasses loaded from TOML.
+
+.. code-block:: toml
+
+    name = "digits-dirichlet"
+    seed = 0
+    engine = "local"            # or "flower" (Flower's simulation engine, Ray)
+    num_clients = 100
+    clients_per_round = 10
+    rounds = 20
+    local_epochs = 1
+    evaluate_clients_per_round = 0   # federated evaluation (0: central test set only)
+
+    [dataset]
+    name = "digits"             # or "synthetic" (FedProx's Synthetic(alpha, beta))
+    test_fraction = 0.2
+    # alpha = 1.0, beta = 1.0, max_samples = 1000, iid = false   (synthetic only)
+
+    [partition]
+    name = "dirichlet"          # "iid", "dirichlet", "shards"; "natural" for synthetic
+    alpha = 0.5
+    min_size = 5
+    # shards_per_client = 2
+
+    [model]
+    name = "mlp"
+    hidden = 64
+
+    [client]
+    batch_size = 32
+    lr = 0.05
+    momentum = 0.9
+    device = "cpu"
+
+    [strategy]
+    name = "fedavg"             # any name in fedloom.strategies.STRATEGIES, with its settings
+
+    [flower]                    # engine = "flower" only
+    num_cpus = 1.0              # per client (Ray resources)
+    num_gpus = 0.0
+    ray_address = ""            # "" starts a local Ray; "auto" or "ray://host:10001" joins one
+
+Unknown keys and values of the wrong type are refused with a `ConfigError` naming the
+setting (``partition.alpha``...). `Scenario.strategy_config` plus the run's sampling
+settings build the strategy through `fedloom.strategies.build_strategy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fedloom.config import StrategyConfig, from_mapping, load_toml
+from fedloom.errors import ConfigError
+
+DATASETS = ("digits", "synthetic")
+PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
+ENGINES = ("local", "flower")
+MODELS = ("mlp",)
+
+
+def _check(cond: bool, setting: str, problem: str) -> None:
+    if not cond:
+        raise ConfigError(setting, problem)
+
+
+def _one_of(value: str, allowed: tuple[str, ...], setting: str) -> None:
+    _check(value in allowed, setting, f"{value!r} is not one of {', '.join(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Which data set; the Synthetic(alpha, beta) settings apply to ``synthetic`` only."""
+
+    name: str = "digits"
+    test_fraction: float = 0.2
+    alpha: float = 1.0
+    beta: float = 1.0
+    max_samples: int | None = None
+    iid: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, DATASETS, "dataset.name")
+        _check(0.0 < self.test_fraction < 1.0, "dataset.test_fraction", "must be in (0, 1)")
+        for key in ("alpha", "beta"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value >= 0, f"dataset.{key}", "must be >= 0")
+        _check(self.max_samples is None or self.max_samples >= 50, "dataset.max_samples",
+               "must be at least 50 (Synthetic's minimum per client)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionSpec:
+    """How the training set is split among clients (``auto``: iid, or natural for synthetic)."""
+
+    name: str = "auto"
+    alpha: float = 0.5
+    min_size: int = 2
+    max_retries: int = 100
+    shards_per_client: int = 2
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, PARTITIONS, "partition.name")
+        _check(math.isfinite(self.alpha) and self.alpha > 0, "partition.alpha", "must be > 0")
+        _check(self.min_size >= 1, "partition.min_size", "must be at least 1")
+        _check(self.max_retries >= 1, "partition.max_retries", "must be at least 1")
+        _check(self.shards_per_client >= 1, "partition.shards_per_client", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The network every client trains (a one-hidden-layer MLP)."""
+
+    name: str = "mlp"
+    hidden: int = 64
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, MODELS, "model.name")
+        _check(self.hidden >= 1, "model.hidden", "must be at least 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSpec:
+    """Local training settings (SGD with momentum)."""
+
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, "client.batch_size", "must be at least 1")
+        _check(math.isfinite(self.lr) and self.lr > 0, "client.lr", "must be > 0")
+        _check(0.0 <= self.momentum < 1.0, "client.momentum", "must be in [0, 1)")
+        _check(bool(self.device), "client.device", "must name a torch device or 'auto'")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowerSpec:
+    """Options passed to Flower's simulation engine (``engine = "flower"``)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    ray_address: str = ""
+    timeout_s: float = 3600.0
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.num_cpus > 0, "flower.num_cpus", "must be > 0 (CPUs per client)")
+        _check(self.num_gpus >= 0, "flower.num_gpus", "must be >= 0 (GPU share per client)")
+        _check(self.timeout_s > 0, "flower.timeout_s", "must be > 0")
+
+    def backend_config(self) -> dict[str, Any]:
+        """The ``backend_config`` of ``flwr.simulation.run_simulation``."""
+        init_args: dict[str, Any] = {"address": self.ray_address} if self.ray_address else {}
+        return {
+            "client_resources": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "init_args": init_args,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A whole simulated run; see the module docstring for the TOML form."""
+
+    name: str = "scenario"
+    seed: int = 0
+    engine: str = "local"
+    num_clients: int = 10
+    clients_per_round: int = 10
+    rounds: int = 5
+    local_epochs: int = 1
+    evaluate_clients_per_round: int = 0
+    progress: bool = True
+    dataset: DatasetSpec = dataclasses.field(default_factory=DatasetSpec)
+    partition: PartitionSpec = dataclasses.field(default_factory=PartitionSpec)
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    client: ClientSpec = dataclasses.field(default_factory=ClientSpec)
+    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+    flower: FlowerSpec = dataclasses.field(default_factory=FlowerSpec)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and "/" not in self.name, "name", "must be a plain file name")
+        _check(self.seed >= 0, "seed", "must be >= 0")
+        _one_of(self.engine, ENGINES, "engine")
+        _check(self.num_clients >= 1, "num_clients", "must be at least 1")
+        _check(
+            1 <= self.clients_per_round <= self.num_clients,
+            "clients_per_round",
+            f"must be in 1..num_clients ({self.num_clients})",
+        )
+        _check(self.rounds >= 1, "rounds", "must be at least 1")
+        _check(self.local_epochs >= 1, "local_epochs", "must be at least 1")
+        _check(
+            0 <= self.evaluate_clients_per_round <= self.num_clients,
+            "evaluate_clients_per_round",
+            f"must be in 0..num_clients ({self.num_clients})",
+        )
+        synthetic = self.dataset.name == "synthetic"
+        if synthetic:
+            _check(self.partition.name in ("auto", "natural"), "partition.name",
+                   "synthetic data comes per client; use 'natural' (or leave it 'auto')")
+        else:
+            _check(self.partition.name != "natural", "partition.name",
+                   f"{self.dataset.name} has no natural clients; use iid, dirichlet or shards")
+
+    @property
+    def partition_name(self) -> str:
+        """The partition actually used (``auto`` resolved)."""
+        if self.partition.name != "auto":
+            return self.partition.name
+        return "natural" if self.dataset.name == "synthetic" else "iid"
+
+    def sampling(self) -> dict[str, Any]:
+        """The server-owned strategy settings this scenario implies."""
+        return {
+            "fraction_fit": self.clients_per_round / self.num_clients,
+            "min_fit_clients": self.clients_per_round,
+            "fraction_evaluate": self.evaluate_clients_per_round / self.num_clients,
+            "min_evaluate_clients": self.evaluate_clients_per_round,
+            "seed": self.seed,
+        }
+
+    def replace(self, **changes: Any) -> Scenario:
+        """A copy with top-level fields changed (e.g. ``engine="flower"``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (strategy params included)."""
+        out = dataclasses.asdict(self)
+        out["strategy"] = {"name": self.strategy.name, **dict(self.strategy.params)}
+        return out
+
+
+def scenario_from_mapping(data: Mapping[str, Any]) -> Scenario:
+    """Build a `Scenario` from a parsed TOML mapping."""
+    return from_mapping(Scenario, data)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read a scenario TOML file; the file's stem is the default ``name``."""
+    data = dict(load_toml(path))
+    data.setdefault("name", Path(path).stem)
+    return scenario_from_mapping(data)

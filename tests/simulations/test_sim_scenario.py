@@ -1,0 +1,117 @@
+"""Scenario TOML: defaults, validation naming the setting, overrides from the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedloom.errors import ConfigError
+from fedloom.simulations.cli import _apply, main
+from fedloom.simulations.scenario import Scenario, load_scenario, scenario_from_mapping
+
+FULL = """
+seed = 3
+engine = "flower"
+num_clients = 20
+clients_per_round = 5
+rounds = 2
+local_epochs = 2
+
+[dataset]
+name = "digits"
+test_fraction = 0.25
+
+[partition]
+name = "dirichlet"
+alpha = 0.3
+min_size = 4
+
+[client]
+batch_size = 16
+lr = 0.1
+
+[strategy]
+name = "fedavg"
+
+[flower]
+num_cpus = 2
+num_gpus = 0.5
+ray_address = "auto"
+"""
+
+
+def test_load_full_scenario(tmp_path: Path) -> None:
+    path = tmp_path / "my-run.toml"
+    path.write_text(FULL)
+    s = load_scenario(path)
+    assert s.name == "my-run" and s.engine == "flower" and s.seed == 3
+    assert s.partition.name == "dirichlet" and s.partition.alpha == 0.3
+    assert s.client.lr == 0.1 and s.flower.num_cpus == 2.0
+    assert s.strategy.name == "fedavg" and dict(s.strategy.params) == {}
+    assert s.flower.backend_config() == {
+        "client_resources": {"num_cpus": 2.0, "num_gpus": 0.5},
+        "init_args": {"address": "auto"},
+    }
+    assert s.sampling() == {"fraction_fit": 0.25, "min_fit_clients": 5,
+                            "fraction_evaluate": 0.0, "min_evaluate_clients": 0, "seed": 3}
+
+
+def test_defaults_resolve_partition() -> None:
+    assert Scenario().partition_name == "iid"
+    synthetic = scenario_from_mapping({"dataset": {"name": "synthetic"}})
+    assert synthetic.partition_name == "natural"
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        ({"engine": "ray"}, "engine"),
+        ({"num_clients": 4, "clients_per_round": 5}, "clients_per_round"),
+        ({"rounds": 0}, "rounds"),
+        ({"rounds": "3"}, "rounds"),
+        ({"roundz": 3}, "roundz"),
+        ({"partition": {"alpha": 0.0}}, "partition.alpha"),
+        ({"partition": {"name": "natural"}}, "partition.name"),
+        ({"dataset": {"name": "synthetic"}, "partition": {"name": "iid"}}, "partition.name"),
+        ({"dataset": {"name": "mnist"}}, "dataset.name"),
+        ({"client": {"lr": -1.0}}, "client.lr"),
+        ({"flower": {"num_cpus": 0}}, "flower.num_cpus"),
+        ({"client": {"batch": 3}}, "client.batch"),
+    ],
+)
+def test_bad_settings_name_the_setting(data: dict, setting: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        scenario_from_mapping(data)
+    assert err.value.setting == setting
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'rounds'"):
+        scenario_from_mapping({"roundz": 3})
+
+
+def test_cli_set_parses_toml_values() -> None:
+    data: dict = {}
+    for assignment in ("client.lr=0.5", "engine=flower", "rounds=4", 'name="x"'):
+        _apply(data, assignment)
+    assert data == {"client": {"lr": 0.5}, "engine": "flower", "rounds": 4, "name": "x"}
+
+
+def test_cli_reports_bad_scenarios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text("rounds = 1\n[strategy]\nname = 'fedavgg'\n")
+    assert main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "did you mean 'fedavg'" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.toml")]) == 2
+
+
+def test_cli_runs_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text("num_clients = 4\nclients_per_round = 2\nrounds = 1\n")
+    out = tmp_path / "out"
+    assert main([str(path), "--out", str(out), "--no-progress", "--set", "seed=2"]) == 0
+    assert {p.name for p in out.iterdir()} >= {
+        "history.json", "history.csv", "history.png", "final.safetensors"
+    }
+    assert "tiny: 1 rounds on local" in capsys.readouterr().out
