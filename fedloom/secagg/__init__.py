@@ -1,0 +1,120 @@
+"""Secure aggregation (SecAgg+): the pure primitives and the stage definitions.
+
+SecAgg+ (Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic
+Overhead", CCS 2020) over the masking scheme of Bonawitz et al. ("Practical Secure
+Aggregation for Privacy-Preserving Machine Learning", CCS 2017). The server state
+machine is `fedloom.server.secagg.SecAggServer`, the client half
+`fedloom.client_sdk.secagg.SecAggClient`; both are pure objects driven by the messages
+defined here, so any transport can carry them.
+
+This package holds no state machine and does no I/O: X25519 + HKDF-SHA256 +
+ChaCha20-Poly1305 (`_crypto`), the ChaCha20 mask PRG (`_prg`), Shamir sharing over
+GF(2**521 - 1) (`_shamir`), quantization (`_quantize`), the neighbour graph (`_graph`),
+the configuration (`_config`) and the messages (`_messages`).
+
+Threat model (what it protects, and against whom):
+
+- in scope: an honest-but-curious server (it follows the protocol but reads
+  everything it sees) and up to t - 1 colluding clients, in particular t - 1 of one
+  client's neighbours, together with the server. They learn nothing about one client's
+  input beyond the sum over the survivors (Bonawitz et al., Theorem 6.3; Bell et al.,
+  Theorem 4.7 for the neighbour graph);
+- the clients also defend themselves against a server that deviates in the ways the
+  unmask stage allows: a client answers one unmask request per round attempt, refuses
+  overlapping survivor/dropped lists, ids that are not its neighbours and fewer than t
+  survivors, and never reveals both shares of one neighbour;
+- out of scope: a server that substitutes the public keys it relays (a man in the
+  middle between clients). Advertised keys are NOT signed with client identity keys in
+  this version; signatures would need identity keys that clients can check without
+  trusting the server (a PKI or pinned keys), which fedloom does not have yet. Also out
+  of scope: clients that send malformed masked inputs to spoil the sum (SecAgg hides
+  inputs, it does not check them), and the privacy of the sum itself (add differential
+  privacy for that).
+"""
+
+from fedloom.secagg._config import SecAggConfig, ceil_log2
+from fedloom.secagg._crypto import (
+    agree,
+    commit_self_mask,
+    derive_mask_seed,
+    derive_share_key,
+    generate_private_key,
+    new_seed,
+    open_share,
+    private_bytes,
+    private_key_from_bytes,
+    public_bytes,
+    seal_share,
+)
+from fedloom.secagg._graph import neighbour_graph, ring_order
+from fedloom.secagg._messages import (
+    STAGE_OF,
+    AdvertisedKeys,
+    AdvertiseKeysRequest,
+    EncryptedShare,
+    MaskedInputReply,
+    MaskedInputRequest,
+    RevealedShare,
+    RoundId,
+    RoundSetup,
+    SecAggReply,
+    SecAggRequest,
+    ShareKeysReply,
+    ShareKeysRequest,
+    Stage,
+    UnmaskReply,
+    UnmaskRequest,
+)
+from fedloom.secagg._prg import MASK_NONCE, MaskExpander, chacha20_keystream, expand_mask
+from fedloom.secagg._quantize import dequantize, flatten, quantize, unflatten
+from fedloom.secagg._shamir import PRIME, SHARE_BYTES, reconstruct, split
+
+#: Bytes of one sealed share: two 66-byte Shamir shares plus the 16-byte Poly1305 tag.
+SEALED_SHARE_BYTES = 2 * SHARE_BYTES + 16
+
+__all__ = [
+    "MASK_NONCE",
+    "PRIME",
+    "SEALED_SHARE_BYTES",
+    "SHARE_BYTES",
+    "STAGE_OF",
+    "AdvertiseKeysRequest",
+    "AdvertisedKeys",
+    "EncryptedShare",
+    "MaskExpander",
+    "MaskedInputReply",
+    "MaskedInputRequest",
+    "RevealedShare",
+    "RoundId",
+    "RoundSetup",
+    "SecAggConfig",
+    "SecAggReply",
+    "SecAggRequest",
+    "ShareKeysReply",
+    "ShareKeysRequest",
+    "Stage",
+    "UnmaskReply",
+    "UnmaskRequest",
+    "agree",
+    "ceil_log2",
+    "chacha20_keystream",
+    "commit_self_mask",
+    "dequantize",
+    "derive_mask_seed",
+    "derive_share_key",
+    "expand_mask",
+    "flatten",
+    "generate_private_key",
+    "neighbour_graph",
+    "new_seed",
+    "open_share",
+    "private_bytes",
+    "private_key_from_bytes",
+    "public_bytes",
+    "quantize",
+    "reconstruct",
+    "ring_order",
+    "seal_share",
+    "split",
+    "unflatten",
+]

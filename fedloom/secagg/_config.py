@@ -1,0 +1,164 @@
+"""`SecAggConfig`: the ``[secure_aggregation]`` settings, validated with their reasons.
+
+.. code-block:: toml
+
+    [secure_aggregation]
+    enabled = true
+    neighbours = 10        # k: OTHER clients each client pairs with (itself not counted)
+    threshold = 6          # t: shares that reconstruct a secret; k/2 < t <= k
+    clip_range = 8.0       # each delta coordinate is clipped to [-clip_range, clip_range]
+    bits = 22              # quantization levels 2**bits - 1 per coordinate
+    max_weight = 10000.0   # num_examples / max_weight in (0, 1] is the masked weight
+    max_participants = 1024  # n: most clients summed in one round
+
+Why each rule (Bonawitz et al., CCS 2017; Bell et al., CCS 2020):
+
+- ``neighbours`` k counts the other clients a client shares its secrets with and masks
+  against; the client itself holds no share of its own secrets. k must be even so that
+  a k-regular neighbour graph (a Harary graph) exists for every number of participants.
+- ``threshold`` t > k/2: the server must not gather t shares of a client's self-mask
+  seed from one half of its neighbours (by calling it a survivor) and t shares of its
+  mask key from the other half (by calling it dropped); each neighbour answers one
+  unmask request, so two disjoint groups of t would need 2t > k neighbours.
+- t <= k: otherwise no set of neighbours can ever reconstruct, and no dropout (or even
+  a full round) can be unmasked.
+- ``bits + ceil(log2 max_participants) <= 32``: each client's quantized coordinate is
+  below 2**bits, so the sum of n of them stays below 2**32 and the modular sum never
+  wraps (a wrapped sum would decode to garbage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fedloom.errors import ConfigError, SecureAggregationError
+
+SECTION = "secure_aggregation"
+
+
+def _fail(setting: str, problem: str) -> ConfigError:
+    return ConfigError(f"{SECTION}.{setting}", problem)
+
+
+def ceil_log2(n: int) -> int:
+    """``ceil(log2 n)`` for ``n >= 1`` (exact, integer arithmetic)."""
+    return (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class SecAggConfig:
+    """Secure-aggregation settings (SecAgg+, Bell et al. 2020).
+
+    Attributes:
+        enabled: run the fit round under SecAgg+ (the server sees only the sum).
+        neighbours: k, the number of other clients each client pairs with; even.
+        threshold: t, the number of neighbours' shares that reconstruct a secret.
+        clip_range: every delta coordinate is clipped to ``[-clip_range, clip_range]``
+            on the client before quantization (this is also the norm bound).
+        bits: quantization precision; one quantum is ``2 * clip_range / (2**bits - 1)``.
+        max_weight: a client's weight is ``num_examples / max_weight``; a client with
+            more examples than this refuses to take part (it cannot claim a weight > 1).
+            Precision scales with the weight, so set it near the largest client.
+        max_participants: n, the most clients one round may sum.
+    """
+
+    enabled: bool = False
+    neighbours: int = 10
+    threshold: int = 6
+    clip_range: float = 8.0
+    bits: int = 22
+    max_weight: float = 10_000.0
+    max_participants: int = 1024
+
+    def __post_init__(self) -> None:
+        k, t = self.neighbours, self.threshold
+        for name in ("neighbours", "threshold", "bits", "max_participants"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _fail(name, f"must be an integer, got {value!r}")
+        if k < 2 or k % 2:
+            raise _fail(
+                "neighbours",
+                f"must be an even number >= 2 (got {k}): it counts the other clients each "
+                "client pairs with (not itself), and a k-regular neighbour graph exists for "
+                "every number of clients only when k is even",
+            )
+        if not 2 * t > k:
+            raise _fail(
+                "threshold",
+                f"must exceed neighbours/2 = {k / 2} (got {t}): otherwise the server could "
+                "collect the self-mask shares of a client from half of its neighbours and its "
+                "mask-key shares from the other half, and unmask its input; use at least "
+                f"{k // 2 + 1}",
+            )
+        if t > k:
+            raise _fail(
+                "threshold",
+                f"cannot exceed neighbours ({k}) (got {t}): a client's secret is split among "
+                "its k neighbours, so more than k shares can never be gathered",
+            )
+        for name in ("clip_range", "max_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _fail(name, f"must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise _fail(name, f"must be a positive finite number, got {value!r}")
+        if not 1 <= self.bits <= 31:
+            raise _fail("bits", f"must be in 1..31, got {self.bits}")
+        if self.max_participants < 2:
+            raise _fail("max_participants", f"must be at least 2, got {self.max_participants}")
+        need = self.bits + ceil_log2(self.max_participants)
+        if need > 32:
+            raise _fail(
+                "bits",
+                f"bits + ceil(log2 max_participants) = {self.bits} + "
+                f"{ceil_log2(self.max_participants)} = {need} exceeds 32: the sum of "
+                f"{self.max_participants} quantized values could wrap modulo 2**32; lower bits "
+                f"to {32 - ceil_log2(self.max_participants)} or max_participants to "
+                f"{1 << (32 - self.bits)}",
+            )
+
+    @property
+    def levels(self) -> int:
+        """The largest quantized value of one coordinate, ``2**bits - 1``."""
+        return (1 << self.bits) - 1
+
+    @property
+    def quantum(self) -> float:
+        """One quantization step of a (weighted) delta coordinate."""
+        return 2.0 * self.clip_range / self.levels
+
+    def check_round_size(self, n: int) -> None:
+        """Refuse a round that would sum more than ``max_participants`` clients.
+
+        Also refuses rounds too small to finish: every survivor needs ``threshold``
+        surviving neighbours, so at least ``threshold + 1`` clients must take part.
+        """
+        if n > self.max_participants:
+            raise _fail(
+                "max_participants",
+                f"a round of {n} clients exceeds max_participants ({self.max_participants}); "
+                "sample fewer clients per round or raise max_participants (and lower bits)",
+            )
+        if n < self.threshold + 1:
+            raise _fail(
+                "threshold",
+                f"a round of {n} clients cannot finish with threshold {self.threshold}: each "
+                f"client needs {self.threshold} surviving neighbours, so sample at least "
+                f"{self.threshold + 1} clients per round",
+            )
+
+    def weight_of(self, num_examples: int) -> float:
+        """The masked weight ``num_examples / max_weight``, refused outside (0, 1]."""
+        if isinstance(num_examples, bool) or not isinstance(num_examples, int):
+            raise SecureAggregationError(f"num_examples must be an int, got {num_examples!r}")
+        if num_examples <= 0:
+            raise SecureAggregationError(f"num_examples must be positive, got {num_examples}")
+        if num_examples > self.max_weight:
+            raise SecureAggregationError(
+                f"num_examples ({num_examples}) exceeds secure_aggregation.max_weight "
+                f"({self.max_weight}): a weight above 1 cannot be masked; raise max_weight "
+                "on the server"
+            )
+        return num_examples / self.max_weight

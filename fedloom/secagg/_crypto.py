@@ -1,0 +1,111 @@
+"""Key agreement, key derivation, share encryption and commitments for SecAgg+.
+
+- X25519 (RFC 7748) for both key pairs of a client, fresh per round attempt;
+- HKDF-SHA256 (RFC 5869) turns a shared secret into a key, with ``info`` binding the
+  purpose, the run, round and attempt, the setup digest (participants and parameters)
+  and the ordered pair of client ids (sorted, so both ends derive the same key);
+- ChaCha20-Poly1305 (RFC 8439) seals the shares the server relays; the associated data
+  binds the setup, the sender and the receiver, so a share replayed from another round
+  or attempt, redirected to another client, or turned around fails to open;
+- the self-mask commitment is SHA-256 over the setup, the client id and the seed.
+
+All failures raise `SecureAggregationError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from fedloom.errors import SecureAggregationError
+from fedloom.secagg._encoding import pack
+from fedloom.secagg._messages import NONCE_BYTES, SEED_BYTES, RoundSetup
+
+_LABEL = b"fedloom/secagg/v1/"
+
+
+def generate_private_key() -> X25519PrivateKey:
+    return X25519PrivateKey.generate()
+
+
+def public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes_raw()
+
+
+def private_bytes(key: X25519PrivateKey) -> bytes:
+    return key.private_bytes_raw()
+
+
+def private_key_from_bytes(data: bytes) -> X25519PrivateKey:
+    if len(data) != 32:
+        raise SecureAggregationError("an X25519 private key is 32 bytes")
+    return X25519PrivateKey.from_private_bytes(data)
+
+
+def agree(private_key: X25519PrivateKey, peer_public_key: bytes) -> bytes:
+    """X25519 shared secret; refuses malformed and low-order public keys."""
+    try:
+        return private_key.exchange(X25519PublicKey.from_public_bytes(peer_public_key))
+    except ValueError as exc:  # wrong length, or an all-zero result (low-order point)
+        raise SecureAggregationError(f"unusable X25519 public key: {exc}") from exc
+
+
+def _pair_info(purpose: bytes, setup: RoundSetup, a: str, b: str) -> bytes:
+    first, second = sorted((a, b))
+    return _LABEL + purpose + pack(setup.round_id.encode(), setup.digest, first, second)
+
+
+def _hkdf(shared_secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared_secret)
+
+
+def derive_share_key(shared_secret: bytes, setup: RoundSetup, a: str, b: str) -> bytes:
+    """The ChaCha20-Poly1305 key for shares between clients ``a`` and ``b``."""
+    return _hkdf(shared_secret, _pair_info(b"share-key", setup, a, b))
+
+
+def derive_mask_seed(shared_secret: bytes, setup: RoundSetup, a: str, b: str) -> bytes:
+    """The 256-bit seed of the pairwise mask between clients ``a`` and ``b``."""
+    return _hkdf(shared_secret, _pair_info(b"mask-seed", setup, a, b))
+
+
+def _share_aad(setup: RoundSetup, sender: str, receiver: str) -> bytes:
+    return _LABEL + b"share-aad" + pack(setup.round_id.encode(), setup.digest, sender, receiver)
+
+
+def seal_share(key: bytes, setup: RoundSetup, sender: str, receiver: str,
+               plaintext: bytes) -> tuple[bytes, bytes]:
+    """Encrypt ``plaintext`` from ``sender`` to ``receiver``; returns (nonce, ciphertext)."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce, ChaCha20Poly1305(key).encrypt(nonce, plaintext,
+                                                _share_aad(setup, sender, receiver))
+
+
+def open_share(key: bytes, setup: RoundSetup, sender: str, receiver: str,
+               nonce: bytes, ciphertext: bytes) -> bytes:
+    """Decrypt and authenticate a sealed share; refuses anything tampered or misbound."""
+    try:
+        return ChaCha20Poly1305(key).decrypt(nonce, ciphertext,
+                                             _share_aad(setup, sender, receiver))
+    except InvalidTag as exc:
+        raise SecureAggregationError(
+            f"the share from {sender!r} to {receiver!r} failed authentication (tampered, "
+            "replayed from another round or attempt, or misaddressed)"
+        ) from exc
+
+
+def new_seed() -> bytes:
+    return os.urandom(SEED_BYTES)
+
+
+def commit_self_mask(setup: RoundSetup, client_id: str, seed: bytes) -> bytes:
+    """SHA-256 commitment to a self-mask seed (hiding: the seed is 256 random bits)."""
+    return hashlib.sha256(
+        _LABEL + b"self-mask" + pack(setup.round_id.encode(), setup.digest, client_id, seed)
+    ).digest()
