@@ -13,9 +13,18 @@ from fedloom import ServerConfig
 @pytest.fixture
 def server_config(tmp_path: Path) -> Callable[..., ServerConfig]:
     def make(**overrides):  # type: ignore[no-untyped-def]
-        base = dict(address="127.0.0.1:0", num_rounds=3, min_clients=3, min_fit_clients=3,
-                    state_dir=str(tmp_path / "state"), progress=False, round_timeout_s=30.0,
-                    long_poll_s=2.0, heartbeat_interval_s=0.5, client_timeout_s=5.0)
+        base = dict(
+            address="127.0.0.1:0",
+            num_rounds=3,
+            min_clients=3,
+            min_fit_clients=3,
+            state_dir=str(tmp_path / "state"),
+            progress=False,
+            round_timeout_s=30.0,
+            long_poll_s=2.0,
+            heartbeat_interval_s=0.5,
+            client_timeout_s=5.0,
+        )
         base.update(overrides)
         return ServerConfig(**base)
 

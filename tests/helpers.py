@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
 from fedloom import Weights
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput, start_client
 from fedloom.config import ClientConfig
@@ -19,8 +20,9 @@ class ScriptedClient(Client):
         self.sent: list[tuple[int, Weights, Weights]] = []  # (round, global, new)
 
     def fit(self, weights: Weights, config):  # type: ignore[no-untyped-def]
-        new = Weights({n: (a + self.rng.normal(size=a.shape)).astype(a.dtype)
-                       for n, a in weights.items()})
+        new = Weights(
+            {n: (a + self.rng.normal(size=a.shape)).astype(a.dtype) for n, a in weights.items()}
+        )
         self.sent.append((int(config["server_round"]), weights.copy(), new))
         return FitOutput(new, self.num_examples, {"train_loss": 1.0})
 
@@ -33,13 +35,21 @@ def small_weights() -> Weights:
 
 
 def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading.Thread]:  # type: ignore[no-untyped-def]
-    config = ClientConfig(server_address=address, long_poll_s=2.0, rpc_timeout_s=10.0,
-                          reconnect_initial_s=0.05, reconnect_max_s=0.5)
+    config = ClientConfig(
+        server_address=address,
+        long_poll_s=2.0,
+        rpc_timeout_s=10.0,
+        reconnect_initial_s=0.05,
+        reconnect_max_s=0.5,
+    )
     threads = []
     for i, client in enumerate(clients):
-        t = threading.Thread(target=start_client, args=(address, client), daemon=True,
-                             kwargs={"name": f"c{i}", "config": config,
-                                     "handle_signals": False, **kwargs})
+        t = threading.Thread(
+            target=start_client,
+            args=(address, client),
+            daemon=True,
+            kwargs={"name": f"c{i}", "config": config, "handle_signals": False, **kwargs},
+        )
         t.start()
         threads.append(t)
     return threads

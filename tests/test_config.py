@@ -10,15 +10,18 @@ from fedloom.config import from_mapping
 from fedloom.strategies import build_strategy
 
 
-@pytest.mark.parametrize(("overrides", "setting"), [
-    ({"address": "nonsense"}, "address"),
-    ({"num_rounds": 0}, "num_rounds"),
-    ({"fraction_fit": 0.0}, "fraction_fit"),
-    ({"fraction_fit": 1.5}, "fraction_fit"),
-    ({"min_fit_clients": 5, "min_clients": 2}, "min_fit_clients"),
-    ({"round_timeout_s": -1.0}, "round_timeout_s"),
-    ({"client_timeout_s": 1.0, "heartbeat_interval_s": 2.0}, "client_timeout_s"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [
+        ({"address": "nonsense"}, "address"),
+        ({"num_rounds": 0}, "num_rounds"),
+        ({"fraction_fit": 0.0}, "fraction_fit"),
+        ({"fraction_fit": 1.5}, "fraction_fit"),
+        ({"min_fit_clients": 5, "min_clients": 2}, "min_fit_clients"),
+        ({"round_timeout_s": -1.0}, "round_timeout_s"),
+        ({"client_timeout_s": 1.0, "heartbeat_interval_s": 2.0}, "client_timeout_s"),
+    ],
+)
 def test_bad_server_settings_name_the_setting(overrides, setting) -> None:
     with pytest.raises(ConfigError) as info:
         ServerConfig(**overrides)
@@ -46,8 +49,10 @@ def test_unknown_strategy_and_setting() -> None:
 
 def test_toml_then_flags(tmp_path) -> None:
     path = tmp_path / "server.toml"
-    path.write_text('num_rounds = 7\nmin_clients = 4\n[transfer]\nchunk_size = 65536\n'
-                    'max_message_bytes = 200000\n[strategy]\nname = "fedavg"\n')
+    path.write_text(
+        "num_rounds = 7\nmin_clients = 4\n[transfer]\nchunk_size = 65536\n"
+        'max_message_bytes = 200000\n[strategy]\nname = "fedavg"\n'
+    )
     args = build_parser().parse_args(["server", "--config", str(path), "--num-rounds", "9"])
     config = server_config_from_args(args)
     assert config.num_rounds == 9 and config.min_clients == 4

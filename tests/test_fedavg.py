@@ -11,14 +11,26 @@ from fedloom.strategies import FedAvg
 
 def _updates(seed: int, n: int) -> tuple[Weights, list[ClientUpdate]]:
     rng = np.random.default_rng(seed)
-    current = Weights({"a": rng.normal(size=(5, 3)).astype(np.float32),
-                       "b": rng.normal(size=(7,)).astype(np.float32),
-                       "steps": np.array(10, np.int64)})
+    current = Weights(
+        {
+            "a": rng.normal(size=(5, 3)).astype(np.float32),
+            "b": rng.normal(size=(7,)).astype(np.float32),
+            "steps": np.array(10, np.int64),
+        }
+    )
     updates = [
-        ClientUpdate(f"c{i}", Weights({"a": rng.normal(size=(5, 3)).astype(np.float32),
-                                       "b": rng.normal(size=(7,)).astype(np.float32),
-                                       "steps": np.array(int(rng.integers(0, 5)), np.int64)}),
-                     int(rng.integers(1, 100)), 0)
+        ClientUpdate(
+            f"c{i}",
+            Weights(
+                {
+                    "a": rng.normal(size=(5, 3)).astype(np.float32),
+                    "b": rng.normal(size=(7,)).astype(np.float32),
+                    "steps": np.array(int(rng.integers(0, 5)), np.int64),
+                }
+            ),
+            int(rng.integers(1, 100)),
+            0,
+        )
         for i in range(n)
     ]
     return current, updates
@@ -48,16 +60,25 @@ def test_fedavg_matches_flower_aggregate_arrayrecords() -> None:
 
     current, updates = _updates(42, 8)
     records = [
-        RecordDict({"arrays": ArrayRecord([current["a"] + u.delta["a"], current["b"] + u.delta["b"]]),
-                    "metrics": MetricRecord({"num-examples": u.num_examples})})
+        RecordDict(
+            {
+                "arrays": ArrayRecord([current["a"] + u.delta["a"], current["b"] + u.delta["b"]]),
+                "metrics": MetricRecord({"num-examples": u.num_examples}),
+            }
+        )
         for u in updates
     ]
     flower = aggregate_arrayrecords(records, "num-examples").to_numpy_ndarrays()
     float_only = Weights({"a": current["a"], "b": current["b"]})
     ours = FedAvg().aggregate_fit(
-        1, float_only,
-        [ClientUpdate(u.client_id, Weights({"a": u.delta["a"], "b": u.delta["b"]}),
-                      u.num_examples, 0) for u in updates],
+        1,
+        float_only,
+        [
+            ClientUpdate(
+                u.client_id, Weights({"a": u.delta["a"], "b": u.delta["b"]}), u.num_examples, 0
+            )
+            for u in updates
+        ],
     )
     np.testing.assert_allclose(ours.weights["a"], flower[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ours.weights["b"], flower[1], rtol=1e-5, atol=1e-6)
@@ -110,5 +131,7 @@ def test_sampling_is_seeded_and_order_independent() -> None:
     state = a.state_dict()
     c = FedAvg(fraction_fit=0.3, min_fit_clients=2, seed=0)
     c.load_state_dict(state)
-    assert a.configure_fit(2, Weights(), clients).client_ids == \
-        c.configure_fit(2, Weights(), clients).client_ids
+    assert (
+        a.configure_fit(2, Weights(), clients).client_ids
+        == c.configure_fit(2, Weights(), clients).client_ids
+    )

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import grpc
 import numpy as np
 import pytest
+from helpers import ScriptedClient, run_clients, small_weights
 
 from fedloom import TaskKind, Weights
 from fedloom.messages import PROTOCOL_VERSION, JoinRequest, ResultHeader, Session
@@ -17,8 +15,6 @@ from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server import Server
 
-from helpers import ScriptedClient, run_clients, small_weights
-
 
 class RawClient:
     """Speaks the protocol by hand, to send what a well-behaved SDK never would."""
@@ -26,13 +22,16 @@ class RawClient:
     def __init__(self, address: str) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.FleetStub(self.channel)
-        reply = self.stub.Join(codec.join_request_to_proto(
-            JoinRequest(PROTOCOL_VERSION, frozenset({"fit"}), "raw")))
+        reply = self.stub.Join(
+            codec.join_request_to_proto(JoinRequest(PROTOCOL_VERSION, frozenset({"fit"}), "raw"))
+        )
         self.session = codec.join_reply_from_proto(reply).session
 
     def pull_task(self):
         for _ in range(20):
-            messages = list(self.stub.Pull(pb.PullRequest(session=codec.session_to_proto(self.session))))
+            messages = list(
+                self.stub.Pull(pb.PullRequest(session=codec.session_to_proto(self.session)))
+            )
             if messages[0].WhichOneof("part") == "task":
                 return codec.task_from_proto(messages[0].task)
         raise AssertionError("no task")
@@ -42,13 +41,17 @@ class RawClient:
             yield codec.result_to_proto(header)
             if payload is not None:
                 yield from codec.chunks_for_push(iter_chunks(payload, chunk))
+
         self.stub.Push(gen(), timeout=10)
 
 
 def _fit_header(session: Session, task, delta: Weights, **overrides) -> tuple[ResultHeader, bytes]:
     payload = bytes(serialize(delta))
-    fields = dict(num_examples=10, base_round=task.round - 1,
-                  update=PayloadInfo.describe(delta.specs(), payload))
+    fields = dict(
+        num_examples=10,
+        base_round=task.round - 1,
+        update=PayloadInfo.describe(delta.specs(), payload),
+    )
     fields.update(overrides)
     return ResultHeader(session, task.task_id, task.round, TaskKind.FIT, **fields), payload
 
@@ -58,8 +61,9 @@ def _zeros_like(w: Weights) -> Weights:
 
 
 def test_every_bad_result_is_refused_and_the_round_completes(server_config) -> None:
-    config = server_config(num_rounds=1, min_clients=3, min_fit_clients=2,
-                           round_timeout_s=20.0, max_num_examples=1000)
+    config = server_config(
+        num_rounds=1, min_clients=3, min_fit_clients=2, round_timeout_s=20.0, max_num_examples=1000
+    )
     handle = Server(config, initial_weights=small_weights()).start()
     raw = RawClient(handle.address)
     honest = [ScriptedClient(seed=i, num_examples=4) for i in range(2)]
@@ -72,20 +76,55 @@ def test_every_bad_result_is_refused_and_the_round_completes(server_config) -> N
     wrong_dtype = Weights({"w": np.zeros((4, 3), np.float64), "b": np.zeros(3, np.float32)})
     s = raw.session
     cases = [
-        ("unknown task", _fit_header(s, task, good, ) , {"task_id": "nope"}, grpc.StatusCode.FAILED_PRECONDITION),
-        ("other round", _fit_header(s, task, good), {"round": task.round + 5}, grpc.StatusCode.FAILED_PRECONDITION),
-        ("stale base", _fit_header(s, task, good, base_round=7), {}, grpc.StatusCode.FAILED_PRECONDITION),
+        (
+            "unknown task",
+            _fit_header(
+                s,
+                task,
+                good,
+            ),
+            {"task_id": "nope"},
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            "other round",
+            _fit_header(s, task, good),
+            {"round": task.round + 5},
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            "stale base",
+            _fit_header(s, task, good, base_round=7),
+            {},
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
         ("wrong names", _fit_header(s, task, wrong_name), {}, grpc.StatusCode.INVALID_ARGUMENT),
         ("wrong shape", _fit_header(s, task, wrong_shape), {}, grpc.StatusCode.INVALID_ARGUMENT),
         ("wrong dtype", _fit_header(s, task, wrong_dtype), {}, grpc.StatusCode.INVALID_ARGUMENT),
         ("nan", _fit_header(s, task, nan), {}, grpc.StatusCode.INVALID_ARGUMENT),
-        ("zero examples", _fit_header(s, task, good, num_examples=0), {}, grpc.StatusCode.INVALID_ARGUMENT),
-        ("absurd examples", _fit_header(s, task, good, num_examples=10**9), {}, grpc.StatusCode.INVALID_ARGUMENT),
-        ("bad session", _fit_header(Session(s.client_id, b"x" * 32), task, good), {}, grpc.StatusCode.UNAUTHENTICATED),
+        (
+            "zero examples",
+            _fit_header(s, task, good, num_examples=0),
+            {},
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            "absurd examples",
+            _fit_header(s, task, good, num_examples=10**9),
+            {},
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            "bad session",
+            _fit_header(Session(s.client_id, b"x" * 32), task, good),
+            {},
+            grpc.StatusCode.UNAUTHENTICATED,
+        ),
     ]
     for name, (header, payload), changes, code in cases:
         if changes:
             import dataclasses
+
             header = dataclasses.replace(header, **changes)
         with pytest.raises(grpc.RpcError) as info:
             raw.push(header, payload)
@@ -124,7 +163,10 @@ def test_retried_push_is_idempotent_and_a_different_payload_is_refused(server_co
     header2, payload2 = _fit_header(raw.session, task, other)
     with pytest.raises(grpc.RpcError) as info:
         raw.push(header2, payload2)
-    assert info.value.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
+    assert info.value.code() in (
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
     history = handle.wait(30)
     assert history[-1]["num_updates"] == 1
     np.testing.assert_allclose(handle.server.coordinator.global_weights["w"], 1.0)

@@ -31,8 +31,9 @@ def _every_dtype() -> Weights:
 
 def _receive(info: PayloadInfo, pieces, max_chunk=1 << 20) -> bytes:
     sink = io.BytesIO()
-    receiver = PayloadReceiver(info.specs, info.total_bytes, info.sha256, sink,
-                               max_chunk_bytes=max_chunk)
+    receiver = PayloadReceiver(
+        info.specs, info.total_bytes, info.sha256, sink, max_chunk_bytes=max_chunk
+    )
     for offset, data in pieces:
         receiver.feed(offset, data)
     receiver.finish()
@@ -94,7 +95,9 @@ def test_bad_chunk_streams_are_rejected(case: str) -> None:
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("chunk_size", [3, 5, 64])
-def test_non_finite_values_are_rejected_even_split_across_chunks(bad: float, chunk_size: int) -> None:
+def test_non_finite_values_are_rejected_even_split_across_chunks(
+    bad: float, chunk_size: int
+) -> None:
     arr = np.arange(12, dtype=np.float32)
     arr[7] = bad
     weights = Weights({"ints": np.arange(3, dtype=np.int64), "x": arr})

@@ -12,8 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools")
-    subprocess.run(["bash", str(ROOT / "protos" / "generate.sh"), str(tmp_path)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["bash", str(ROOT / "protos" / "generate.sh"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     generated = sorted((tmp_path / "fedloom" / "v1").glob("*_pb2*"))
     assert generated, "generate.sh produced nothing"
     for path in generated:
@@ -29,7 +32,8 @@ def test_import_walls() -> None:
 
     walls = {
         "strategies": r"grpc|torch|flwr|fedloom\.(server|client_sdk|protos)",
-        "fedloom": r"grpc|google\.protobuf|torch|flwr|fedloom\.(server|client_sdk|strategies|protos|simulations)",
+        "fedloom": r"grpc|google\.protobuf|torch|flwr"
+        r"|fedloom\.(server|client_sdk|strategies|protos|simulations)",
         "server": r"torch|flwr|fedloom\.client_sdk",
         "client_sdk": r"flwr|fedloom\.(server|strategies)",
     }
