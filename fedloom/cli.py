@@ -3,6 +3,7 @@
 - ``fedloom server --config server.toml [--flag value ...]``
 - ``fedloom client --server HOST:PORT --app module:attr``
 - ``fedloom demo [--clients 8 --rounds 20 --seed 0 --out fedloom-out]``
+- ``fedloom simulate scenario.toml`` (see ``fedloom.simulations.cli``)
 """
 
 from __future__ import annotations
@@ -170,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(d)
     d.add_argument("--log-level", default="WARNING")
+    sim = sub.add_parser("simulate", help="run a scenario TOML on the local or Flower engine",
+                         add_help=False)
+    sim.add_argument("rest", nargs=argparse.REMAINDER)
+    sim.set_defaults(log_level="WARNING")
     return parser
 
 
@@ -184,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_server(args)
         if args.command == "client":
             return _run_client(args)
+        if args.command == "simulate":
+            from fedloom.simulations.cli import main as simulate_main
+
+            return simulate_main(args.rest)
         from fedloom.simulations.demo import main as demo_main
 
         return demo_main(args)
