@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:  # its own parser (fedloom.simulations.cli)
+        from fedloom.simulations.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -189,10 +194,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_server(args)
         if args.command == "client":
             return _run_client(args)
-        if args.command == "simulate":
-            from fedloom.simulations.cli import main as simulate_main
-
-            return simulate_main(args.rest)
         from fedloom.simulations.demo import main as demo_main
 
         return demo_main(args)
