@@ -6,7 +6,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here}
 mkdir -p "$out/fedloom/v1"
-python -m grpc_tools.protoc -I "$here" \
+"${PYTHON:-python3}" -m grpc_tools.protoc -I "$here" \
   --python_out="$out" --grpc_python_out="$out" \
   --mypy_out="$out" --mypy_grpc_out="$out" \
   "$here"/fedloom/v1/*.proto

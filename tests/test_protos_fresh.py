@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         ["bash", str(ROOT / "protos" / "generate.sh"), str(tmp_path)],
         check=True,
         capture_output=True,
+        env={**os.environ, "PYTHON": sys.executable,
+             "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")},
     )
     generated = sorted((tmp_path / "fedloom" / "v1").glob("*_pb2*"))
     assert generated, "generate.sh produced nothing"
