@@ -137,7 +137,8 @@ class SecAggClient:
         setup = request.setup
         rid = setup.round_id
         current = self._attempt
-        if current is not None and current.setup.round_id == rid:
+        finished = current is not None and Stage.UNMASK in current.answered
+        if current is not None and current.setup.round_id == rid and not finished:
             return self._replay(current, Stage.ADVERTISE_KEYS, request)  # type: ignore[return-value]
         key = (rid.run_id, rid.server_round)
         if rid.attempt <= self._latest.get(key, -1):

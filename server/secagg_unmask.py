@@ -61,6 +61,17 @@ def reconstruct_checked(shares: Mapping[int, bytes], threshold: int,
                                  "that was committed to (a neighbour sent wrong shares)")
 
 
+def matches_commitment(setup: RoundSetup, owner: str,
+                       commitment: bytes) -> Callable[[bytes], bool]:
+    """A check that a reconstructed self-mask seed is the one ``owner`` committed to."""
+    return lambda seed: commit_self_mask(setup, owner, seed) == commitment
+
+
+def matches_public_key(public_key: bytes) -> Callable[[bytes], bool]:
+    """A check that a reconstructed X25519 private key belongs to ``public_key``."""
+    return lambda secret: public_bytes(private_key_from_bytes(secret)) == public_key
+
+
 def unmask_sum(
     setup: RoundSetup,
     graph: Mapping[str, frozenset[str]],
@@ -76,22 +87,17 @@ def unmask_sum(
     t = setup.threshold
     for v in sorted(survivors):
         commitment = advertised[v].self_mask_commitment
-        seed = reconstruct_checked(
-            self_mask_shares.get(v, {}), t,
-            lambda b, v=v, c=commitment: commit_self_mask(setup, v, b) == c,  # type: ignore[misc]
-            f"self-mask seed of {v!r}",
-        )
+        seed = reconstruct_checked(self_mask_shares.get(v, {}), t,
+                                   matches_commitment(setup, v, commitment),
+                                   f"self-mask seed of {v!r}")
         expander.subtract_from(total, seed)
     for u in sorted(dropped):
         partners = sorted(graph[u] & survivors)
         if not partners:
             continue
-        public = advertised[u].mask_public_key
-        secret = reconstruct_checked(
-            mask_key_shares.get(u, {}), t,
-            lambda s, p=public: public_bytes(private_key_from_bytes(s)) == p,  # type: ignore[misc]
-            f"mask key of dropped client {u!r}",
-        )
+        secret = reconstruct_checked(mask_key_shares.get(u, {}), t,
+                                     matches_public_key(advertised[u].mask_public_key),
+                                     f"mask key of dropped client {u!r}")
         key = private_key_from_bytes(secret)
         for v in partners:
             seed = derive_mask_seed(agree(key, advertised[v].mask_public_key), setup, u, v)

@@ -46,7 +46,7 @@ from fedloom.secagg._crypto import (
     public_bytes,
     seal_share,
 )
-from fedloom.secagg._graph import neighbour_graph, ring_order
+from fedloom.secagg._graph import neighbour_graph, ring_offsets, ring_order
 from fedloom.secagg._messages import (
     STAGE_OF,
     AdvertisedKeys,
@@ -113,6 +113,7 @@ __all__ = [
     "public_bytes",
     "quantize",
     "reconstruct",
+    "ring_offsets",
     "ring_order",
     "seal_share",
     "split",

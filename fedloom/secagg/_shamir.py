@@ -17,8 +17,12 @@ so the whole scheme is the twenty lines below, reviewed against the paper and te
 
 The field is GF(p) with the Mersenne prime p = 2**521 - 1 (the field of NIST P-521), so
 one element holds a whole 256-bit secret and a share is 66 bytes. A reconstruction from
-wrong or too few shares yields a value uniform in GF(p), which is below 2**256 with
-probability 2**-265: such a value is refused, so corrupt shares are detected too.
+too few shares, or with a share of another sharing, yields a value uniform in GF(p),
+which is below 2**256 with probability 2**-265: such a value is refused. A share that
+was altered by a small amount is NOT caught by this range check (small x-coordinates
+have small integer Lagrange coefficients, so the result moves by a small amount); the
+server therefore checks every reconstructed secret against what the owner advertised
+(a commitment to its self-mask seed, the public key of its mask key).
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""Drive a SecAggServer and N SecAggClient objects in-process, recording the transcript."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fedloom.client_sdk.secagg import SecAggClient
+from fedloom.errors import MessageRejectedError, SecureAggregationError
+from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, Stage
+from fedloom.server.secagg import SecAggServer, SecAggStatus
+
+
+@dataclasses.dataclass
+class Round:
+    server: SecAggServer
+    clients: dict[str, SecAggClient]
+    inputs: dict[str, tuple[np.ndarray, int]]
+    # (stage, client, request, reply): everything the server sent and received
+    transcript: list[tuple[Stage, str, Any, Any]] = dataclasses.field(default_factory=list)
+    refusals: dict[str, str] = dataclasses.field(default_factory=dict)
+    rejections: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def make_inputs(ids: list[str], length: int, seed: int = 0, scale: float = 1.0,
+                max_examples: int = 100) -> dict[str, tuple[np.ndarray, int]]:
+    rng = np.random.default_rng(seed)
+    return {cid: (rng.normal(0.0, scale, length), int(rng.integers(1, max_examples + 1)))
+            for cid in ids}
+
+
+def ids_of(n: int) -> list[str]:
+    return [f"client-{i:03d}" for i in range(n)]
+
+
+def setup_round(config: SecAggConfig, inputs: Mapping[str, tuple[np.ndarray, int]],
+                round_id: RoundId | None = None,
+                clients: dict[str, SecAggClient] | None = None) -> Round:
+    length = len(next(iter(inputs.values()))[0])
+    rid = round_id or RoundId("run-1", 1, 0)
+    setup = RoundSetup.create(config, rid, list(inputs), length)
+    if clients is None:
+        clients = {cid: SecAggClient(cid, rng=np.random.default_rng(i))
+                   for i, cid in enumerate(sorted(inputs))}
+    return Round(SecAggServer(setup), clients, dict(inputs))
+
+
+Hook = Callable[[Stage, str, Any], Any]
+
+
+def run(rnd: Round, drop_at: Mapping[str, Stage] | None = None,
+        tamper_request: Hook | None = None, tamper_reply: Hook | None = None,
+        stop_at: Stage | None = None) -> Round:
+    """Run stages until the round succeeds; raises SecureAggregationError if it fails.
+
+    ``stop_at``: return as soon as that stage is open (its requests not yet sent).
+
+    ``drop_at[c] = stage``: client c vanishes instead of answering that stage.
+    ``tamper_request`` / ``tamper_reply`` may replace a message in flight.
+    """
+    drop_at = drop_at or {}
+    server = rnd.server
+    while server.status is SecAggStatus.RUNNING and server.stage is not stop_at:
+        stage = server.stage
+        for cid in sorted(server.pending()):
+            if drop_at.get(cid) == stage:
+                server.drop(cid)
+                continue
+            request = server.request_for(cid)
+            if tamper_request is not None:
+                request = tamper_request(stage, cid, request)
+            vector, num_examples = rnd.inputs[cid]
+            try:
+                reply = rnd.clients[cid].handle(request, vector=vector,
+                                                num_examples=num_examples)
+            except SecureAggregationError as exc:
+                rnd.refusals[cid] = str(exc)
+                server.drop(cid)
+                continue
+            if tamper_reply is not None:
+                reply = tamper_reply(stage, cid, reply)
+            rnd.transcript.append((stage, cid, request, reply))
+            try:
+                server.receive(cid, reply)
+            except MessageRejectedError as exc:
+                rnd.rejections[cid] = f"{exc.reason}: {exc}"
+                server.drop(cid)
+        server.advance()
+    return rnd
+
+
+def plaintext_mean(config: SecAggConfig, inputs: Mapping[str, tuple[np.ndarray, int]],
+                   survivors: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, float]:
+    """The reference: (weighted mean, weighted sum, total weight) over the survivors."""
+    weighted = sum(np.clip(inputs[c][0], -config.clip_range, config.clip_range)
+                   * (inputs[c][1] / config.max_weight) for c in survivors)
+    total = sum(inputs[c][1] / config.max_weight for c in survivors)
+    assert isinstance(weighted, np.ndarray)
+    return weighted / total, weighted, float(total)

@@ -1,0 +1,69 @@
+"""The public surface of fedloom.secagg, and the import walls of every secagg module."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import fedloom.secagg
+
+ROOT = Path(__file__).resolve().parents[2]
+SECAGG_FILES = [
+    *sorted((ROOT / "fedloom" / "secagg").glob("*.py")),
+    *sorted((ROOT / "server").glob("*secagg*.py")),
+    *sorted((ROOT / "client_sdk").glob("*secagg*.py")),
+]
+
+EXPORTED = {
+    "MASK_NONCE", "PRIME", "SEALED_SHARE_BYTES", "SHARE_BYTES", "STAGE_OF",
+    "AdvertiseKeysRequest", "AdvertisedKeys", "EncryptedShare", "MaskExpander",
+    "MaskedInputReply", "MaskedInputRequest", "RevealedShare", "RoundId", "RoundSetup",
+    "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareKeysReply", "ShareKeysRequest",
+    "Stage", "UnmaskReply", "UnmaskRequest", "agree", "ceil_log2", "chacha20_keystream",
+    "commit_self_mask", "dequantize", "derive_mask_seed", "derive_share_key", "expand_mask",
+    "flatten", "generate_private_key", "neighbour_graph", "new_seed", "open_share",
+    "private_bytes", "private_key_from_bytes", "public_bytes", "quantize", "reconstruct",
+    "ring_offsets", "ring_order", "seal_share", "split", "unflatten",
+}
+
+
+def test_exported_names_are_pinned() -> None:
+    assert set(fedloom.secagg.__all__) == EXPORTED
+    assert all(hasattr(fedloom.secagg, name) for name in EXPORTED)
+
+
+def test_stage_names_are_the_wire_names() -> None:
+    assert [str(s) for s in fedloom.secagg.Stage] == [
+        "advertise_keys", "share_keys", "masked_input", "unmask"]
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_import_walls() -> None:
+    forbidden = ("grpc", "google", "torch", "flwr", "asyncio", "threading")
+    for path in SECAGG_FILES:
+        for name in _imports(path):
+            assert not name.startswith(forbidden), f"{path.name} imports {name}"
+            if name.startswith("fedloom."):
+                allowed: tuple[str, ...] = ("fedloom.secagg", "fedloom.errors",
+                                            "fedloom.weights")
+                if path.parent.name == "server":
+                    allowed += ("fedloom.server.secagg",)
+                assert name.startswith(allowed), f"{path.name} imports {name}"
+    assert len(SECAGG_FILES) >= 10
+
+
+def test_kernel_package_loads_without_transport_or_ml_libraries() -> None:
+    code = ("import sys, fedloom.secagg; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('grpc', 'google', 'torch', 'flwr')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,234 @@
+"""The SecAgg+ round on the in-process state machines: correctness and dropouts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from secagg_driver import Round, ids_of, make_inputs, plaintext_mean, run, setup_round
+
+from fedloom import ClientUpdate, Weights
+from fedloom.errors import SecureAggregationError
+from fedloom.secagg import (
+    AdvertisedKeys,
+    MaskedInputReply,
+    RoundId,
+    SecAggConfig,
+    Stage,
+    UnmaskReply,
+    commit_self_mask,
+    private_key_from_bytes,
+    public_bytes,
+)
+from fedloom.server.secagg import SecAggStatus
+from fedloom.server.secagg_unmask import reconstruct_checked
+from fedloom.strategies import WeightedMeanAggregator
+
+CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
+                      max_weight=100.0, max_participants=64)
+
+
+def assert_matches_plaintext(config: SecAggConfig, rnd: Round,
+                             survivors: Sequence[str]) -> None:
+    result = rnd.server.result
+    assert result.survivors == tuple(sorted(survivors))
+    mean, weighted, weight = plaintext_mean(config, rnd.inputs, result.survivors)
+    n = len(survivors)
+    # at most one quantum per client per coordinate (clipping aside) ...
+    err_sum = n * config.quantum
+    err_weight = n / config.levels
+    assert np.abs(result.weighted_sum - weighted).max() <= err_sum * (1 + 1e-9)
+    assert abs(result.total_weight - weight) <= err_weight * (1 + 1e-9)
+    # ... and for the mean (A + ea) / (W + ew) - A / W, bounded by the two errors
+    bound = (err_sum + np.abs(mean) * err_weight) / (weight - err_weight)
+    assert (np.abs(result.mean - mean) <= bound * (1 + 1e-9)).all()
+
+
+def test_round_without_dropouts_equals_the_plaintext_weighted_mean() -> None:
+    ids = ids_of(10)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 40, scale=2.0)))
+    assert rnd.server.status is SecAggStatus.SUCCEEDED
+    assert_matches_plaintext(CONFIG, rnd, ids)
+    assert rnd.server.result.dropped == ()
+    assert rnd.server.result.total_examples == pytest.approx(
+        sum(n for _, n in rnd.inputs.values()), abs=10 * CONFIG.max_weight / CONFIG.levels)
+
+
+def test_mean_agrees_with_fedlooms_plain_weighted_mean_aggregator() -> None:
+    """Oracle: the streaming FedAvg aggregator over the clipped deltas, weighted by
+    num_examples, gives the same mean to within the quantization error."""
+    ids = ids_of(9)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 30, scale=0.5)))
+    aggregator = WeightedMeanAggregator()
+    aggregator.start(Weights({"w": np.zeros(30)}))
+    for cid, (vec, n) in rnd.inputs.items():
+        delta = Weights({"w": np.clip(vec, -3.0, 3.0)})
+        aggregator.accumulate(ClientUpdate(cid, delta, n, base_round=0))
+    plain = aggregator.finalize().delta
+    assert plain is not None
+    assert np.allclose(rnd.server.result.mean, plain["w"], atol=20 * CONFIG.quantum)
+
+
+@pytest.mark.parametrize("stage", list(Stage))
+@pytest.mark.parametrize("count", [1, 2])
+def test_dropouts_at_each_stage(stage: Stage, count: int) -> None:
+    """``stage`` is the first stage the client does not answer: advertise_keys (never
+    joined), share_keys (after advertising keys), masked_input (after sharing keys),
+    unmask (after its masked input, which then stays in the sum)."""
+    ids = ids_of(12)
+    gone = ids[3 : 3 + count]
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 25, seed=count)),
+              drop_at=dict.fromkeys(gone, stage))
+    survivors = ids if stage is Stage.UNMASK else [c for c in ids if c not in gone]
+    assert_matches_plaintext(CONFIG, rnd, survivors)
+    masks_removed = tuple(gone) if stage is Stage.MASKED_INPUT else ()
+    assert rnd.server.result.dropped == masks_removed
+
+
+def test_dropouts_at_every_stage_in_one_round() -> None:
+    config = SecAggConfig(enabled=True, neighbours=10, threshold=6, clip_range=1.0, bits=20,
+                          max_weight=100.0, max_participants=64)
+    ids = ids_of(16)
+    drops = {ids[1]: Stage.ADVERTISE_KEYS, ids[5]: Stage.SHARE_KEYS,
+             ids[9]: Stage.MASKED_INPUT, ids[13]: Stage.UNMASK}
+    rnd = run(setup_round(config, make_inputs(ids, 20, seed=4)), drop_at=drops)
+    assert_matches_plaintext(config, rnd, [c for c in ids if c not in (ids[1], ids[5], ids[9])])
+
+
+@pytest.mark.parametrize("stage", [Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK])
+def test_too_few_survivors_fail_cleanly(stage: Stage) -> None:
+    ids = ids_of(8)
+    rnd = setup_round(CONFIG, make_inputs(ids, 10))
+    with pytest.raises(SecureAggregationError, match="failed"):
+        run(rnd, drop_at=dict.fromkeys(ids[:4], stage))
+    assert rnd.server.status is SecAggStatus.FAILED and rnd.server.failure
+    with pytest.raises(SecureAggregationError, match="no result"):
+        _ = rnd.server.result
+
+
+def test_clients_with_too_few_neighbours_left_are_pruned_not_fatal() -> None:
+    """k = 6, t = 4: three neighbours of one client never advertise keys, so it cannot
+    share its secrets t-of-k; the server leaves it out and the others finish."""
+    ids = ids_of(30)
+    rnd = setup_round(CONFIG, make_inputs(ids, 10))
+    victim = ids[0]
+    gone = sorted(rnd.server.graph[victim])[:3]
+    run(rnd, drop_at=dict.fromkeys(gone, Stage.ADVERTISE_KEYS))
+    survivors = rnd.server.result.survivors
+    assert victim not in survivors and len(survivors) >= 20
+    assert victim not in rnd.refusals  # it was simply not asked to share keys
+    assert_matches_plaintext(CONFIG, rnd, survivors)
+
+
+def _unmask_shares(rnd: Round, kind: str) -> dict[str, dict[int, bytes]]:
+    out: dict[str, dict[int, bytes]] = {}
+    for _, cid, _, reply in rnd.transcript:
+        if isinstance(reply, UnmaskReply):
+            x = rnd.server.setup.x_coordinate(cid)
+            for share in getattr(reply, kind):
+                out.setdefault(share.owner, {})[x] = share.value
+    return out
+
+
+def test_every_threshold_sized_subset_of_revealed_shares_reconstructs() -> None:
+    """k = 10, t = 6 over 11 clients (each neighbours all 10 others); one client drops
+    after sharing keys. Its mask key is reconstructed from each of the 210 six-subsets
+    of the 10 survivors' shares, a survivor's self-mask seed from each of the 84
+    six-subsets of its 9 surviving neighbours' shares; no five-subset reconstructs."""
+    config = SecAggConfig(enabled=True, neighbours=10, threshold=6, clip_range=1.0, bits=20,
+                          max_weight=100.0, max_participants=64)
+    ids = ids_of(11)
+    rnd = run(setup_round(config, make_inputs(ids, 8)), drop_at={ids[0]: Stage.MASKED_INPUT})
+    setup = rnd.server.setup
+    keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
+    key_shares = _unmask_shares(rnd, "mask_key_shares")[ids[0]]
+    seed_shares = _unmask_shares(rnd, "self_mask_shares")[ids[1]]
+    assert len(key_shares) == 10 and len(seed_shares) == 9
+
+    def is_key(secret: bytes) -> bool:
+        return public_bytes(private_key_from_bytes(secret)) == keys[ids[0]].mask_public_key
+
+    def is_seed(secret: bytes) -> bool:
+        return commit_self_mask(setup, ids[1], secret) == keys[ids[1]].self_mask_commitment
+
+    for shares, check, size in ((key_shares, is_key, 210), (seed_shares, is_seed, 84)):
+        subsets = list(itertools.combinations(sorted(shares.items()), 6))
+        assert len(subsets) == size
+        for subset in subsets:
+            reconstruct_checked(dict(subset), 6, check, "test")
+        for subset in itertools.combinations(sorted(shares.items()), 5):
+            with pytest.raises(SecureAggregationError):
+                reconstruct_checked(dict(subset), 6, check, "test")
+    assert_matches_plaintext(config, rnd, ids[1:])
+
+
+def test_restarted_round_uses_a_new_attempt_and_fresh_masks() -> None:
+    ids = ids_of(8)
+    inputs = make_inputs(ids, 16)
+    first = setup_round(CONFIG, inputs)
+    with pytest.raises(SecureAggregationError):
+        run(first, drop_at=dict.fromkeys(ids[:5], Stage.UNMASK))  # the attempt fails late
+    second = setup_round(CONFIG, inputs, round_id=RoundId("run-1", 1, 1), clients=first.clients)
+    run(second)
+    assert_matches_plaintext(CONFIG, second, ids)
+
+    def sent(rnd: Round, kind: type) -> dict[str, Any]:
+        return {c: r for _, c, _, r in rnd.transcript if isinstance(r, kind)}
+
+    a, b = sent(first, AdvertisedKeys), sent(second, AdvertisedKeys)
+    for cid in ids:
+        assert a[cid].mask_public_key != b[cid].mask_public_key
+        assert a[cid].cipher_public_key != b[cid].cipher_public_key
+        assert a[cid].self_mask_commitment != b[cid].self_mask_commitment
+    ma, mb = sent(first, MaskedInputReply), sent(second, MaskedInputReply)
+    for cid in ids:  # same input, unrelated masked vectors
+        assert (ma[cid].masked != mb[cid].masked).mean() > 0.9
+
+
+def test_identical_retries_are_idempotent_on_both_sides() -> None:
+    ids = ids_of(8)
+    rnd = setup_round(CONFIG, make_inputs(ids, 12))
+    server = rnd.server
+    while server.status is SecAggStatus.RUNNING:
+        for cid in sorted(server.pending()):
+            request = server.request_for(cid)
+            vec, n = rnd.inputs[cid]
+            reply = rnd.clients[cid].handle(request, vector=vec, num_examples=n)
+            again = rnd.clients[cid].handle(request, vector=vec, num_examples=n)
+            assert again is reply  # the cached reply, nothing recomputed or re-revealed
+            server.receive(cid, reply)
+            server.receive(cid, reply)  # a retried push: not counted twice
+        server.advance()
+    assert_matches_plaintext(CONFIG, rnd, ids)
+
+
+def test_unmask_can_finish_early_once_every_secret_has_t_shares() -> None:
+    ids = ids_of(12)
+    rnd = setup_round(CONFIG, make_inputs(ids, 10))
+    server = rnd.server
+    for _ in range(3):
+        for cid in sorted(server.pending()):
+            vec, n = rnd.inputs[cid]
+            server.receive(cid, rnd.clients[cid].handle(server.request_for(cid), vector=vec,
+                                                        num_examples=n))
+        server.advance()
+    assert server.stage is Stage.UNMASK and not server.can_finish()
+    for cid in sorted(server.pending()):
+        if server.can_finish():
+            break
+        server.receive(cid, rnd.clients[cid].handle(server.request_for(cid)))
+    assert server.can_finish()
+    server.advance()
+    assert_matches_plaintext(CONFIG, rnd, ids)
+
+
+def test_a_weight_claim_above_max_weight_is_refused_by_the_client() -> None:
+    ids = ids_of(10)
+    inputs = make_inputs(ids, 10)
+    inputs[ids[2]] = (inputs[ids[2]][0], 101)  # max_weight is 100
+    rnd = run(setup_round(CONFIG, inputs))
+    assert "max_weight" in rnd.refusals[ids[2]]
+    assert_matches_plaintext(CONFIG, rnd, [c for c in ids if c != ids[2]])

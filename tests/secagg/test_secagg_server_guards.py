@@ -1,0 +1,135 @@
+"""The server drops bad replies without crashing the round."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from secagg_driver import Hook, ids_of, make_inputs, run, setup_round
+
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.secagg import (
+    AdvertisedKeys,
+    MaskedInputReply,
+    RoundId,
+    SecAggConfig,
+    ShareKeysReply,
+    Stage,
+    UnmaskReply,
+)
+
+CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
+                      max_weight=100.0, max_participants=64)
+
+
+def _bad_masked(how: str) -> Hook:
+    def hook(stage: Stage, cid: str, reply: Any) -> Any:
+        if stage is not Stage.MASKED_INPUT or cid != "client-003":
+            return reply
+        masked = reply.masked
+        if how == "short":
+            return MaskedInputReply(reply.round_id, cid, masked[:-1])
+        if how == "long":
+            return MaskedInputReply(reply.round_id, cid, np.append(masked, np.uint32(7)))
+        if how == "dtype":
+            return MaskedInputReply(reply.round_id, cid, masked.astype(np.int64))
+        if how == "2d":
+            return MaskedInputReply(reply.round_id, cid, masked.reshape(1, -1))
+        if how == "round":
+            return MaskedInputReply(RoundId("run-1", 2, 0), cid, masked)
+        if how == "attempt":
+            return MaskedInputReply(RoundId("run-1", 1, 1), cid, masked)
+        if how == "impersonation":
+            return MaskedInputReply(reply.round_id, "client-004", masked)
+        raise AssertionError(how)
+    return hook
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("short", "invalid"), ("long", "invalid"), ("dtype", "invalid"), ("2d", "invalid"),
+     ("round", "stale"), ("attempt", "stale"), ("impersonation", "forbidden")],
+)
+def test_bad_masked_input_is_dropped_and_the_round_completes(how: str, reason: str) -> None:
+    ids = ids_of(10)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 9)), tamper_reply=_bad_masked(how))
+    assert rnd.rejections["client-003"].startswith(reason)
+    assert "client-003" not in rnd.server.result.survivors
+    assert rnd.server.result.dropped == ("client-003",)
+    assert len(rnd.server.result.survivors) == 9
+
+
+def test_rejection_reasons() -> None:
+    ids = ids_of(8)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 5)), stop_at=Stage.MASKED_INPUT)
+    server = rnd.server
+    cid = ids[0]
+    vec, n = rnd.inputs[cid]
+    reply = rnd.clients[cid].handle(server.request_for(cid), vector=vec, num_examples=n)
+    assert isinstance(reply, MaskedInputReply)
+
+    def reason_of(client_id: str, message: Any) -> RejectReason:
+        with pytest.raises(MessageRejectedError) as info:
+            server.receive(client_id, message)
+        return info.value.reason
+
+    short = MaskedInputReply(reply.round_id, cid, reply.masked[:-1])
+    assert reason_of(cid, short) is RejectReason.INVALID
+    assert reason_of(ids[1], reply) is RejectReason.FORBIDDEN  # in another's name
+    stale = MaskedInputReply(RoundId("run-1", 0, 0), cid, reply.masked)
+    assert reason_of(cid, stale) is RejectReason.STALE
+    wrong_stage = UnmaskReply(reply.round_id, cid, (), ())
+    assert reason_of(cid, wrong_stage) is RejectReason.STALE
+    server.receive(cid, reply)
+    server.receive(cid, reply)  # identical retry: fine
+    changed = MaskedInputReply(reply.round_id, cid, reply.masked ^ np.uint32(1))
+    assert reason_of(cid, changed) is RejectReason.CONFLICT
+    late_request = server.request_for(ids[1])
+    late = rnd.clients[ids[1]].handle(late_request, vector=rnd.inputs[ids[1]][0],
+                                      num_examples=rnd.inputs[ids[1]][1])
+    server.drop(ids[1])  # its stream ended before the reply arrived
+    assert reason_of(ids[1], late) is RejectReason.STALE
+    for c in sorted(server.pending()):
+        v, k = rnd.inputs[c]
+        server.receive(c, rnd.clients[c].handle(server.request_for(c), vector=v,
+                                                num_examples=k))
+    server.advance()  # survivors published: no masked input is taken any more
+    assert reason_of(cid, reply) is RejectReason.STALE
+
+
+def test_stale_keys_and_shares_are_rejected() -> None:
+    ids = ids_of(8)
+    rnd = setup_round(CONFIG, make_inputs(ids, 5))
+    server = rnd.server
+    keys = [rnd.clients[c].handle(server.request_for(c)) for c in ids]
+    for c, k in zip(ids, keys, strict=True):
+        server.receive(c, k)
+    first, second = keys[0], keys[1]
+    assert isinstance(first, AdvertisedKeys) and isinstance(second, AdvertisedKeys)
+    with pytest.raises(MessageRejectedError) as info:
+        server.receive(ids[1], dataclasses.replace(second, mask_public_key=first.mask_public_key))
+    assert info.value.reason is RejectReason.CONFLICT  # ids[1] already answered differently
+    server.advance()
+    share = rnd.clients[ids[0]].handle(server.request_for(ids[0]))
+    assert isinstance(share, ShareKeysReply)
+    missing_one = ShareKeysReply(share.round_id, share.client_id, share.shares[1:])
+    with pytest.raises(MessageRejectedError) as info:
+        server.receive(ids[0], missing_one)
+    assert info.value.reason is RejectReason.INVALID
+
+
+def test_duplicate_public_keys_across_clients_are_rejected() -> None:
+    ids = ids_of(8)
+    rnd = setup_round(CONFIG, make_inputs(ids, 5))
+    server = rnd.server
+    first = rnd.clients[ids[0]].handle(server.request_for(ids[0]))
+    second = rnd.clients[ids[1]].handle(server.request_for(ids[1]))
+    assert isinstance(first, AdvertisedKeys) and isinstance(second, AdvertisedKeys)
+    server.receive(ids[0], first)
+    copied = dataclasses.replace(second, cipher_public_key=first.cipher_public_key)
+    with pytest.raises(MessageRejectedError) as info:
+        server.receive(ids[1], copied)
+    assert info.value.reason is RejectReason.INVALID
+    server.receive(ids[1], second)  # the client's own keys are still welcome

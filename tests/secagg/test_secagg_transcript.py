@@ -1,0 +1,153 @@
+"""The server's transcript of a round does not reveal any one client's input.
+
+Everything below is computed from the transcript alone (what the server sent and
+received): the setup, the advertised keys, the relayed ciphertexts, the masked inputs
+and the unmask replies. The server legitimately learns every survivor's self-mask
+seed and every dropped client's mask key; what it cannot remove from a survivor's
+masked input are the pairwise masks shared with other survivors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from secagg_driver import Round, ids_of, make_inputs, run, setup_round
+
+from fedloom.errors import SecureAggregationError
+from fedloom.secagg import (
+    AdvertisedKeys,
+    AdvertiseKeysRequest,
+    MaskedInputReply,
+    MaskExpander,
+    RoundId,
+    SecAggConfig,
+    Stage,
+    UnmaskReply,
+    agree,
+    commit_self_mask,
+    derive_mask_seed,
+    neighbour_graph,
+    private_key_from_bytes,
+    public_bytes,
+    quantize,
+)
+from fedloom.server.secagg_unmask import matches_public_key, reconstruct_checked
+
+CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=1.0, bits=20,
+                      max_weight=100.0, max_participants=64)
+LENGTH = 4096
+VICTIM = "client-005"
+
+
+def _round(victim_value: float, attempt: int = 0) -> Round:
+    ids = ids_of(10)
+    inputs = make_inputs(ids, LENGTH, seed=attempt)
+    inputs[VICTIM] = (np.full(LENGTH, victim_value), 100)
+    rnd = setup_round(CONFIG, inputs, round_id=RoundId("run-1", 1, attempt))
+    return run(rnd, drop_at={"client-001": Stage.MASKED_INPUT})
+
+
+def _server_view_residual(rnd: Round, victim: str) -> np.ndarray:
+    """y_victim minus every mask the transcript lets the server remove."""
+    setup = next(r.setup for _, _, r, _ in rnd.transcript if isinstance(r, AdvertiseKeysRequest))
+    graph = neighbour_graph(setup)
+    keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
+    masked = {r.client_id: r.masked for _, _, _, r in rnd.transcript
+              if isinstance(r, MaskedInputReply)}
+    seed_shares: dict[str, dict[int, bytes]] = {}
+    key_shares: dict[str, dict[int, bytes]] = {}
+    for _, cid, _, reply in rnd.transcript:
+        if isinstance(reply, UnmaskReply):
+            x = setup.x_coordinate(cid)
+            for s in reply.self_mask_shares:
+                seed_shares.setdefault(s.owner, {})[x] = s.value
+            for s in reply.mask_key_shares:
+                key_shares.setdefault(s.owner, {})[x] = s.value
+    # the transcript holds no mask-key share of any survivor, no seed share of a dropout
+    assert not set(key_shares) & set(masked)
+    assert set(seed_shares) <= set(masked)
+    residual = masked[victim].copy()
+    expander = MaskExpander(setup.masked_length)
+    seed = reconstruct_checked(
+        seed_shares[victim], setup.threshold,
+        lambda b: commit_self_mask(setup, victim, b) == keys[victim].self_mask_commitment,
+        "seed")
+    expander.subtract_from(residual, seed)
+    for u, shares in key_shares.items():
+        if u not in graph[victim]:
+            continue
+        key = private_key_from_bytes(reconstruct_checked(
+            shares, setup.threshold, matches_public_key(keys[u].mask_public_key), "key"))
+        pair = derive_mask_seed(agree(key, keys[victim].mask_public_key), setup, u, victim)
+        if victim < u:
+            expander.subtract_from(residual, pair)
+        else:
+            expander.add_to(residual, pair)
+    # the survivors' pairwise masks with the victim cannot be removed: their mask keys
+    # were never revealed, so reconstruction fails for every one of them
+    for v in graph[victim] & set(masked):
+        with pytest.raises(SecureAggregationError, match="0 shares revealed"):
+            reconstruct_checked(key_shares.get(v, {}), setup.threshold, lambda s: True, "key")
+    return residual
+
+
+def _top_byte_chi2(values: np.ndarray) -> float:
+    counts = np.bincount((values >> 24).astype(np.int64), minlength=256)
+    expected = len(values) / 256
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_residual_after_removing_all_removable_masks_hides_the_input() -> None:
+    rnd = _round(0.0)
+    assert VICTIM in rnd.server.result.survivors and "client-001" in rnd.server.result.dropped
+    residual = _server_view_residual(rnd, VICTIM)
+    plain = quantize(np.zeros(LENGTH), 1.0, 1.0, CONFIG.bits, np.random.default_rng(0))
+    # q(0) is about 2**19 in every coordinate; the residual is spread over all of Z_2^32:
+    # it lands in the 2**20-wide range of a quantized value about 4096 * 2**-12 = 1 times
+    assert int((residual < 2**CONFIG.bits).sum()) < 12
+    assert not np.array_equal(residual[:-1] >> 20, plain[:-1] >> 20)
+    assert _top_byte_chi2(residual) < 400  # uniform: 255 dof, p < 1e-8 beyond 400
+
+
+def test_masked_inputs_of_different_inputs_are_identically_distributed() -> None:
+    """The victim contributes all -1 in one attempt and all +1 in another (the extreme
+    ends of the clip range); its masked vectors are both uniform, and a two-sample
+    chi-square test on their top bytes does not tell them apart."""
+    low = next(r.masked for _, c, _, r in _round(-1.0, attempt=0).transcript
+               if c == VICTIM and isinstance(r, MaskedInputReply))
+    high = next(r.masked for _, c, _, r in _round(1.0, attempt=1).transcript
+                if c == VICTIM and isinstance(r, MaskedInputReply))
+    a = np.bincount((low >> 24).astype(np.int64), minlength=256).astype(float)
+    b = np.bincount((high >> 24).astype(np.int64), minlength=256).astype(float)
+    two_sample = float((((a - b) ** 2) / np.maximum(a + b, 1)).sum())
+    assert two_sample < 400
+    assert _top_byte_chi2(low) < 400 and _top_byte_chi2(high) < 400
+    # while the unmasked quantized inputs are worlds apart
+    q_low = quantize(np.full(LENGTH, -1.0), 1.0, 1.0, CONFIG.bits, np.random.default_rng(0))
+    q_high = quantize(np.full(LENGTH, 1.0), 1.0, 1.0, CONFIG.bits, np.random.default_rng(0))
+    assert (q_high[:-1] - q_low[:-1] == 2**CONFIG.bits - 1).all()
+
+
+def test_t_minus_1_colluding_neighbours_cannot_unmask_a_survivor() -> None:
+    """t - 1 = 3 of the victim's neighbours pool the shares they hold with the server's
+    transcript: the victim's mask key stays out of reach."""
+    ids = ids_of(10)
+    rnd = setup_round(CONFIG, make_inputs(ids, 64))
+    run(rnd, stop_at=Stage.UNMASK)
+    server = rnd.server
+    colluders = sorted(server.graph[VICTIM])[: CONFIG.threshold - 1]
+    pooled = {server.setup.x_coordinate(c): rnd.clients[c]._attempt.held[VICTIM][0]  # type: ignore[union-attr]
+              for c in colluders}
+    keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
+    assert len(pooled) == CONFIG.threshold - 1
+    with pytest.raises(SecureAggregationError):
+        reconstruct_checked(pooled, CONFIG.threshold,
+                            lambda s: public_bytes(private_key_from_bytes(s))
+                            == keys[VICTIM].mask_public_key, "collusion")
+    # nor by pretending the threshold were t - 1 (the interpolation misses the secret)
+    with pytest.raises(SecureAggregationError):
+        reconstruct_checked(pooled, CONFIG.threshold - 1,
+                            lambda s: public_bytes(private_key_from_bytes(s))
+                            == keys[VICTIM].mask_public_key, "collusion")
+    run(rnd)  # the round itself still completes
+    assert VICTIM in rnd.server.result.survivors
