@@ -287,7 +287,7 @@ class SecAggServer:
                           f"a masked input is uint32[{self.setup.masked_length}], got "
                           f"{masked.dtype}{list(masked.shape)}")
         np.add(self._total, masked, out=self._total)
-        self._digests[reply.client_id] = hashlib.sha256(masked.tobytes()).digest()
+        self._digests[reply.client_id] = _digest(masked)
 
     def _take_unmask(self, reply: UnmaskReply) -> None:
         request = self.request_for(reply.client_id)
@@ -356,7 +356,7 @@ class SecAggServer:
         if isinstance(reply, ShareKeysReply):
             return self._sealed.get(client_id) == reply
         if isinstance(reply, MaskedInputReply):
-            return self._digests.get(client_id) == hashlib.sha256(reply.masked.tobytes()).digest()
+            return self._digests.get(client_id) == _digest(reply.masked)
         return self._unmask_replies.get(client_id) == reply
 
     def _check_running(self) -> None:
@@ -367,6 +367,11 @@ class SecAggServer:
         self.status, self.failure = SecAggStatus.FAILED, why
         self._total = np.zeros(0, dtype=np.uint32)
         raise SecureAggregationError(f"secure aggregation of {self.setup.round_id} failed: {why}")
+
+
+def _digest(masked: np.ndarray) -> bytes:
+    """SHA-256 of a masked vector (to recognise an identical retry), without a copy."""
+    return hashlib.sha256(np.ascontiguousarray(masked).data.cast("B")).digest()
 
 
 def _check_owners(shares: Iterable[RevealedShare], wanted: tuple[str, ...], kind: str) -> None:

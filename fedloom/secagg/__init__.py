@@ -32,7 +32,7 @@ Threat model (what it protects, and against whom):
   privacy for that).
 """
 
-from fedloom.secagg._config import SecAggConfig, ceil_log2
+from fedloom.secagg._config import SecAggConfig, ceil_log2, dropout_failure_bound
 from fedloom.secagg._crypto import (
     agree,
     commit_self_mask,
@@ -102,6 +102,7 @@ __all__ = [
     "dequantize",
     "derive_mask_seed",
     "derive_share_key",
+    "dropout_failure_bound",
     "expand_mask",
     "flatten",
     "generate_private_key",

@@ -37,14 +37,15 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
         raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
     levels = float((1 << bits) - 1)
     n = values.shape[0]
+    # (w * z + c) * L / (2c) = z * (w * L / (2c)) + L / 2, then + U and floor
     scaled = np.empty(n + 1, dtype=np.float64)
+    noise = rng.random(n + 1)
     body = scaled[:n]
     np.clip(values, -clip_range, clip_range, out=body)
-    body *= weight
-    body += clip_range
-    body *= levels / (2.0 * clip_range)
+    body *= weight * levels / (2.0 * clip_range)
+    body += levels / 2.0
     scaled[n] = weight * levels
-    scaled += rng.random(n + 1)
+    scaled += noise
     np.floor(scaled, out=scaled)
     np.minimum(scaled, levels, out=scaled)  # float rounding at the top edge
     return scaled.astype(np.uint32)

@@ -8,7 +8,7 @@ import pytest
 
 from fedloom.config import from_mapping
 from fedloom.errors import ConfigError, MessageRejectedError, SecureAggregationError
-from fedloom.secagg import RoundId, RoundSetup, SecAggConfig
+from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, dropout_failure_bound
 
 
 def test_defaults_are_valid_and_documented_values() -> None:
@@ -89,3 +89,14 @@ def test_round_setup_refuses_bad_parameters_from_the_wire() -> None:
     with pytest.raises(MessageRejectedError, match="at least 4"):
         RoundSetup(good.round_id, good.participants[:3], 4, 3, 8.0, 22, 10.0, 10,
                    good.graph_seed)
+
+
+def test_dropout_failure_bound() -> None:
+    # 5 clients, 4 neighbours each, t = 3, 10% dropout: a client fails when >= 2 of its
+    # 4 neighbours vanish: P = 1 - 0.9**4 - 4 * 0.1 * 0.9**3 = 0.0523; union over 5
+    assert dropout_failure_bound(5, 4, 3, 0.1) == pytest.approx(5 * (1 - 0.9**4 - 0.4 * 0.9**3))
+    # the degree is capped at n - 1 (a complete graph)
+    assert dropout_failure_bound(5, 10, 3, 0.1) == dropout_failure_bound(5, 4, 3, 0.1)
+    assert dropout_failure_bound(5, 10, 6, 0.1) == 1.0  # t above the degree
+    assert dropout_failure_bound(100, 30, 16, 0.2) < dropout_failure_bound(100, 20, 11, 0.2)
+    assert dropout_failure_bound(50, 10, 6, 0.0) == 0.0
