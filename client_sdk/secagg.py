@@ -32,7 +32,8 @@ Example, one attempt (``reply`` goes back to the server)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -71,6 +72,13 @@ from fedloom.secagg import (
     split,
 )
 
+_R = TypeVar("_R")
+
+
+class _NotThisAttempt(SecureAggregationError):
+    """A request for another (older, used or foreign) round attempt."""
+
+
 _ORDER = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
 
 
@@ -80,7 +88,7 @@ class _Attempt:
 
     setup: RoundSetup
     graph_neighbours: frozenset[str]
-    cipher_key: X25519PrivateKey
+    cipher_key: X25519PrivateKey | None
     mask_key: X25519PrivateKey | None
     self_mask_seed: bytes | None
     roster: dict[str, AdvertisedKeys] = dataclasses.field(default_factory=dict)
@@ -132,8 +140,38 @@ class SecAggClient:
         self._attempt = None
 
     # -- stages ---------------------------------------------------------------------
+    # Each refusal ends the current attempt (its secrets are erased), except for a request
+    # that does not belong to the current attempt at all (stale or foreign): that one is
+    # refused and the attempt in progress goes on.
 
     def advertise_keys(self, request: AdvertiseKeysRequest) -> AdvertisedKeys:
+        """Stage advertise_keys: fresh key pairs and self-mask seed for this attempt."""
+        return self._guarded(self._advertise_keys, request)
+
+    def share_keys(self, request: ShareKeysRequest) -> ShareKeysReply:
+        """Stage share_keys: Shamir-share the mask key and seed, sealed per neighbour."""
+        return self._guarded(self._share_keys, request)
+
+    def masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
+                     num_examples: int) -> MaskedInputReply:
+        """Stage masked_input: open the neighbours' shares, mask the weighted update."""
+        return self._guarded(self._masked_input, request, vector, num_examples)
+
+    def unmask(self, request: UnmaskRequest) -> UnmaskReply:
+        """Stage unmask: reveal survivors' seed shares and dropped clients' key shares."""
+        return self._guarded(self._unmask, request)
+
+    def _guarded(self, stage: Callable[..., _R], *args: Any) -> _R:
+        try:
+            return stage(*args)
+        except _NotThisAttempt:
+            raise
+        except SecureAggregationError:
+            self.abort()
+            raise
+
+
+    def _advertise_keys(self, request: AdvertiseKeysRequest) -> AdvertisedKeys:
         setup = request.setup
         rid = setup.round_id
         current = self._attempt
@@ -142,35 +180,30 @@ class SecAggClient:
             return self._replay(current, Stage.ADVERTISE_KEYS, request)  # type: ignore[return-value]
         key = (rid.run_id, rid.server_round)
         if rid.attempt <= self._latest.get(key, -1):
-            self._refuse(f"round {rid.server_round} attempt {rid.attempt} was already used or "
+            self._ignore(f"round {rid.server_round} attempt {rid.attempt} was already used or "
                          "is older than one seen; a restarted round needs a new attempt id")
         if self.client_id not in setup.participants:
-            self._refuse("this client is not among the round's participants")
+            self._ignore("this client is not among the round's participants")
         if self.policy is not None:
             self._check_policy(setup)
         self.abort()  # a new attempt supersedes any older one
         self._latest[key] = rid.attempt
-        attempt = _Attempt(
-            setup=setup,
-            graph_neighbours=neighbour_graph(setup)[self.client_id],
-            cipher_key=generate_private_key(),
-            mask_key=generate_private_key(),
-            self_mask_seed=new_seed(),
-        )
-        assert attempt.mask_key is not None and attempt.self_mask_seed is not None
+        cipher_key, mask_key, seed = generate_private_key(), generate_private_key(), new_seed()
+        attempt = _Attempt(setup=setup,
+                           graph_neighbours=neighbour_graph(setup)[self.client_id],
+                           cipher_key=cipher_key, mask_key=mask_key, self_mask_seed=seed)
         reply = AdvertisedKeys(
             round_id=rid,
             client_id=self.client_id,
-            cipher_public_key=public_bytes(attempt.cipher_key),
-            mask_public_key=public_bytes(attempt.mask_key),
-            self_mask_commitment=commit_self_mask(setup, self.client_id,
-                                                  attempt.self_mask_seed),
+            cipher_public_key=public_bytes(cipher_key),
+            mask_public_key=public_bytes(mask_key),
+            self_mask_commitment=commit_self_mask(setup, self.client_id, seed),
         )
         self._attempt = attempt
         attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
         return reply
 
-    def share_keys(self, request: ShareKeysRequest) -> ShareKeysReply:
+    def _share_keys(self, request: ShareKeysRequest) -> ShareKeysReply:
         attempt = self._enter(Stage.SHARE_KEYS, request)
         if isinstance(attempt, ShareKeysReply):
             return attempt
@@ -199,6 +232,7 @@ class SecAggClient:
         seed_shares = split(attempt.self_mask_seed, threshold, xs)
         sealed = []
         for v, key_share, seed_share in zip(receivers, key_shares, seed_shares, strict=True):
+            assert attempt.cipher_key is not None
             shared = agree(attempt.cipher_key, roster[v].cipher_public_key)
             nonce, ciphertext = seal_share(derive_share_key(shared, setup, self.client_id, v),
                                            setup, self.client_id, v, key_share + seed_share)
@@ -208,7 +242,7 @@ class SecAggClient:
         attempt.answered[Stage.SHARE_KEYS] = (request, reply)
         return reply
 
-    def masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
+    def _masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
                      num_examples: int) -> MaskedInputReply:
         attempt = self._enter(Stage.MASKED_INPUT, request)
         if isinstance(attempt, MaskedInputReply):
@@ -220,18 +254,12 @@ class SecAggClient:
         if len(held) < setup.threshold:
             self._refuse(f"only {len(held)} neighbours shared keys; at least the threshold "
                          f"({setup.threshold}) must survive for this input to be unmasked")
-        config = setup.config()
-        try:
-            weight = config.weight_of(num_examples)
-            values = np.asarray(vector)
-            if values.shape != (setup.vector_length,):
-                raise SecureAggregationError(
-                    f"the update has shape {values.shape}; the round expects "
-                    f"({setup.vector_length},)")
-            masked = quantize(values, weight, setup.clip_range, setup.bits, self._rng)
-        except SecureAggregationError:
-            self.abort()
-            raise
+        weight = setup.config().weight_of(num_examples)
+        values = np.asarray(vector)
+        if values.shape != (setup.vector_length,):
+            self._refuse(f"the update has shape {values.shape}; the round expects "
+                         f"({setup.vector_length},)")
+        masked = quantize(values, weight, setup.clip_range, setup.bits, self._rng)
         assert attempt.mask_key is not None and attempt.self_mask_seed is not None
         expander = MaskExpander(setup.masked_length)
         expander.add_to(masked, attempt.self_mask_seed)
@@ -242,14 +270,15 @@ class SecAggClient:
                 expander.add_to(masked, seed)
             else:
                 expander.subtract_from(masked, seed)
-        attempt.mask_key, attempt.self_mask_seed = None, None  # no longer needed here
+        # no longer needed: the shares are open, the masks are applied
+        attempt.mask_key = attempt.self_mask_seed = attempt.cipher_key = None
         masked.flags.writeable = False
         reply = MaskedInputReply(setup.round_id, self.client_id, masked)
         attempt.held = held
         attempt.answered[Stage.MASKED_INPUT] = (request, reply)
         return reply
 
-    def unmask(self, request: UnmaskRequest) -> UnmaskReply:
+    def _unmask(self, request: UnmaskRequest) -> UnmaskReply:
         attempt = self._enter(Stage.UNMASK, request)
         if isinstance(attempt, UnmaskReply):
             return attempt
@@ -287,7 +316,7 @@ class SecAggClient:
         """The current attempt if ``request`` may run now, or the cached reply."""
         attempt = self._attempt
         if attempt is None or attempt.setup.round_id != request.round_id:
-            self._refuse(f"{stage} for {request.round_id} does not match this client's "
+            self._ignore(f"{stage} for {request.round_id} does not match this client's "
                          "current round attempt")
         assert attempt is not None
         if stage in attempt.answered:
@@ -316,6 +345,7 @@ class SecAggClient:
             self._refuse(f"a share from {sender!r}, which is not a neighbour that shared keys")
         if sender in held:
             self._refuse(f"two shares from {sender!r} (a replay)")
+        assert attempt.cipher_key is not None
         shared = agree(attempt.cipher_key, attempt.roster[sender].cipher_public_key)
         key = derive_share_key(shared, attempt.setup, sender, self.client_id)
         try:
@@ -330,16 +360,19 @@ class SecAggClient:
     def _check_policy(self, setup: RoundSetup) -> None:
         assert self.policy is not None
         if len(setup.participants) > self.policy.max_participants:
-            self._refuse(f"{len(setup.participants)} participants exceed this client's "
+            self._ignore(f"{len(setup.participants)} participants exceed this client's "
                          f"max_participants ({self.policy.max_participants})")
         mine = dataclasses.replace(self.policy, enabled=True,
                                    max_participants=max(2, len(setup.participants)))
         theirs = setup.config()
         if mine != theirs:
-            self._refuse(f"the round's parameters {theirs} differ from this client's "
+            self._ignore(f"the round's parameters {theirs} differ from this client's "
                          f"secure_aggregation settings {mine}")
 
     def _refuse(self, why: str) -> NoReturn:
-        """End the current attempt (erasing its secrets) and raise."""
-        self.abort()
+        """Refuse a request of the current attempt; `_guarded` then ends the attempt."""
         raise SecureAggregationError(f"client {self.client_id!r} refuses: {why}")
+
+    def _ignore(self, why: str) -> NoReturn:
+        """Refuse a request that is not part of the current attempt (which goes on)."""
+        raise _NotThisAttempt(f"client {self.client_id!r} refuses: {why}")

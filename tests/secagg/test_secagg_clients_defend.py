@@ -311,3 +311,42 @@ def test_policy_mismatch_is_refused() -> None:
         SecAggClient(ids_of(8)[0], policy=weaker).handle(AdvertiseKeysRequest(setup))
     assert isinstance(SecAggClient(ids_of(8)[0], policy=CONFIG).handle(
         AdvertiseKeysRequest(setup)), AdvertisedKeys)
+
+
+def test_a_stale_request_does_not_end_the_attempt_in_progress() -> None:
+    ids = ids_of(8)
+    inputs = make_inputs(ids, 8)
+    rnd = run(setup_round(CONFIG, inputs, round_id=RoundId("run-1", 2, 5)),
+              stop_at=Stage.SHARE_KEYS)
+    client = rnd.clients[ids[0]]
+    old = RoundSetup.create(CONFIG, RoundId("run-1", 2, 4), ids, 8)
+    with pytest.raises(SecureAggregationError, match="older"):
+        client.handle(AdvertiseKeysRequest(old))  # e.g. a delayed retry of attempt 4
+    with pytest.raises(SecureAggregationError, match="does not match"):
+        client.handle(UnmaskRequest(RoundId("run-1", 2, 4), (), ()))
+    run(rnd)  # attempt 5 goes on and completes
+    assert ids[0] in rnd.server.result.survivors
+
+
+def test_low_order_public_key_is_refused() -> None:
+    ids = ids_of(8)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 8)), stop_at=Stage.SHARE_KEYS)
+    request = rnd.server.request_for(ids[0])
+    assert isinstance(request, ShareKeysRequest)
+    bad = dataclasses.replace(request.neighbours[0], cipher_public_key=bytes(32))
+    with pytest.raises(SecureAggregationError, match="unusable X25519"):
+        rnd.clients[ids[0]].handle(ShareKeysRequest(request.round_id,
+                                                    (bad, *request.neighbours[1:])))
+    with pytest.raises(SecureAggregationError):  # and the attempt is over
+        rnd.clients[ids[0]].handle(request)
+
+
+def test_secrets_are_erased_once_used() -> None:
+    ids = ids_of(8)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 8)), stop_at=Stage.UNMASK)
+    attempt = rnd.clients[ids[0]]._attempt
+    assert attempt is not None
+    assert attempt.mask_key is None and attempt.self_mask_seed is None
+    assert attempt.cipher_key is None and attempt.held  # only the neighbours' shares
+    run(rnd)
+    assert not attempt.held  # revealed what was asked, dropped the rest
