@@ -100,8 +100,13 @@ class Job:
         return build_strategy(self.scenario.strategy, **self.scenario.sampling())
 
     def fit_defaults(self) -> dict[str, Scalar]:
-        """Run-wide client settings every fit config carries (a strategy's own win)."""
-        return {"local_epochs": self.scenario.local_epochs, "lr": self.scenario.client.lr}
+        """Run-wide client settings every fit config carries (a strategy's own win).
+
+        ``client.lr`` is the clients' own default, not sent: a strategy that sets the
+        client learning rate (FedOpt's ``eta_l``) then reaches `TorchClient`, which
+        reads ``lr`` before ``eta_l``.
+        """
+        return {"local_epochs": self.scenario.local_epochs}
 
     def central_evaluate(self, weights: Weights) -> dict[str, Scalar]:
         """Loss and accuracy of ``weights`` on the held-out test set (CPU)."""

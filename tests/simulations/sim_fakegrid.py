@@ -30,11 +30,13 @@ class FakeGrid(Grid):
         self.app = app
         self.node_ids = [first_id + 7919 * k for k in range(num_nodes)]
         self.contexts = {
-            node: Context(run_id=1, node_id=node, node_config={"partition-id": k},
+            node: Context(run_id=1, node_id=node,
+                          node_config={"partition-id": k, "num-partitions": num_nodes},
                           state=RecordDict(), run_config={})
             for k, node in enumerate(self.node_ids)
         }
         self.sent: list[Message] = []
+        self.replies: list[Message] = []
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -69,4 +71,5 @@ class FakeGrid(Grid):
                 replies.append(self.app(message, context))
             except Exception as exc:
                 replies.append(Message(Error(code=1, reason=str(exc)), reply_to=message))
+        self.replies.extend(replies)
         return list(reversed(replies))

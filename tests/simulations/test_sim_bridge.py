@@ -49,7 +49,7 @@ def shift_app(fail: frozenset[int] = frozenset(), nan: frozenset[int] = frozense
 
 
 def test_records_round_trip_keeps_names_order_and_dtypes() -> None:
-    w = Weights({"b": np.arange(3, dtype=np.int64), "a": np.ones((2, 2), np.float32)})
+    w = Weights([("b", np.arange(3, dtype=np.int64)), ("a", np.ones((2, 2), np.float32))])
     back = arrays_to_weights(weights_to_arrays(w))
     assert list(back) == ["b", "a"] and back["b"].dtype == np.int64
     assert back.allclose(w, 0, 0)
@@ -120,6 +120,7 @@ def plain_flower_app() -> ClientApp:
     @app.train()
     def train(message: Message, context: Context) -> Message:
         arrays = message.content["arrays"]
+        assert isinstance(arrays, ArrayRecord)
         new = [a + 1.0 for a in arrays.to_numpy_ndarrays()]
         record = ArrayRecord({k: v for k, v in zip(arrays.keys(), ArrayRecord(new).values(),
                                                     strict=True)})
@@ -152,3 +153,20 @@ def test_two_nodes_with_one_partition_are_refused() -> None:
     bridge = FlowerStrategy(FedAvg(seed=0), min_available_nodes=2)
     with pytest.raises(ValueError, match="claim partition 0"):
         bridge.start(grid, weights_to_arrays(Weights({"w": np.zeros(1)})), num_rounds=1)
+
+
+@pytest.mark.parametrize(
+    ("server", "client"),
+    [("fedloom_server_app", "flower_client_app"), ("flower_server_app", "fedloom_client_app")],
+)
+def test_documented_examples_run_in_both_directions(server: str, client: str) -> None:
+    from fedloom.simulations import flower_examples
+
+    grid = FakeGrid(getattr(flower_examples, client), 6)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"num-rounds": 2, "fraction-train": 0.5})
+    getattr(flower_examples, server)(grid, context)
+    # (A plain Flower ClientApp answers the bridge's identity query with an error reply:
+    # the bridge then falls back to node ids.)
+    train = [r for r in grid.replies if r.metadata.message_type == "train"]
+    assert len(train) == 6 and not any(r.has_error() for r in train)

@@ -8,13 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fedloom.simulations
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
+from fedloom.config import StrategyConfig
 from fedloom.server import load_weights
+from fedloom.simulations.job import Job
 from fedloom.simulations.local_engine import run_local
-from fedloom.simulations.plan import client_infos, fit_seed
+from fedloom.simulations.plan import client_fit_config, client_infos, fit_seed
 from fedloom.simulations.runner import run_scenario
-from fedloom.simulations.scenario import Scenario
-from fedloom.strategies import ClientSampler, FedAvg
+from fedloom.simulations.scenario import Scenario, load_scenario
+from fedloom.strategies import STRATEGIES, ClientSampler, FedAvg
 from fedloom.types import Config
 from fedloom.weights import Weights
 
@@ -91,6 +94,8 @@ def test_round_without_updates_keeps_the_model() -> None:
     assert history.rounds[1].get("no_model_reason")
 
 
+SCENARIOS = Path(fedloom.simulations.__file__).parent / "scenarios"
+
 SMALL = Scenario(name="small", num_clients=6, clients_per_round=3, rounds=2, progress=False,
                  seed=1)
 
@@ -142,3 +147,32 @@ def test_synthetic_scenario_runs() -> None:
                              evaluate_clients_per_round=2)
     record = run_scenario(scenario, None).rounds[1]
     assert record.get("num_updates") == 3 and record.get("federated_loss") is not None
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_registered_strategy_runs_a_round(name: str) -> None:
+    scenario = Scenario(num_clients=10, clients_per_round=10, rounds=1, progress=False,
+                        strategy=StrategyConfig(name))
+    record = run_scenario(scenario, None).rounds[1]
+    assert record.get("num_failures") == 0
+    assert record.get("num_updates") == 10 or record.get("no_model_reason")
+
+
+def test_strategy_client_settings_reach_the_clients() -> None:
+    # FedAdam sends the client learning rate as eta_l; the run's defaults must not
+    # shadow it with client.lr (TorchClient reads lr before eta_l).
+    scenario = Scenario(num_clients=4, clients_per_round=2, rounds=1, progress=False,
+                        strategy=StrategyConfig("fedadam", {"eta_l": 0.3}))
+    job = Job.from_scenario(scenario)
+    plan = job.build_strategy().configure_fit(1, job.initial_weights(), client_infos(4))
+    config = client_fit_config(plan.config, base_seed=0, client_index=0, server_round=1,
+                               defaults=job.fit_defaults())
+    assert config["eta_l"] == 0.3 and "lr" not in config and config["local_epochs"] == 1
+
+
+@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
+def test_example_scenarios_load_and_run(path: Path) -> None:
+    scenario = load_scenario(path).replace(rounds=1, progress=False)
+    if scenario.dataset.name == "synthetic":
+        scenario = scenario.replace(local_epochs=1)
+    assert run_scenario(scenario, None).rounds[1].get("num_failures") == 0

@@ -59,8 +59,8 @@ def test_client_fit_config_precedence() -> None:
 
 
 def test_to_update_is_the_delta_from_the_round_model() -> None:
-    current = Weights({"w": np.array([1.0, 2.0], np.float32), "n": np.array(3, np.int64)})
-    new = Weights({"w": np.array([1.5, 1.0], np.float32), "n": np.array(5, np.int64)})
+    current = Weights([("w", np.array([1.0, 2.0], np.float32)), ("n", np.array(3, np.int64))])
+    new = Weights([("w", np.array([1.5, 1.0], np.float32)), ("n", np.array(5, np.int64))])
     update = to_update("4", new, 10, {"train_loss": 0.5}, current, server_round=3)
     np.testing.assert_array_equal(update.delta["w"], [0.5, -1.0])
     assert update.delta["n"] == 2 and update.base_round == 2 and update.num_examples == 10
