@@ -8,7 +8,8 @@
 
 ``--set KEY=VALUE`` overrides any scenario setting (dotted for tables; the value is
 read as TOML, so ``--set client.lr=0.1`` is a float and ``--set engine=flower`` may go
-unquoted). Exit status: 0 on success, 2 for a bad scenario or argument.
+unquoted). Exit status: 0 on success, 2 for a bad scenario or argument, 1 for another
+fedloom error (e.g. the results cannot be written).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.config import load_toml
-from fedloom.errors import ConfigError
+from fedloom.errors import ConfigError, FedloomError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fedloom simulate: {exc}", file=sys.stderr)
         return 2
+    except FedloomError as exc:
+        print(f"fedloom simulate: error: {exc}", file=sys.stderr)
+        return 1
     accuracy = history.final("test_accuracy")
     summary = f"test accuracy {accuracy:.4f}" if accuracy is not None else "done"
     print(f"{scenario.name}: {scenario.rounds} rounds on {history.engine} in "

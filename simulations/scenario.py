@@ -41,8 +41,14 @@
     ray_address = ""            # "" starts a local Ray; "auto" or "ray://host:10001" joins one
 
 Unknown keys and values of the wrong type are refused with a `ConfigError` naming the
-setting (``partition.alpha``...). `Scenario.strategy_config` plus the run's sampling
-settings build the strategy through `fedloom.strategies.build_strategy`.
+setting (``partition.alpha``...). ``[strategy]`` plus the run's sampling settings
+(`Scenario.sampling`: ``clients_per_round`` and ``evaluate_clients_per_round`` as
+fractions and minimums, ``seed``) build the strategy through
+`fedloom.strategies.build_strategy`. Client settings a strategy sends in its fit
+config win over the scenario's: FedOpt's ``eta_l`` replaces ``client.lr``, FedProx
+adds ``proximal_mu``. Evaluation: every round on the central test set (digits' test
+split; for synthetic, the union of the clients' test splits), and federated
+evaluation on ``evaluate_clients_per_round`` clients' local data when > 0.
 """
 
 from __future__ import annotations
