@@ -52,7 +52,7 @@ def fsync_dir(folder: Path) -> None:
 def _encode_state(value: Any, arrays: dict[str, np.ndarray]) -> Any:
     if isinstance(value, np.ndarray):
         key = f"state/{len(arrays)}"
-        arrays[key] = np.ascontiguousarray(value)
+        arrays[key] = np.require(value, requirements="C")  # keeps 0-d arrays 0-d
         return {_ARRAY_KEY: key}
     if isinstance(value, Mapping):
         return {str(k): _encode_state(v, arrays) for k, v in value.items()}

@@ -349,7 +349,11 @@ class Coordinator:
             current,
             updates_from_queue(phase.updates),
         )
-        await phase.wait(self.config.round_timeout_s)
+        try:
+            await phase.wait(self.config.round_timeout_s)
+        except BaseException:  # cancelled (server stopping): release the aggregation thread
+            phase.abort("the server is stopping")
+            raise
         result: AggregateResult | None
         try:
             result = await aggregate

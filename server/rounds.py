@@ -117,6 +117,12 @@ class RoundTasks:
         if self.num_answered == len(self.tasks):
             self._all_answered.set()
 
+    def abort(self, reason: str) -> None:
+        """End the fit stream now (the server is stopping); the aggregation thread exits."""
+        self.closed = True
+        if self.kind is TaskKind.FIT:
+            self.updates.put(_Abort(reason))
+
     async def wait(self, timeout_s: float) -> bool:
         """Wait until all answered or the deadline; True when enough results came back."""
         if self.tasks:
