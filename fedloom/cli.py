@@ -29,6 +29,8 @@ SERVER_HELP = {
     "fraction_evaluate": "share of clients sampled for federated evaluation (0 disables)",
     "min_evaluate_clients": "fewest evaluation results for federated metrics",
     "round_timeout_s": "seconds a round waits for updates before closing",
+    "over_selection": "issue this many times the fit tasks a round needs; close it with the "
+    "first enough updates (1.3: 30 percent more; 1: off)",
     "evaluate_timeout_s": "seconds federated evaluation waits for results",
     "seed": "seed of client sampling (checkpointed, so a resumed run samples alike)",
     "state_dir": "folder for the run database, checkpoints and upload spool",

@@ -73,6 +73,57 @@ class TransferConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """The server's TLS files (PEM paths); ``client_ca`` turns on mutual TLS.
+
+    With ``client_ca`` set, every client must present a certificate signed by it (the
+    TLS handshake refuses any other), and the certificate's CN is the client's
+    identity. ``fedloom certs`` makes a matching set (see docs/security.md).
+    """
+
+    cert: str = ""
+    key: str = ""
+    client_ca: str = ""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.key) or not self.cert, "tls.key", "tls.cert needs its private key")
+        _check(bool(self.cert) or not self.key, "tls.cert", "tls.key needs its certificate")
+        _check(
+            bool(self.cert) or not self.client_ca,
+            "tls.client_ca",
+            "mutual TLS needs the server's own tls.cert and tls.key too",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Who may join: identities come from client certificates (``tls.client_ca``)
+    and/or per-client tokens (``tokens_file``, written by ``fedloom tokens add``).
+
+    ``allow`` (when not empty) lists the identities admitted; any other authenticated
+    client is refused with PERMISSION_DENIED. ``anonymous = true`` admits clients
+    without credentials (a TLS server with neither source of identity needs it).
+    """
+
+    tokens_file: str = ""
+    allow: tuple[str, ...] = ()
+    anonymous: bool = False
+
+    def __post_init__(self) -> None:
+        allow = self.allow
+        _check(
+            isinstance(allow, list | tuple) and all(isinstance(a, str) and a for a in allow),
+            "auth.allow",
+            "must be a list of client names (certificate CNs or token names)",
+        )
+        object.__setattr__(self, "allow", tuple(allow))
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Every setting of ``fedloom server``; each is also a command-line flag."""
 
@@ -84,6 +135,7 @@ class ServerConfig:
     fraction_evaluate: float = 1.0
     min_evaluate_clients: int = 0
     round_timeout_s: float = 300.0
+    over_selection: float = 1.0
     evaluate_timeout_s: float = 120.0
     seed: int = 0
     state_dir: str = "fedloom-state"
@@ -98,6 +150,9 @@ class ServerConfig:
     progress: bool = True
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+    insecure: bool = False
+    tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
+    auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         check_address("address", self.address)
@@ -138,10 +193,45 @@ class ServerConfig:
             "client_timeout_s",
             f"must exceed long_poll_s ({self.long_poll_s}) so a waiting client is not dropped",
         )
+        _check(
+            math.isfinite(self.over_selection) and self.over_selection >= 1.0,
+            "over_selection",
+            "must be a number >= 1 (1.3 issues 30% more fit tasks than the round needs)",
+        )
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         _check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
         _check(self.max_clients >= 1, "max_clients", "must be at least 1")
         _check(bool(self.state_dir), "state_dir", "must name a folder")
+        _check_security(self.insecure, self.tls, self.auth)
+
+
+def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:
+    """Plaintext only when asked for; every TLS server says how clients prove who they are."""
+    _check(
+        insecure or tls.enabled,
+        "tls",
+        "no TLS certificate: set tls.cert and tls.key (`fedloom certs` makes a set; "
+        "flags --tls-cert/--tls-key), or set insecure = true (--insecure) to serve "
+        "plaintext on a trusted network",
+    )
+    _check(
+        not (insecure and tls.enabled),
+        "insecure",
+        "contradicts tls.cert: drop insecure to serve TLS, or drop the tls settings",
+    )
+    identified = bool(tls.client_ca or auth.tokens_file)
+    _check(
+        identified or auth.anonymous or insecure,
+        "auth",
+        "clients have no way to prove who they are: set tls.client_ca (mutual TLS), "
+        "auth.tokens_file (`fedloom tokens add NAME`), or auth.anonymous = true to admit "
+        "anyone who can reach the port",
+    )
+    _check(
+        identified or not auth.allow,
+        "auth.allow",
+        "an allow-list needs identities: set tls.client_ca or auth.tokens_file",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.rounds import IssuedTask, RoundTasks, TaskStatus, updates_from_queue
+from fedloom.server.stragglers import ClosedTasks, over_select
 from fedloom.server.uploads import Spool, SpooledWeights
 from fedloom.strategies import Strategy
 from fedloom.types import AggregateResult, ClientUpdate, EvaluateResult, Metrics, TaskKind
@@ -89,6 +90,7 @@ class Coordinator:
         # Accepted results of the last closed phase: task id -> (client id, fingerprint),
         # so a retry whose acknowledgement was lost is still answered "duplicate".
         self._recently_accepted: dict[str, tuple[str, bytes]] = {}
+        self._closed_tasks = ClosedTasks()  # why unanswered tasks ended ("round closed")
         self._spool_dir = persistence.state_dir / "spool" / self.run_id
         self._set_global(persistence.weights)
         self.next_round = persistence.completed_round + 1
@@ -178,6 +180,9 @@ class Coordinator:
                 raise MessageRejectedError(
                     RejectReason.CONFLICT, "a different result was already accepted for this task"
                 )
+            closed = self._closed_tasks.reason(header.task_id, record.client_id)
+            if closed is not None:
+                raise MessageRejectedError(RejectReason.STALE, closed)
             raise MessageRejectedError(
                 RejectReason.STALE,
                 f"task {header.task_id[:40]!r} is not open (unknown, or its round has closed)",
@@ -198,8 +203,10 @@ class Coordinator:
             raise MessageRejectedError(
                 RejectReason.CONFLICT, "a different result was already accepted for this task"
             )
-        if phase.closed or task.status is TaskStatus.FAILED:
-            raise MessageRejectedError(RejectReason.STALE, "the task's deadline has passed")
+        if phase.closed or task.status is not TaskStatus.PENDING:
+            raise MessageRejectedError(
+                RejectReason.STALE, f"round {phase.round} closed: {phase.end_reason(task)}"
+            )
         if header.kind is None:
             log.warning("client %s reported a failure: %s", record.client_id, header.failure[:200])
             phase.fail(task, f"client failure: {header.failure[:200]}")
@@ -333,15 +340,23 @@ class Coordinator:
         started = time.time()
         current = self.global_weights
         plan = self.strategy.configure_fit(server_round, current, self.registry.infos())
+        selection = over_select(
+            plan.client_ids,
+            self.registry.infos(),
+            self.config.over_selection,
+            seed=self.config.seed,
+            server_round=server_round,
+        )
         phase = self._open_phase(
             server_round,
             TaskKind.FIT,
-            plan.client_ids,
+            selection.client_ids,
             plan.config,
             self.config.min_fit_clients,
             self.config.round_timeout_s,
+            target=selection.target,
         )
-        self.reporter.round_started(server_round, self.config.num_rounds, len(plan.client_ids))
+        self.reporter.round_started(server_round, self.config.num_rounds, len(phase.tasks))
         aggregate = loop.run_in_executor(
             self._executor,
             self.strategy.aggregate_fit,
@@ -365,9 +380,10 @@ class Coordinator:
             self._clean_spool()
         record: dict[str, Any] = {
             "round": server_round,
-            "num_sampled": len(plan.client_ids),
+            "num_sampled": len(phase.tasks),
             "num_updates": phase.num_accepted,
             "num_failures": len(phase.failures),
+            "num_cancelled": phase.num_cancelled,
         }
         if result is not None and result.weights is None:
             log.warning("round %d produced no model: %s", server_round, result.reason)
@@ -396,6 +412,7 @@ class Coordinator:
 
     def _close_phase(self, phase: RoundTasks) -> None:
         self._phase = None
+        self._closed_tasks.remember(phase)
         self._recently_accepted = {
             t.task_id: (t.client_id, t.result_fingerprint)
             for t in phase.tasks.values()
@@ -410,8 +427,9 @@ class Coordinator:
         config: Any,
         minimum: int,
         timeout_s: float,
+        target: int | None = None,
     ) -> RoundTasks:
-        phase = RoundTasks(server_round, kind, minimum)
+        phase = RoundTasks(server_round, kind, minimum, target)
         for client_id in client_ids:
             client = self.registry.get(client_id)
             if client is None:

@@ -2,9 +2,11 @@
 
 A `RoundTasks` tracks the tasks issued for one phase (fit or evaluate) of a round, who
 has answered, and when the phase may close: as soon as every sampled client has
-answered (a result, a reported failure, or leaving), or at the deadline with at least
-the minimum. Fit updates are handed to the strategy, running in a worker thread,
-through a thread-safe queue as they arrive (the aggregate is computed as a stream).
+answered (a result, a reported failure, or leaving), as soon as ``target`` results
+were accepted (over-selection, see `fedloom.server.stragglers`: the tasks still open are
+then cancelled), or at the deadline with at least the minimum. Fit updates are handed to
+the strategy, running in a worker thread, through a thread-safe queue as they arrive (the
+aggregate is computed as a stream).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class TaskStatus(enum.StrEnum):
     PENDING = "pending"
     ACCEPTED = "accepted"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # the round closed with enough results (over-selection)
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,15 +74,19 @@ def updates_from_queue(source: queue.Queue[_UpdateItem]) -> Iterator[ClientUpdat
 class RoundTasks:
     """The open phase of a round. Lives on the event loop."""
 
-    def __init__(self, server_round: int, kind: TaskKind, minimum: int) -> None:
+    def __init__(
+        self, server_round: int, kind: TaskKind, minimum: int, target: int | None = None
+    ) -> None:
         self.round = server_round
         self.kind = kind
         self.minimum = minimum
+        self.target = target  # accepted results that close the phase early (None: all)
         self.tasks: dict[str, IssuedTask] = {}
         self.by_client: dict[str, IssuedTask] = {}
         self.updates: queue.Queue[_UpdateItem] = queue.Queue()
         self.evaluations: list[EvaluateResult] = []
         self.failures: dict[str, str] = {}
+        self.num_cancelled = 0
         self.closed = False
         self._all_answered = asyncio.Event()
 
@@ -114,8 +121,17 @@ class RoundTasks:
             self._check_answered()
 
     def _check_answered(self) -> None:
-        if self.num_answered == len(self.tasks):
+        if self.num_answered == len(self.tasks) or self._target_reached():
             self._all_answered.set()
+
+    def _target_reached(self) -> bool:
+        return self.target is not None and self.num_accepted >= self.target
+
+    def end_reason(self, task: IssuedTask) -> str:
+        """Why ``task`` ended without an accepted result (for late results)."""
+        if task.status is TaskStatus.CANCELLED:
+            return f"enough results arrived ({self.num_accepted} of {len(self.tasks)} tasks)"
+        return self.failures.get(task.client_id, "its deadline has passed")
 
     def abort(self, reason: str) -> None:
         """End the fit stream now (the server is stopping); the aggregation thread exits."""
@@ -129,8 +145,14 @@ class RoundTasks:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_answered.wait(), timeout_s)
         self.closed = True
+        cancel = self._target_reached()
         for task in self.tasks.values():
-            if task.status is TaskStatus.PENDING:
+            if task.status is not TaskStatus.PENDING:
+                continue
+            if cancel:
+                task.status = TaskStatus.CANCELLED
+                self.num_cancelled += 1
+            else:
                 task.status = TaskStatus.FAILED
                 self.failures.setdefault(task.client_id, "no result before the deadline")
         enough = self.num_accepted >= self.minimum and self.num_accepted > 0

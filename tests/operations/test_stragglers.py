@@ -1,0 +1,241 @@
+"""Stragglers and churn: deadlines, over-selection, heartbeats, clients joining late."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import ScriptedClient, run_clients, small_weights
+
+from fedloom import TaskKind, Weights
+from fedloom.client_sdk.connection import Connection, ResultRefusedError
+from fedloom.config import ClientConfig
+from fedloom.errors import ConfigError
+from fedloom.messages import NoTask, ResultHeader, TaskHeader
+from fedloom.payload import PayloadInfo, serialize
+from fedloom.server import Server
+from fedloom.server.stragglers import over_select
+from fedloom.types import ClientInfo
+
+
+def _infos(n: int) -> list[ClientInfo]:
+    return [ClientInfo(f"id{i:03d}", f"c{i:03d}", frozenset({"fit"})) for i in range(n)]
+
+
+# -- over_select, on its own -------------------------------------------------------------
+def test_over_select_adds_the_ceiling_of_the_factor_from_outside_the_plan() -> None:
+    clients = _infos(20)
+    planned = ("id003", "id007", "id011")
+    s = over_select(planned, clients, 1.5, seed=4, server_round=2)
+    assert s.target == 3
+    assert s.client_ids[:3] == planned  # the strategy's choice comes first, unchanged
+    assert len(s.client_ids) == 5  # ceil(3 * 1.5)
+    assert len(set(s.client_ids)) == 5
+    assert set(s.client_ids) <= {c.client_id for c in clients}
+
+
+def test_over_select_is_capped_by_the_connected_clients_and_off_at_one() -> None:
+    clients = _infos(4)
+    planned = ("id000", "id001", "id002")
+    assert len(over_select(planned, clients, 3.0, seed=0, server_round=1).client_ids) == 4
+    assert over_select(planned, clients, 1.0, seed=0, server_round=1).client_ids == planned
+    everyone = tuple(c.client_id for c in clients)
+    assert over_select(everyone, clients, 2.0, seed=0, server_round=1).client_ids == everyone
+
+
+def test_over_select_depends_on_seed_and_round_not_on_join_order() -> None:
+    clients = _infos(50)
+    planned = ("id000",)
+    a = over_select(planned, clients, 10.0, seed=1, server_round=3)
+    b = over_select(planned, list(reversed(clients)), 10.0, seed=1, server_round=3)
+    assert a == b  # a resumed run (clients rejoin in any order) draws alike
+    draws = {over_select(planned, clients, 10.0, seed=1, server_round=r).client_ids for r in (1, 2)}
+    assert len(draws) == 2  # a fresh draw per round
+
+
+def test_over_selection_below_one_is_refused(server_config) -> None:
+    with pytest.raises(ConfigError, match="over_selection"):
+        server_config(over_selection=0.9)
+
+
+# -- over the wire, with the SDK's Connection -----------------------------------------------
+def _connect(address: str, name: str) -> Connection:
+    conn = Connection(ClientConfig(server_address=address, rpc_timeout_s=10.0))
+    conn.join(name)
+    return conn
+
+
+def _pull_task(conn: Connection) -> tuple[TaskHeader, Weights]:
+    for _ in range(50):
+        outcome = conn.pull()
+        if not isinstance(outcome, NoTask):
+            return outcome
+    raise AssertionError("no task arrived")
+
+
+def _push_zero_update(conn: Connection, task: TaskHeader, weights: Weights) -> bool:
+    assert conn.session is not None
+    delta = Weights({n: np.zeros_like(a) for n, a in weights.items()})
+    payload = serialize(delta)
+    header = ResultHeader(
+        conn.session,
+        task.task_id,
+        task.round,
+        TaskKind.FIT,
+        num_examples=5,
+        base_round=task.round - 1,
+        update=PayloadInfo.describe(delta.specs(), payload),
+    )
+    return conn.push(header, payload)
+
+
+def _wait_for(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_over_selection_closes_with_the_first_enough_and_late_pushes_hear_round_closed(
+    server_config,
+) -> None:
+    # 4 connected; the strategy samples half (2); over_selection 2 issues 4 tasks.
+    config = server_config(
+        num_rounds=2,
+        min_clients=4,
+        min_fit_clients=2,
+        fraction_fit=0.5,
+        fraction_evaluate=0.0,
+        over_selection=2.0,
+    )
+    handle = Server(config, initial_weights=small_weights()).start()
+    conns = [_connect(handle.address, f"c{i}") for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        tasks = list(pool.map(_pull_task, conns))
+    assert len({t.task_id for t, _ in tasks}) == 4  # every over-selected client got a task
+    for conn, (task, weights) in zip(conns[:2], tasks[:2], strict=True):
+        assert _push_zero_update(conn, task, weights) is False
+    coordinator = handle.server.coordinator
+    assert coordinator is not None
+    _wait_for(lambda: len(coordinator.history) >= 1)  # round 2 is open now
+    record = coordinator.history[0]
+    assert record["status"] == "ok"
+    assert (record["num_sampled"], record["num_updates"]) == (4, 2)
+    assert (record["num_cancelled"], record["num_failures"]) == (2, 0)
+    for conn, (task, weights) in zip(conns[2:], tasks[2:], strict=True):
+        with pytest.raises(ResultRefusedError, match="round 1 closed: enough results") as info:
+            _push_zero_update(conn, task, weights)
+        assert info.value.code.name == "FAILED_PRECONDITION"
+    handle.stop()
+    handle.wait(10)
+    for conn in conns:
+        conn.close()
+
+
+def test_the_deadline_closes_a_round_with_the_minimum_and_a_late_push_hears_why(
+    server_config,
+) -> None:
+    config = server_config(
+        num_rounds=2,
+        min_clients=3,
+        min_fit_clients=2,
+        fraction_evaluate=0.0,
+        round_timeout_s=1.5,
+    )
+    handle = Server(config, initial_weights=small_weights()).start()
+    conns = [_connect(handle.address, f"c{i}") for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        tasks = list(pool.map(_pull_task, conns))
+    for conn, (task, weights) in zip(conns[:2], tasks[:2], strict=True):
+        _push_zero_update(conn, task, weights)
+    # the third sits on its task (and heartbeats) past the deadline
+    coordinator = handle.server.coordinator
+    assert coordinator is not None
+    started = time.monotonic()
+    while not coordinator.history:
+        assert time.monotonic() - started < 10
+        conns[2].heartbeat()
+        time.sleep(0.1)
+    record = coordinator.history[0]
+    assert record["status"] == "ok"
+    assert (record["num_updates"], record["num_failures"]) == (2, 1)
+    assert 1.4 < record["duration_s"] < 5.0
+    with pytest.raises(ResultRefusedError, match="round 1 closed: no result before the deadline"):
+        _push_zero_update(conns[2], *tasks[2])
+    handle.stop()
+    handle.wait(10)
+    for conn in conns:
+        conn.close()
+
+
+class SlowClient(ScriptedClient):
+    """Trains for ``seconds`` (longer than the server's client timeout)."""
+
+    def __init__(self, seed: int, seconds: float) -> None:
+        super().__init__(seed, num_examples=4)
+        self.seconds = seconds
+
+    def fit(self, weights, config):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+        return super().fit(weights, config)
+
+
+def test_heartbeats_keep_a_slow_client_and_silence_drops_a_sampled_one(server_config) -> None:
+    config = server_config(
+        num_rounds=1,
+        min_clients=3,
+        min_fit_clients=2,
+        fraction_evaluate=0.0,
+        long_poll_s=0.5,
+        heartbeat_interval_s=0.2,
+        client_timeout_s=1.0,
+        round_timeout_s=30.0,
+    )
+    handle = Server(config, initial_weights=small_weights()).start()
+    silent = _connect(handle.address, "silent")  # joins, then never calls again
+    fast, slow = ScriptedClient(seed=0, num_examples=4), SlowClient(seed=1, seconds=2.5)
+    threads = run_clients(handle.address, [fast, slow])
+    history = handle.wait(30)
+    for t in threads:
+        t.join(10)
+    record = history[-1]
+    assert record["status"] == "ok"
+    # The silent client's task failed when it was dropped, well before round_timeout_s;
+    # the slow client outlived client_timeout_s (2.5 s > 1 s) on heartbeats alone.
+    assert (record["num_sampled"], record["num_updates"], record["num_failures"]) == (3, 2, 1)
+    assert record["duration_s"] < 15.0
+    assert len(slow.sent) == 1
+    coordinator = handle.server.coordinator
+    assert coordinator is not None
+    assert silent.session is not None
+    assert silent.session.client_id not in coordinator.registry
+    silent.close()
+
+
+def test_a_client_joining_between_rounds_is_sampled_in_later_rounds(server_config) -> None:
+    config = server_config(
+        num_rounds=4, min_clients=2, min_fit_clients=2, fraction_evaluate=0.0
+    )
+    handle = Server(config, initial_weights=small_weights()).start()
+    early = [SlowClient(seed=i, seconds=0.3) for i in range(2)]
+    threads = run_clients(handle.address, early)
+    coordinator = handle.server.coordinator
+    assert coordinator is not None
+    _wait_for(lambda: len(coordinator.history) >= 1)
+    late = SlowClient(seed=9, seconds=0.3)
+    late_thread = threading.Thread(
+        target=lambda: run_clients(handle.address, [late])[0].join(30), daemon=True
+    )
+    late_thread.start()
+    history = handle.wait(60)
+    for t in [*threads, late_thread]:
+        t.join(10)
+    assert [r["status"] for r in history] == ["ok"] * 4
+    assert history[0]["num_sampled"] == 2
+    assert history[-1]["num_sampled"] == 3  # it joined, and fraction_fit = 1 takes it
+    rounds_late = sorted(r for r, _, _ in late.sent)
+    assert rounds_late and rounds_late[0] >= 2
+    assert all(r["num_failures"] == 0 for r in history)
