@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from fedloom.payload import PayloadInfo
+from fedloom.secagg import RoundId, SecAggReply, SecAggRequest
 from fedloom.types import Config, Metrics, TaskKind
 
 PROTOCOL_VERSION = 1
@@ -55,7 +56,12 @@ class NoTask:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TaskHeader:
-    """A fit or evaluate task; the global weights described by `weights` follow."""
+    """A fit, evaluate or secure-aggregation task; the payload `weights` describes follows.
+
+    A `TaskKind.SECAGG` task carries its stage request in `secagg`; only the first
+    stage (advertise keys, which trains first) carries the global weights and the fit
+    config, the later stages an empty payload.
+    """
 
     task_id: str
     run_id: str
@@ -64,6 +70,7 @@ class TaskHeader:
     config: Config
     deadline_s: float
     weights: PayloadInfo
+    secagg: SecAggRequest | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,7 +78,9 @@ class ResultHeader:
     """A client's answer to a task; for a fit, the delta described by `update` follows.
 
     Exactly one of: a fit (`num_examples`, `base_round`, `update`), an evaluation
-    (`num_examples`, `loss`), or a failure (`failure` holds the client's message).
+    (`num_examples`, `loss`), a secure-aggregation stage reply (`secagg`; for the
+    masked input a `MaskedInputHeader`, with the masked vector described by `update`),
+    or a failure (`failure` holds the client's message).
     """
 
     session: Session
@@ -84,3 +93,20 @@ class ResultHeader:
     metrics: Metrics = dataclasses.field(default_factory=dict)
     failure: str = ""
     update: PayloadInfo | None = None
+    secagg: SecAggReply | MaskedInputHeader | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MaskedInputHeader:
+    """Names a masked-input upload; the vector follows as the result's payload.
+
+    The payload holds exactly one tensor, ``"masked"``: uint32 of the round's
+    ``masked_length`` (see `fedloom.secagg.MaskedInputReply`).
+    """
+
+    round_id: RoundId
+    client_id: str
+
+
+#: The name of the one tensor of a masked-input payload.
+MASKED_TENSOR = "masked"

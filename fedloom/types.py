@@ -27,6 +27,7 @@ MAX_ENTRIES = 256
 class TaskKind(enum.StrEnum):
     FIT = "fit"
     EVALUATE = "evaluate"
+    SECAGG = "secagg"  # a secure-aggregation stage of a fit round (fedloom.secagg)
 
 
 def validate_record(record: Mapping[str, Scalar], what: str) -> Mapping[str, Scalar]:

@@ -4,7 +4,9 @@ Functions come in ``x_to_proto`` / ``x_from_proto`` pairs. Every ``_from_proto``
 treats its input as hostile: it checks sizes, names, dtypes, shapes and ranges and
 raises `MessageRejectedError` (reason INVALID) with a message that says what was wrong.
 Generated classes are imported under a ``Proto`` prefix so wire and domain names never
-collide.
+collide. The secure-aggregation stage messages are converted by
+`fedloom.protos._secagg_codec` (split out to keep modules small), which the task and
+result pairs here call.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from collections.abc import Iterable, Mapping
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason
 from fedloom.messages import JoinReply, JoinRequest, NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
+from fedloom.protos._secagg_codec import (
+    secagg_result_from_proto,
+    secagg_result_to_proto,
+    secagg_task_from_proto,
+    secagg_task_to_proto,
+)
 from fedloom.protos.fedloom.v1.fleet_pb2 import Chunk as ProtoChunk
 from fedloom.protos.fedloom.v1.fleet_pb2 import EvaluateResult as ProtoEvaluateResult
 from fedloom.protos.fedloom.v1.fleet_pb2 import EvaluateTask as ProtoEvaluateTask
@@ -222,17 +230,24 @@ def task_to_proto(task: TaskHeader) -> ProtoPullResponse:
     config = record_to_proto(task.config)
     if task.kind is TaskKind.FIT:
         header.fit.CopyFrom(ProtoFitTask(config=config))
-    else:
+    elif task.kind is TaskKind.EVALUATE:
         header.evaluate.CopyFrom(ProtoEvaluateTask(config=config))
+    else:
+        secagg_task_to_proto(task.secagg, config, header)
     return ProtoPullResponse(task=header)
 
 
 def task_from_proto(header: ProtoTaskHeader) -> TaskHeader:
     kind = header.WhichOneof("kind")
+    secagg = None
+    config: ProtoRecord | None
     if kind == "fit":
         task_kind, config = TaskKind.FIT, header.fit.config
     elif kind == "evaluate":
         task_kind, config = TaskKind.EVALUATE, header.evaluate.config
+    elif kind is not None and kind.startswith("secagg_"):
+        task_kind = TaskKind.SECAGG
+        secagg, config = secagg_task_from_proto(header, kind)
     else:
         raise _invalid(f"task kind {kind!r} is not supported by this client")
     if not (math.isfinite(header.deadline_s) and header.deadline_s >= 0):
@@ -242,9 +257,10 @@ def task_from_proto(header: ProtoTaskHeader) -> TaskHeader:
         run_id=_check_text(header.run_id, "run_id"),
         round=int(header.round),
         kind=task_kind,
-        config=record_from_proto(config, "task config"),
+        config=record_from_proto(config, "task config") if config is not None else {},
         deadline_s=header.deadline_s,
         weights=payload_from_proto(header.weights),
+        secagg=secagg,
     )
 
 
@@ -277,6 +293,8 @@ def result_to_proto(result: ResultHeader) -> ProtoPushRequest:
         header.evaluate.CopyFrom(
             ProtoEvaluateResult(num_examples=result.num_examples, loss=result.loss, metrics=metrics)
         )
+    elif result.kind is TaskKind.SECAGG:
+        secagg_result_to_proto(result.secagg, header)
     else:
         header.failure.CopyFrom(ProtoTaskFailure(message=result.failure[:MAX_TEXT]))
     return ProtoPushRequest(result=header)
@@ -321,4 +339,9 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
             kind=None,
             failure=_check_text(header.failure.message, "failure message", MAX_TEXT),
         )
-    raise _invalid("result header has no kind (fit, evaluate or failure)")
+    if kind is None or not kind.startswith("secagg_"):
+        raise _invalid("result header has no kind (fit, evaluate, a secagg stage or failure)")
+    return ResultHeader(
+        session=session, task_id=task_id, round=rnd, kind=TaskKind.SECAGG, update=update,
+        secagg=secagg_result_from_proto(header, kind, update),
+    )

@@ -10,7 +10,7 @@ followed by the update in Chunks. Tensors travel as dtype + shape + raw
 little-endian bytes (no pickle, no .npy headers); a payload's SHA-256 digest is
 checked on receipt. Task and result kinds are oneofs, so new kinds (secure
 aggregation stages) never break v1 clients: a client advertises what it supports in
-JoinRequest.capabilities and is only sent those kinds.
+JoinRequest.capabilities ("fit", "evaluate", "secagg") and is only sent those kinds.
 """
 
 from collections import abc as _abc
@@ -490,6 +490,10 @@ class TaskHeader(_message.Message):
     WEIGHTS_FIELD_NUMBER: _builtins.int
     FIT_FIELD_NUMBER: _builtins.int
     EVALUATE_FIELD_NUMBER: _builtins.int
+    SECAGG_ADVERTISE_KEYS_FIELD_NUMBER: _builtins.int
+    SECAGG_SHARE_KEYS_FIELD_NUMBER: _builtins.int
+    SECAGG_MASKED_INPUT_FIELD_NUMBER: _builtins.int
+    SECAGG_UNMASK_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """a per-task nonce; results must name it"""
     run_id: _builtins.str
@@ -504,6 +508,16 @@ class TaskHeader(_message.Message):
     def fit(self) -> Global___FitTask: ...
     @_builtins.property
     def evaluate(self) -> Global___EvaluateTask: ...
+    @_builtins.property
+    def secagg_advertise_keys(self) -> Global___SecAggAdvertiseKeysTask:
+        """Secure aggregation stages (only to clients with the "secagg" capability)."""
+
+    @_builtins.property
+    def secagg_share_keys(self) -> Global___SecAggShareKeysTask: ...
+    @_builtins.property
+    def secagg_masked_input(self) -> Global___SecAggMaskedInputTask: ...
+    @_builtins.property
+    def secagg_unmask(self) -> Global___SecAggUnmaskTask: ...
     def __init__(
         self,
         *,
@@ -514,12 +528,16 @@ class TaskHeader(_message.Message):
         weights: Global___PayloadHeader | None = ...,
         fit: Global___FitTask | None = ...,
         evaluate: Global___EvaluateTask | None = ...,
+        secagg_advertise_keys: Global___SecAggAdvertiseKeysTask | None = ...,
+        secagg_share_keys: Global___SecAggShareKeysTask | None = ...,
+        secagg_masked_input: Global___SecAggMaskedInputTask | None = ...,
+        secagg_unmask: Global___SecAggUnmaskTask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "weights", b"weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "round", b"round", "run_id", b"run_id", "task_id", b"task_id", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "round", b"round", "run_id", b"run_id", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "task_id", b"task_id", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "secagg_advertise_keys", "secagg_share_keys", "secagg_masked_input", "secagg_unmask"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -610,6 +628,10 @@ class ResultHeader(_message.Message):
     FIT_FIELD_NUMBER: _builtins.int
     EVALUATE_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    SECAGG_ADVERTISED_KEYS_FIELD_NUMBER: _builtins.int
+    SECAGG_SHARE_KEYS_FIELD_NUMBER: _builtins.int
+    SECAGG_MASKED_INPUT_FIELD_NUMBER: _builtins.int
+    SECAGG_UNMASK_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     round: _builtins.int
     @_builtins.property
@@ -624,6 +646,16 @@ class ResultHeader(_message.Message):
     def evaluate(self) -> Global___EvaluateResult: ...
     @_builtins.property
     def failure(self) -> Global___TaskFailure: ...
+    @_builtins.property
+    def secagg_advertised_keys(self) -> Global___SecAggAdvertisedKeys: ...
+    @_builtins.property
+    def secagg_share_keys(self) -> Global___SecAggShareKeysResult: ...
+    @_builtins.property
+    def secagg_masked_input(self) -> Global___SecAggMaskedInputResult:
+        """update: the masked vector"""
+
+    @_builtins.property
+    def secagg_unmask(self) -> Global___SecAggUnmaskResult: ...
     def __init__(
         self,
         *,
@@ -634,12 +666,16 @@ class ResultHeader(_message.Message):
         fit: Global___FitResult | None = ...,
         evaluate: Global___EvaluateResult | None = ...,
         failure: Global___TaskFailure | None = ...,
+        secagg_advertised_keys: Global___SecAggAdvertisedKeys | None = ...,
+        secagg_share_keys: Global___SecAggShareKeysResult | None = ...,
+        secagg_masked_input: Global___SecAggMaskedInputResult | None = ...,
+        secagg_unmask: Global___SecAggUnmaskResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "session", b"session", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "round", b"round", "session", b"session", "task_id", b"task_id", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "round", b"round", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "task_id", b"task_id", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "failure"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "failure", "secagg_advertised_keys", "secagg_share_keys", "secagg_masked_input", "secagg_unmask"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -690,3 +726,372 @@ class PushResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
+
+@_typing.final
+class SecAggRoundId(_message.Message):
+    """---- secure aggregation (SecAgg+; fedloom.secagg) ---------------------------------
+    One round attempt runs four stages, each a task (server -> client) and its result:
+    advertise keys -> share keys -> masked input -> unmask. A client takes part only if
+    it sent the "secagg" capability in Join. The server learns only the sum of the
+    survivors' masked inputs; see docs/secure-aggregation.md.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    round: _builtins.int
+    attempt: _builtins.int
+    """a restarted round gets a new attempt (and fresh keys)"""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "round", b"round", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggRoundId: _TypeAlias = SecAggRoundId  # noqa: Y015
+
+@_typing.final
+class SecAggSetup(_message.Message):
+    """The public parameters of one round attempt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    PARTICIPANTS_FIELD_NUMBER: _builtins.int
+    NEIGHBOURS_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    CLIP_RANGE_FIELD_NUMBER: _builtins.int
+    BITS_FIELD_NUMBER: _builtins.int
+    MAX_WEIGHT_FIELD_NUMBER: _builtins.int
+    VECTOR_LENGTH_FIELD_NUMBER: _builtins.int
+    GRAPH_SEED_FIELD_NUMBER: _builtins.int
+    neighbours: _builtins.int
+    """k: other clients each client pairs with"""
+    threshold: _builtins.int
+    """t: shares that reconstruct a secret"""
+    clip_range: _builtins.float
+    bits: _builtins.int
+    max_weight: _builtins.float
+    vector_length: _builtins.int
+    """floats a client contributes; the masked vector has one more"""
+    graph_seed: _builtins.bytes
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    @_builtins.property
+    def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """sorted; a client's Shamir x is its position + 1"""
+
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        participants: _abc.Iterable[_builtins.str] | None = ...,
+        neighbours: _builtins.int = ...,
+        threshold: _builtins.int = ...,
+        clip_range: _builtins.float = ...,
+        bits: _builtins.int = ...,
+        max_weight: _builtins.float = ...,
+        vector_length: _builtins.int = ...,
+        graph_seed: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bits", b"bits", "clip_range", b"clip_range", "graph_seed", b"graph_seed", "max_weight", b"max_weight", "neighbours", b"neighbours", "participants", b"participants", "round_id", b"round_id", "threshold", b"threshold", "vector_length", b"vector_length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggSetup: _TypeAlias = SecAggSetup  # noqa: Y015
+
+@_typing.final
+class SecAggAdvertiseKeysTask(_message.Message):
+    """Stage 1: train on the global weights (they follow in Chunks), then advertise keys."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETUP_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def setup(self) -> Global___SecAggSetup: ...
+    @_builtins.property
+    def config(self) -> Global___Record:
+        """the fit config"""
+
+    def __init__(
+        self,
+        *,
+        setup: Global___SecAggSetup | None = ...,
+        config: Global___Record | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "setup", b"setup"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "setup", b"setup"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggAdvertiseKeysTask: _TypeAlias = SecAggAdvertiseKeysTask  # noqa: Y015
+
+@_typing.final
+class SecAggAdvertisedKeys(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    CIPHER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    SELF_MASK_COMMITMENT_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    cipher_public_key: _builtins.bytes
+    """X25519, 32 bytes"""
+    mask_public_key: _builtins.bytes
+    """X25519, 32 bytes"""
+    self_mask_commitment: _builtins.bytes
+    """SHA-256, 32 bytes"""
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        client_id: _builtins.str = ...,
+        cipher_public_key: _builtins.bytes = ...,
+        mask_public_key: _builtins.bytes = ...,
+        self_mask_commitment: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "client_id", b"client_id", "mask_public_key", b"mask_public_key", "round_id", b"round_id", "self_mask_commitment", b"self_mask_commitment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggAdvertisedKeys: _TypeAlias = SecAggAdvertisedKeys  # noqa: Y015
+
+@_typing.final
+class SecAggShareKeysTask(_message.Message):
+    """Stage 2: the neighbours' advertised keys; the client answers with sealed shares."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    NEIGHBOURS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    @_builtins.property
+    def neighbours(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggAdvertisedKeys]: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        neighbours: _abc.Iterable[Global___SecAggAdvertisedKeys] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["neighbours", b"neighbours", "round_id", b"round_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggShareKeysTask: _TypeAlias = SecAggShareKeysTask  # noqa: Y015
+
+@_typing.final
+class SecAggEncryptedShare(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDER_FIELD_NUMBER: _builtins.int
+    RECEIVER_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    CIPHERTEXT_FIELD_NUMBER: _builtins.int
+    sender: _builtins.str
+    receiver: _builtins.str
+    nonce: _builtins.bytes
+    """12 bytes"""
+    ciphertext: _builtins.bytes
+    """ChaCha20-Poly1305"""
+    def __init__(
+        self,
+        *,
+        sender: _builtins.str = ...,
+        receiver: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
+        ciphertext: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext", b"ciphertext", "nonce", b"nonce", "receiver", b"receiver", "sender", b"sender"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggEncryptedShare: _TypeAlias = SecAggEncryptedShare  # noqa: Y015
+
+@_typing.final
+class SecAggShareKeysResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggEncryptedShare]: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        client_id: _builtins.str = ...,
+        shares: _abc.Iterable[Global___SecAggEncryptedShare] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "round_id", b"round_id", "shares", b"shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggShareKeysResult: _TypeAlias = SecAggShareKeysResult  # noqa: Y015
+
+@_typing.final
+class SecAggMaskedInputTask(_message.Message):
+    """Stage 3: the shares sealed for this client; it answers with its masked input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggEncryptedShare]: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        shares: _abc.Iterable[Global___SecAggEncryptedShare] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id", "shares", b"shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggMaskedInputTask: _TypeAlias = SecAggMaskedInputTask  # noqa: Y015
+
+@_typing.final
+class SecAggMaskedInputResult(_message.Message):
+    """The masked vector follows in Chunks, described by ResultHeader.update: exactly one
+    tensor "masked", uint32, shape [vector_length + 1].
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        client_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "round_id", b"round_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggMaskedInputResult: _TypeAlias = SecAggMaskedInputResult  # noqa: Y015
+
+@_typing.final
+class SecAggUnmaskTask(_message.Message):
+    """Stage 4: which of the client's neighbours survived (their masked input is in the
+    sum) and which dropped; the client reveals one kind of share for each.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    SURVIVORS_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    @_builtins.property
+    def survivors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def dropped(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        survivors: _abc.Iterable[_builtins.str] | None = ...,
+        dropped: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "round_id", b"round_id", "survivors", b"survivors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggUnmaskTask: _TypeAlias = SecAggUnmaskTask  # noqa: Y015
+
+@_typing.final
+class SecAggRevealedShare(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    value: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        value: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggRevealedShare: _TypeAlias = SecAggRevealedShare  # noqa: Y015
+
+@_typing.final
+class SecAggUnmaskResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    SELF_MASK_SHARES_FIELD_NUMBER: _builtins.int
+    MASK_KEY_SHARES_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    @_builtins.property
+    def round_id(self) -> Global___SecAggRoundId: ...
+    @_builtins.property
+    def self_mask_shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggRevealedShare]: ...
+    @_builtins.property
+    def mask_key_shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggRevealedShare]: ...
+    def __init__(
+        self,
+        *,
+        round_id: Global___SecAggRoundId | None = ...,
+        client_id: _builtins.str = ...,
+        self_mask_shares: _abc.Iterable[Global___SecAggRevealedShare] | None = ...,
+        mask_key_shares: _abc.Iterable[Global___SecAggRevealedShare] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "mask_key_shares", b"mask_key_shares", "round_id", b"round_id", "self_mask_shares", b"self_mask_shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggUnmaskResult: _TypeAlias = SecAggUnmaskResult  # noqa: Y015

@@ -10,7 +10,7 @@ followed by the update in Chunks. Tensors travel as dtype + shape + raw
 little-endian bytes (no pickle, no .npy headers); a payload's SHA-256 digest is
 checked on receipt. Task and result kinds are oneofs, so new kinds (secure
 aggregation stages) never break v1 clients: a client advertises what it supports in
-JoinRequest.capabilities and is only sent those kinds.
+JoinRequest.capabilities ("fit", "evaluate", "secagg") and is only sent those kinds.
 """
 
 from collections import abc as _abc
