@@ -1,0 +1,150 @@
+"""`TorchClient`: weights in and out, training, config keys, devices (CUDA when present)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fedloom.client_sdk.torch_trainer import (  # noqa: E402
+    TorchClient,
+    load_weights,
+    resolve_device,
+    state_dict_to_weights,
+)
+from fedloom.errors import ConfigError  # noqa: E402
+from fedloom.weights import Weights  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def _data(n: int = 256, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A linearly separable 2-class problem in 8 dimensions, in batches of 32."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return [(x[i : i + 32], y[i : i + 32]) for i in range(0, n, 32)]
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    )
+
+
+def _client(device: str = "cpu", **kwargs) -> TorchClient:  # type: ignore[no-untyped-def]
+    data = _data()
+    return TorchClient(_model(), data, data, device=device, **kwargs)
+
+
+def test_weights_follow_the_state_dict_names_order_and_dtypes() -> None:
+    model = _model()
+    weights = state_dict_to_weights(model.state_dict())
+    assert list(weights) == list(model.state_dict())
+    # BatchNorm's counter is an int64 buffer and must stay one.
+    assert weights["1.num_batches_tracked"].dtype == np.int64
+    assert weights["0.weight"].dtype == np.float32
+    # A copy, not a view: training the model later must not change it.
+    before = weights["0.weight"].copy()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    np.testing.assert_array_equal(weights["0.weight"], before)
+
+
+def test_load_weights_round_trips_and_checks_the_layout() -> None:
+    source, target = _model(seed=1), _model(seed=2)
+    weights = state_dict_to_weights(source.state_dict())
+    load_weights(target, weights)
+    assert state_dict_to_weights(target.state_dict()).allclose(weights, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="missing"):
+        load_weights(target, Weights({k: v for k, v in weights.items() if k != "0.bias"}))
+    wrong_shape = dict(weights)
+    wrong_shape["0.bias"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        load_weights(target, Weights(wrong_shape))
+    wrong_dtype = dict(weights)
+    wrong_dtype["0.bias"] = weights["0.bias"].astype(np.float64)
+    with pytest.raises(ValueError, match="dtype"):
+        load_weights(target, Weights(wrong_dtype))
+
+
+def test_fit_lowers_the_loss_and_reports_examples() -> None:
+    client = _client()
+    start = client.get_weights()
+    before = client.evaluate(start, {})
+    out = client.fit(start, {"local_epochs": 3, "seed": 0})
+    after = client.evaluate(out.weights, {})
+    assert out.num_examples == 256  # examples per epoch, not per fit
+    assert after.loss < 0.7 * before.loss
+    assert after.metrics["accuracy"] > 0.9
+    assert not out.weights.allclose(start, rtol=0, atol=1e-6)
+
+
+def test_fit_is_reproducible_with_a_seed_and_starts_from_the_given_weights() -> None:
+    client = _client()
+    start = client.get_weights()
+    first = client.fit(start, {"seed": 3}).weights
+    client.fit(first, {"seed": 9})  # the model now holds other weights...
+    again = client.fit(start, {"seed": 3}).weights  # ...which fit must overwrite
+    assert again.allclose(first, rtol=0, atol=0)
+
+
+def test_config_keys_change_training() -> None:
+    client = _client()
+    start = client.get_weights()
+    one = client.fit(start, {"seed": 0, "local_epochs": 1})
+    two = client.fit(start, {"seed": 0, "local_epochs": 2})
+    assert not one.weights.allclose(two.weights, rtol=0, atol=1e-6)
+    tiny = client.fit(start, {"seed": 0, "lr": 1e-6})
+    # lr 1e-6 barely moves the weights; the default 0.05 moves them far more.
+    moved_tiny = max(np.abs(tiny.weights[k] - start[k]).max() for k in ("0.weight",))
+    moved_default = max(np.abs(one.weights[k] - start[k]).max() for k in ("0.weight",))
+    assert moved_tiny < 1e-3 < moved_default
+    eta_l = client.fit(start, {"seed": 0, "eta_l": 1e-6})  # FedOpt's name for it
+    assert eta_l.weights.allclose(tiny.weights, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="local_epochs"):
+        client.fit(start, {"local_epochs": 0})
+
+
+def test_proximal_term_pulls_towards_the_global_model_and_is_reported() -> None:
+    client = _client()
+    start = client.get_weights()
+    free = client.fit(start, {"seed": 0, "local_epochs": 3})
+    held = client.fit(start, {"seed": 0, "local_epochs": 3, "proximal_mu": 10.0})
+    assert held.metrics["proximal_mu"] == 10.0
+    assert "proximal_mu" not in free.metrics
+
+    params = [name for name, _ in client.model.named_parameters()]  # not BN's buffers
+
+    def distance(w: Weights) -> float:
+        return float(sum(np.sum((w[k] - start[k]) ** 2) for k in params))
+
+    assert distance(held.weights) < 0.5 * distance(free.weights)
+
+
+def test_device_resolution() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if CUDA else "cpu")
+    with pytest.raises(ConfigError, match="device"):
+        resolve_device("not-a-device")
+    if not CUDA:
+        with pytest.raises(ConfigError, match="no GPU"):
+            resolve_device("cuda")
+    with pytest.raises(ConfigError, match="local_epochs"):
+        _client(local_epochs=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_training_matches_cpu_training() -> None:
+    cpu, gpu = _client("cpu"), _client("cuda")
+    assert next(gpu.model.parameters()).is_cuda
+    start = cpu.get_weights()
+    on_cpu = cpu.fit(start, {"seed": 0, "local_epochs": 2})
+    on_gpu = gpu.fit(start, {"seed": 0, "local_epochs": 2})
+    # Weights come back to host memory as numpy, with the same layout.
+    assert list(on_gpu.weights) == list(on_cpu.weights)
+    # Different kernels, same math: close, not bitwise.
+    assert on_gpu.weights.allclose(on_cpu.weights, rtol=1e-3, atol=1e-3)
+    assert gpu.evaluate(on_gpu.weights, {}).metrics["accuracy"] > 0.9
