@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
+from fedloom.client_sdk.connection import AccessDeniedError
 from fedloom.client_sdk.runner import Backoff, ClientRunner, ClientStats, start_client
 
 if TYPE_CHECKING:
     from fedloom.client_sdk.torch_trainer import TorchClient
 
 __all__ = [
+    "AccessDeniedError",
     "Backoff",
     "Client",
     "ClientRunner",

@@ -4,7 +4,9 @@
 chunk by chunk), pushes results in chunks, sends heartbeats and leaves. gRPC errors
 are translated at this edge: a server that is unreachable or went away raises
 `TransportError` (retry later), an unknown session raises `SessionExpiredError`
-(join again), and a refused message raises `ResultRefusedError` (do not retry it).
+(join again), a refused message raises `ResultRefusedError` (do not retry it), and a
+Join refused for its credentials raises `AccessDeniedError` (fix them). The channel is
+TLS (`fedloom.client_sdk.tls`) unless the config asks for plaintext.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any
 
 import grpc
 
+from fedloom.client_sdk.tls import handshake_hint, open_channel
 from fedloom.config import ClientConfig
-from fedloom.errors import ConfigError, MessageRejectedError, TransportError
+from fedloom.errors import ConfigError, FedloomError, MessageRejectedError, TransportError
 from fedloom.messages import (
     PROTOCOL_VERSION,
     JoinReply,
@@ -51,6 +54,16 @@ class SessionExpiredError(TransportError):
     """The server does not know this session (it restarted, or timed us out): re-join."""
 
 
+class AccessDeniedError(FedloomError):
+    """The server refused to admit this client: its credentials are missing, unknown or
+    revoked (UNAUTHENTICATED), or it is not on the allow-list (PERMISSION_DENIED).
+    Retrying will not help; the message says what to fix."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        super().__init__(f"the server refused to admit this client: {code.name}: {details}")
+
+
 class ResultRefusedError(TransportError):
     """The server refused a message for its content or timing; retrying will not help."""
 
@@ -65,7 +78,7 @@ def _translate(exc: grpc.RpcError, what: str) -> TransportError:
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return SessionExpiredError(f"{what}: {details}")
     if code in _RETRYABLE:
-        return TransportError(f"{what}: {code.name}: {details}")
+        return TransportError(f"{what}: {code.name}: {details}{handshake_hint(details)}")
     return ResultRefusedError(code, f"{what}: {details}")
 
 
@@ -111,9 +124,9 @@ class Connection:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         t = config.transfer
-        self._channel = grpc.insecure_channel(
-            config.server_address,
-            options=[
+        self._channel = open_channel(
+            config,
+            [
                 ("grpc.max_receive_message_length", t.max_message_bytes),
                 ("grpc.max_send_message_length", t.max_message_bytes),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -150,6 +163,8 @@ class Connection:
                 codec.join_request_to_proto(request), timeout=self.config.rpc_timeout_s
             )
         except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise AccessDeniedError(exc.code(), exc.details() or "") from exc
             raise _translate(exc, "join") from exc
         try:
             grant = codec.join_reply_from_proto(response)

@@ -9,7 +9,10 @@ over, when ``stop`` is set, or on SIGINT/SIGTERM (when called from the main thre
 Example::
 
     from fedloom.client_sdk import start_client
-    stats = start_client("127.0.0.1:8080", MyClient(), name="hospital-7")
+    from fedloom.config import ClientConfig
+    config = ClientConfig("fl.example.org:8080", root_ca="ca.pem",       # TLS
+                          cert="hospital-7.pem", key="hospital-7.key")    # mutual TLS
+    stats = start_client("fl.example.org:8080", MyClient(), config=config)
 """
 
 from __future__ import annotations
@@ -263,7 +266,12 @@ def start_client(
         client: the application's `Client` (e.g. a `TorchClient`).
         name: a stable name for this client (shown in the server's logs).
         token: a credential, when the server requires one.
-        config: connection settings; ``server_address`` and ``name`` override its own.
+        config: connection settings (TLS files, or ``insecure=True``: one is required);
+            ``server_address`` and ``name`` override its own.
+
+    Raises:
+        AccessDeniedError: the server refused this client's credentials at Join.
+        ConfigError: no TLS settings (and not insecure), or a TLS file is unreadable.
         stop: set it (from another thread) to stop after the current task.
         handle_signals: install SIGINT/SIGTERM handlers that stop the loop cleanly
             (only from the main thread; the previous handlers are restored after).

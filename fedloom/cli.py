@@ -4,6 +4,7 @@
 - ``fedloom client --server HOST:PORT --app module:attr``
 - ``fedloom demo [--clients 8 --rounds 20 --seed 0 --out fedloom-out]``
 - ``fedloom simulate scenario.toml`` (see ``fedloom.simulations.cli``)
+- ``fedloom certs`` / ``fedloom tokens add NAME`` (see ``fedloom.security_cli``)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tomllib
 from collections.abc import Sequence
 from typing import Any
 
+from fedloom import security_cli
 from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
 from fedloom.errors import FedloomError
 
@@ -63,7 +65,7 @@ def _parse_bool(text: str) -> bool:
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: str) -> None:
     for field in dataclasses.fields(cls):
-        if field.name in ("transfer", "strategy"):
+        if field.name in ("transfer", "strategy", "tls", "auth", "insecure"):
             continue
         kind = {"int": int, "float": float, "bool": _parse_bool}.get(str(field.type), str)
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -98,6 +100,7 @@ def _server_parser(sub: Any) -> None:
     p.add_argument("--log-level", default="INFO")
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
+    security_cli.add_server_flags(p)
 
 
 def _load_attr(spec: str, setting: str) -> Any:
@@ -120,6 +123,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             data[key[4:]] = value
         elif key.startswith("transfer_"):
             data.setdefault("transfer", {})[key[9:]] = value
+        elif key.startswith(("tls_", "auth_")):  # security_cli's flags: [tls] / [auth]
+            table, _, name = key.partition("_")
+            data.setdefault(table, {})[name] = value
     strategy = dict(data.get("strategy", {}))
     if args.strategy:
         strategy["name"] = args.strategy
@@ -153,7 +159,13 @@ def _run_client(args: argparse.Namespace) -> int:
     client = app() if callable(app) and not isinstance(app, Client) else app
     if not isinstance(client, Client):
         raise FedloomError(f"--app {args.app} is not a fedloom Client (or a factory of one)")
-    stats = start_client(args.server, client, name=args.name or "", token=args.token or "")
+    stats = start_client(
+        args.server,
+        client,
+        name=args.name or "",
+        token=security_cli.client_token_from_args(args),
+        config=security_cli.client_config_from_args(args),
+    )
     print(f"client done: {stats}")
     return 0
 
@@ -168,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", help="a stable name for this client")
     c.add_argument("--token", help="credential, when the server requires one")
     c.add_argument("--log-level", default="INFO")
+    security_cli.add_client_flags(c)
+    security_cli.add_certs_parser(sub)
+    security_cli.add_tokens_parser(sub)
     d = sub.add_parser("demo", help="a real federated run on loopback (digits, PyTorch)")
     from fedloom.simulations.demo import add_arguments
 
@@ -196,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_server(args)
         if args.command == "client":
             return _run_client(args)
+        if args.command == "certs":
+            return security_cli.run_certs(args)
+        if args.command == "tokens":
+            return security_cli.run_tokens(args)
         from fedloom.simulations.demo import main as demo_main
 
         return demo_main(args)

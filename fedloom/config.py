@@ -236,7 +236,15 @@ def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
-    """Settings of the client SDK's connection loop."""
+    """Settings of the client SDK's connection loop.
+
+    TLS: ``root_ca`` is the PEM file of the CA that signed the server's certificate
+    (``ca.pem`` from ``fedloom certs``), or ``system_roots=True`` trusts the system's
+    CAs; ``cert`` and ``key`` are this client's certificate for mutual TLS;
+    ``server_name`` overrides the name checked against the server's certificate (when
+    dialling an address the certificate does not name). ``insecure=True`` talks
+    plaintext (test servers only); one of the three is required.
+    """
 
     server_address: str
     name: str = ""
@@ -246,9 +254,16 @@ class ClientConfig:
     reconnect_max_s: float = 30.0
     max_reconnect_attempts: int | None = None
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    root_ca: str = ""
+    system_roots: bool = False
+    cert: str = ""
+    key: str = ""
+    server_name: str = ""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         check_address("server_address", self.server_address)
+        _check_client_tls(self)
         for name in ("long_poll_s", "rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
             value = getattr(self, name)
             _check(math.isfinite(value) and value > 0, name, "must be a positive number")
@@ -262,6 +277,26 @@ class ClientConfig:
             "max_reconnect_attempts",
             "must be >= 0, or unset to retry forever",
         )
+
+
+def _check_client_tls(c: ClientConfig) -> None:
+    _check(bool(c.key) or not c.cert, "key", "cert (the client certificate) needs its key")
+    _check(bool(c.cert) or not c.key, "cert", "key needs its client certificate")
+    tls_settings = [n for n in ("root_ca", "system_roots", "cert", "server_name") if getattr(c, n)]
+    _check(
+        not (c.insecure and tls_settings),
+        "insecure",
+        f"contradicts {', '.join(tls_settings)}: drop insecure to use TLS",
+    )
+    _check(not (c.root_ca and c.system_roots), "system_roots", "contradicts root_ca: pick one")
+    _check(
+        c.insecure or bool(c.root_ca) or c.system_roots,
+        "root_ca",
+        "no way to verify the server: set root_ca to the CA file that signed its "
+        "certificate (ca.pem from `fedloom certs`; flag --root-ca), system_roots=True "
+        "(--system-roots) for a publicly trusted certificate, or insecure=True "
+        "(--insecure) to talk plaintext to a test server",
+    )
 
 
 T = TypeVar("T")

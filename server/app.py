@@ -27,10 +27,12 @@ import grpc
 from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, EvaluateFn
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
 from fedloom.server.servicer import FleetServicer
+from fedloom.server.tls import server_credentials
 from fedloom.strategies import Strategy, build_strategy
 from fedloom.weights import Weights
 
@@ -80,6 +82,8 @@ class Server:
         )
         self.initial_weights = initial_weights
         self.evaluate_fn = evaluate_fn
+        self.credentials = server_credentials(config)  # None: plaintext (insecure = true)
+        self.auth = Authenticator.from_config(config)
         self.port: int | None = None
         self.coordinator: Coordinator | None = None
         self._ready = threading.Event()
@@ -93,9 +97,13 @@ class Server:
         )
         self.coordinator = coordinator
         server = grpc.aio.server(options=grpc_server_options(self.config))
-        pb_grpc.add_FleetServicer_to_server(FleetServicer(coordinator), server)
+        pb_grpc.add_FleetServicer_to_server(FleetServicer(coordinator, self.auth), server)
         try:
-            port = server.add_insecure_port(self.config.address)
+            port = (
+                server.add_secure_port(self.config.address, self.credentials)
+                if self.credentials is not None
+                else server.add_insecure_port(self.config.address)
+            )
         except RuntimeError as exc:
             persistence.close()
             raise ConfigError("address", f"cannot listen on {self.config.address}: {exc}") from exc

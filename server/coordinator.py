@@ -108,7 +108,9 @@ class Coordinator:
         return self._payload_info.total_bytes
 
     # -- client calls ---------------------------------------------------------------
-    def join(self, request: JoinRequest) -> JoinReply:
+    def join(self, request: JoinRequest, identity: str | None = None) -> JoinReply:
+        """Admit a client. An authenticated ``identity`` (`fedloom.server.auth`) names
+        the session and holds one session at a time: joining again ends the old one."""
         if request.protocol_version != PROTOCOL_VERSION:
             raise MessageRejectedError(
                 RejectReason.INVALID,
@@ -118,7 +120,12 @@ class Coordinator:
         missing = {"fit"} - request.capabilities
         if missing:
             raise MessageRejectedError(RejectReason.INVALID, "a client must support 'fit'")
-        record, session = self.registry.join(request.name, request.capabilities & CAPABILITIES)
+        for info in self.registry.infos() if identity is not None else ():
+            if info.name == identity:
+                self._drop_client(info.client_id, "replaced by a new session of its identity")
+        record, session = self.registry.join(
+            identity or request.name, request.capabilities & CAPABILITIES
+        )
         log.info(
             "client %s (%s) joined; %d connected",
             record.client_id,

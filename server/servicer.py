@@ -19,6 +19,7 @@ from fedloom.payload import iter_chunks
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, PendingUpload
 from fedloom.server.metrics import ServerMetrics
 
@@ -46,8 +47,9 @@ async def _reject(
 
 
 class FleetServicer(pb_grpc.FleetServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, auth: Authenticator | None = None) -> None:
         self.coordinator = coordinator
+        self.auth = auth or Authenticator()  # default: no identities (anonymous)
         self.transfer = coordinator.config.transfer
         self.stream_timeout_s = coordinator.config.stream_timeout_s
 
@@ -58,7 +60,9 @@ class FleetServicer(pb_grpc.FleetServicer):
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> pb.JoinResponse:
         try:
-            reply = self.coordinator.join(codec.join_request_from_proto(request))
+            join = codec.join_request_from_proto(request)
+            identity = self.auth.identify(join.name, join.token, context.auth_context())
+            reply = self.coordinator.join(join, identity)
         except MessageRejectedError as exc:
             await _reject(context, "Join", exc)
         return codec.join_reply_to_proto(reply)

@@ -24,6 +24,7 @@ def server_config(tmp_path: Path) -> Callable[..., ServerConfig]:
             long_poll_s=2.0,
             heartbeat_interval_s=0.5,
             client_timeout_s=5.0,
+            insecure=True,  # loopback tests talk plaintext; tests/security covers TLS
         )
         base.update(overrides)
         return ServerConfig(**base)

@@ -41,6 +41,7 @@ def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading
         rpc_timeout_s=10.0,
         reconnect_initial_s=0.05,
         reconnect_max_s=0.5,
+        insecure=True,
     )
     threads = []
     for i, client in enumerate(clients):

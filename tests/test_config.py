@@ -53,7 +53,9 @@ def test_toml_then_flags(tmp_path) -> None:
         "num_rounds = 7\nmin_clients = 4\n[transfer]\nchunk_size = 65536\n"
         'max_message_bytes = 200000\n[strategy]\nname = "fedavg"\n'
     )
-    args = build_parser().parse_args(["server", "--config", str(path), "--num-rounds", "9"])
+    args = build_parser().parse_args(
+        ["server", "--config", str(path), "--num-rounds", "9", "--insecure"]
+    )
     config = server_config_from_args(args)
     assert config.num_rounds == 9 and config.min_clients == 4
     assert config.transfer.chunk_size == 65536

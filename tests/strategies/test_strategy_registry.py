@@ -48,7 +48,8 @@ def test_settings_reach_the_constructor_typed() -> None:
 
 def test_from_a_toml_table() -> None:
     config = from_mapping(ServerConfig, {"strategy": {"name": "fedyogi", "eta": 0.02,
-                                                      "max_update_norm": 4.0}})
+                                                      "max_update_norm": 4.0},
+                                         "insecure": True})
     built = build_strategy(config.strategy)
     assert isinstance(built, NormBoundedStrategy) and isinstance(built.inner, FedYogi)
     assert built.inner.optimizer.eta == 0.02  # type: ignore[attr-defined]
