@@ -1,5 +1,8 @@
 """`fedloom demo`: a real federated run on loopback gRPC, with nothing to install by hand.
 
+It runs over mutual TLS with throwaway certificates it makes in a temporary folder
+(`fedloom.simulations.demo_tls`): each client proves its name with its certificate.
+
 A server and N spawned client processes; each client holds a private non-IID share
 (Dirichlet alpha = 0.5 over labels) of scikit-learn's bundled handwritten digits and
 trains a small PyTorch MLP; the server evaluates the global model on a held-out test
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fedloom.config import ServerConfig, StrategyConfig
+from fedloom.simulations.demo_tls import ThrowawayPKI, client_tls_config
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.demo")
@@ -61,7 +65,7 @@ def make_model() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def _client_process(address: str, index: int, num_clients: int, seed: int) -> None:
+def _client_process(address: str, index: int, num_clients: int, seed: int, certs: str) -> None:
     """Entry point of one spawned client process."""
     import torch
 
@@ -85,7 +89,8 @@ def _client_process(address: str, index: int, num_clients: int, seed: int) -> No
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     )
     logging.basicConfig(level=logging.WARNING)
-    start_client(address, client, name=f"demo-client-{index}")
+    name = f"demo-client-{index}"
+    start_client(address, client, name=name, config=client_tls_config(address, certs, name))
 
 
 def _server_evaluator(seed: int) -> Any:
@@ -149,6 +154,7 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     initial = state_dict_to_weights(make_model().state_dict())
+    pki = ThrowawayPKI([f"demo-client-{i}" for i in range(clients)])  # mutual TLS
     config = ServerConfig(
         address="127.0.0.1:0",
         num_rounds=rounds,
@@ -160,6 +166,8 @@ def run_demo(
         progress=progress,
         round_timeout_s=120.0,
         strategy=StrategyConfig("fedavg"),
+        tls=pki.server_tls(),
+        auth=pki.server_auth(),
     )
     server = Server(config, initial_weights=initial, evaluate_fn=_server_evaluator(seed))
     started = time.time()
@@ -169,7 +177,9 @@ def run_demo(
     os.environ["OMP_NUM_THREADS"] = "1"
     processes = [
         context.Process(
-            target=_client_process, args=(handle.address, i, clients, seed), daemon=True
+            target=_client_process,
+            args=(handle.address, i, clients, seed, str(pki.folder)),
+            daemon=True,
         )
         for i in range(clients)
     ]
@@ -184,6 +194,7 @@ def run_demo(
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        pki.cleanup()
     elapsed = time.time() - started
     final = server.coordinator.global_weights if server.coordinator else initial
     save_weights(out / "model.safetensors", final)
