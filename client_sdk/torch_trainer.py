@@ -6,9 +6,17 @@ CUDA when present (``device="auto"``), converts between ``state_dict`` and `Weig
 
 - ``local_epochs`` (int): overrides the constructor's ``local_epochs``;
 - ``lr`` or ``eta_l`` (float): sets the learning rate of every parameter group;
-- ``proximal_mu`` (float): FedProx's proximal term ``mu/2 * ||w - w_global||^2``
-  (Li et al., MLSys 2020); applied values are reported back as the metric
-  ``proximal_mu``, so the server can see a client that ignored it;
+- ``proximal_mu`` (float >= 0; Flower's FedProx sends it as ``proximal-mu``, which is
+  read too): FedProx's proximal term ``mu/2 * ||w - w_global||^2`` over the parameters
+  (Li et al., MLSys 2020). An applied value is reported back as the metric
+  ``proximal_mu``, so the server can see a client that ignored it; ``train_loss``
+  stays the task loss, without the term;
+- ``max_update_norm`` (float > 0): the strategy's update-norm bound, applied here as
+  clipping: when the update (new weights minus the received ones) is longer than the
+  bound in global L2 norm over the floating-point tensors, it is scaled down to it
+  (integer buffers untouched), as in ``fedloom.strategies.clip_update``. Under secure
+  aggregation the server sees only the sum, so only the client can bound its update.
+  The metric ``update_norm`` reports the norm before clipping;
 - ``seed`` (int): seeds torch before training, for reproducible runs.
 
 Example::
@@ -20,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -28,7 +37,7 @@ import torch
 
 from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
 from fedloom.errors import ConfigError
-from fedloom.types import Config
+from fedloom.types import Config, Scalar
 from fedloom.weights import Weights
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -126,7 +135,8 @@ class TorchClient(Client):
             raise ConfigError("local_epochs", f"must be at least 1, got {epochs}")
         if "seed" in config:
             torch.manual_seed(int(config["seed"]))
-        mu = float(config.get("proximal_mu", 0.0))
+        mu = proximal_mu(config)
+        max_norm = max_update_norm(config)
         optimizer = self.optimizer_factory(self.model.parameters())
         lr = config.get("lr", config.get("eta_l"))
         if lr is not None:
@@ -140,28 +150,98 @@ class TorchClient(Client):
             for inputs, targets in self.train_loader:
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 optimizer.zero_grad(set_to_none=True)
-                loss = self.loss_fn(self.model(inputs), targets)
+                task_loss = self.loss_fn(self.model(inputs), targets)
+                loss = task_loss
                 if mu > 0:
                     prox = sum(
                         (p - a).pow(2).sum()
                         for p, a in zip(self.model.parameters(), anchor, strict=True)
                     )
-                    loss = loss + 0.5 * mu * prox
+                    loss = task_loss + 0.5 * mu * prox
                 loss.backward()
                 optimizer.step()
-                total_loss += float(loss.detach()) * len(targets)
+                total_loss += float(task_loss.detach()) * len(targets)
                 seen += len(targets)
         if seen == 0:
             raise ValueError("train_loader yielded no examples")
-        metrics: dict[str, float] = {"train_loss": total_loss / seen}
+        metrics: dict[str, Scalar] = {"train_loss": total_loss / seen}
         if mu > 0:
             metrics["proximal_mu"] = mu
-        return FitOutput(self.get_weights(), seen // epochs, metrics)
+        new_weights = self.get_weights()
+        if max_norm is not None:
+            new_weights, norm = bound_update(weights, new_weights, max_norm)
+            metrics["update_norm"] = norm
+        return FitOutput(new_weights, seen // epochs, metrics)
 
     def evaluate(self, weights: Weights, config: Config) -> EvaluateOutput:
         load_weights(self.model, weights)
         loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
         return EvaluateOutput(loss, n, {"accuracy": accuracy})
+
+
+def proximal_mu(config: Config) -> float:
+    """FedProx's ``mu`` from a fit config (``proximal_mu``, or Flower's ``proximal-mu``)."""
+    value = config.get("proximal_mu", config.get("proximal-mu", 0.0))
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError("proximal_mu", f"must be a number >= 0, got {value!r}")
+    mu = float(value)
+    if not (math.isfinite(mu) and mu >= 0):
+        raise ConfigError("proximal_mu", f"must be a number >= 0, got {value!r}")
+    return mu
+
+
+def max_update_norm(config: Config) -> float | None:
+    """The update-norm bound from a fit config, or None when there is none."""
+    value = config.get("max_update_norm")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError("max_update_norm", f"must be a positive number, got {value!r}")
+    bound = float(value)
+    if not (math.isfinite(bound) and bound > 0):
+        raise ConfigError("max_update_norm", f"must be a positive number, got {value!r}")
+    return bound
+
+
+def _delta_norm(received: Weights, new: Weights) -> float:
+    """L2 norm of ``new - received`` over float tensors, subtracted in each tensor's
+    dtype as the SDK does before upload, summed in float64."""
+    total = 0.0
+    for name, base in received.items():
+        if base.dtype.kind == "f":
+            d = np.subtract(new[name], base, dtype=base.dtype).astype(np.float64).ravel()
+            total += float(np.dot(d, d))
+    return math.sqrt(total)
+
+
+def bound_update(received: Weights, new: Weights, max_norm: float) -> tuple[Weights, float]:
+    """Clip the update ``new - received`` to global L2 norm ``max_norm``.
+
+    Returns the (possibly) clipped new weights and the update's norm before clipping.
+    Integer tensors keep their new values. The result is checked as the server will
+    measure it (a float32 delta of the float32 weights): should rounding leave it a
+    hair above the bound, it is scaled down a little more, so a server that rejects
+    longer updates accepts it.
+    """
+    norm = _delta_norm(received, new)
+    if norm <= max_norm:
+        return new, norm
+    deltas = {k: new[k].astype(np.float64) - b.astype(np.float64)
+              for k, b in received.items() if b.dtype.kind == "f"}
+    target = max_norm
+    clipped = new
+    for _ in range(8):
+        scale = target / norm
+        clipped = Weights(
+            (k, (b.astype(np.float64) + scale * deltas[k]).astype(b.dtype) if k in deltas
+             else new[k])
+            for k, b in received.items()
+        )
+        actual = _delta_norm(received, clipped)
+        if actual <= max_norm:
+            break
+        target *= (max_norm / actual) * (1 - 1e-6)
+    return clipped, norm
 
 
 def evaluate_module(
