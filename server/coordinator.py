@@ -83,7 +83,8 @@ class Coordinator:
         self.reporter = reporter or RoundReporter(enabled=False)
         self.registry = ClientRegistry(config.max_clients)
         self.run_id = persistence.run_id
-        self.finished = asyncio.Event()
+        self.finished = asyncio.Event()  # set only once the run is over and recorded
+        self.stopping = False  # run() has ended, finished or not (e.g. the server stops)
         self.history: list[dict[str, Any]] = persistence.history()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aggregate")
         self._phase: RoundTasks | None = None
@@ -163,6 +164,8 @@ class Coordinator:
                 return task.header, task.payload
             if self.finished.is_set():
                 return NoTask(retry_after_s=0.0, run_finished=True)
+            if self.stopping:  # stopped, not finished: the client must come back (reconnect)
+                return NoTask(retry_after_s=0.0)
             if record.client_id not in self.registry:
                 raise MessageRejectedError(RejectReason.UNKNOWN_CLIENT, "session ended; join again")
             remaining = deadline - loop.time()
@@ -326,8 +329,11 @@ class Coordinator:
             for server_round in range(self.next_round, self.config.num_rounds + 1):
                 await self._run_round(loop, server_round)
             self.persistence.finish()
-        finally:
             self.finished.set()
+        finally:
+            # A stop (cancel, signal) is not the end of the run: clients told "finished"
+            # would leave for good and the restarted server would wait for them forever.
+            self.stopping = True
             for record in list(self.registry.infos()):
                 client = self.registry.get(record.client_id)
                 if client:

@@ -1,0 +1,76 @@
+"""A server that stops (signal, cancel, crash) has not finished the run: the clients
+waiting on it must reconnect to the restarted server, not leave.
+
+Regression test for the flaky ``test_clients_survive_a_server_restart_and_the_run_resumes``:
+the coordinator used to set its "finished" event on *any* exit from ``run()``, so a
+client long-polling at the moment of a stop was told ``run_finished`` and left for
+good; the restarted server then waited forever for ``min_clients``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from recovery_support import DeterministicClient, free_port, initial_weights, insecure
+
+from fedloom import ServerConfig
+from fedloom.client_sdk import ClientStats, start_client
+from fedloom.config import ClientConfig
+from fedloom.server import Server
+
+
+def _config(tmp_path: Path, port: int, **overrides: object) -> ServerConfig:
+    settings: dict = dict(
+        address=f"127.0.0.1:{port}",
+        num_rounds=1,
+        min_clients=2,  # one client: no round starts, it long-polls
+        min_fit_clients=1,
+        fraction_evaluate=0.0,
+        state_dir=str(tmp_path / "state"),
+        progress=False,
+        long_poll_s=5.0,
+        heartbeat_interval_s=0.5,
+        client_timeout_s=10.0,
+        **insecure(ServerConfig),
+    )
+    settings.update(overrides)
+    return ServerConfig(**settings)
+
+
+def test_a_client_long_polling_through_a_stop_reconnects_and_finishes(tmp_path: Path) -> None:
+    port = free_port()
+    first = Server(_config(tmp_path, port), initial_weights=initial_weights()).start()
+    client = DeterministicClient(seed=0, num_examples=1)
+    outcome: dict[str, ClientStats] = {}
+    config = ClientConfig(
+        server_address=first.address,
+        reconnect_initial_s=0.05,
+        reconnect_max_s=0.3,
+        **insecure(ClientConfig),
+    )
+
+    def run() -> None:
+        outcome["stats"] = start_client(first.address, client, config=config, handle_signals=False)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    coordinator = first.server.coordinator
+    assert coordinator is not None
+    deadline = time.monotonic() + 10
+    while not len(coordinator.registry) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the client is inside a long-poll now
+    first.stop()
+    first.wait(10)
+    assert not coordinator.finished.is_set()
+    thread.join(1.0)
+    assert thread.is_alive(), f"the client left a run that is not finished: {outcome}"
+    # Restarted with one client enough, the run goes on and really finishes.
+    second = Server(_config(tmp_path, port, min_clients=1), initial_weights=initial_weights())
+    history = second.start().wait(30)
+    thread.join(10)
+    assert [r["status"] for r in history] == ["ok"]
+    assert outcome["stats"].run_finished and outcome["stats"].fits == 1
+    assert client.rounds == [1]
