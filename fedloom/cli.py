@@ -5,6 +5,7 @@
 - ``fedloom demo [--clients 8 --rounds 20 --seed 0 --out fedloom-out]``
 - ``fedloom simulate scenario.toml`` (see ``fedloom.simulations.cli``)
 - ``fedloom certs`` / ``fedloom tokens add NAME`` (see ``fedloom.security_cli``)
+- ``fedloom runs [RUN_ID] [--state-dir DIR] [--json]`` (past runs, per-round metrics)
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import logging
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -21,6 +21,7 @@ from typing import Any
 from fedloom import security_cli
 from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
 from fedloom.errors import FedloomError
+from fedloom.logs import FORMATS, configure_logging
 
 SERVER_HELP = {
     "address": "HOST:PORT to listen on (port 0 picks a free port)",
@@ -45,6 +46,8 @@ SERVER_HELP = {
     "stream_timeout_s": "time limit of one upload stream, in seconds",
     "max_clients": "most clients connected at once",
     "progress": "show the live progress display",
+    "metrics_address": "HOST:PORT serving Prometheus /metrics (empty: off)",
+    "reflection": "serve gRPC server reflection (for grpcurl and similar tools)",
     "chunk_size": "bytes per weights chunk on the wire",
     "max_message_bytes": "largest gRPC message accepted (keep near 2x chunk_size)",
     "max_model_bytes": "largest model or update accepted, in bytes",
@@ -98,6 +101,7 @@ def _server_parser(sub: Any) -> None:
         help="a strategy setting; VALUE is TOML (e.g. eta=0.01); repeatable",
     )
     p.add_argument("--log-level", default="INFO")
+    _add_log_format(p)
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
     security_cli.add_server_flags(p)
@@ -170,6 +174,26 @@ def _run_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="text, or json: one JSON object per line (level, logger, message, fields)",
+    )
+
+
+def _run_runs(args: argparse.Namespace) -> int:
+    from fedloom.server.run_report import print_runs
+
+    state_dir = args.state_dir
+    if not state_dir:
+        data = load_toml(args.config) if args.config else {}
+        state_dir = data.get("state_dir", ServerConfig.state_dir)
+    print_runs(state_dir, args.run, json_output=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedloom", description="fedloom federated learning")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     security_cli.add_client_flags(c)
     security_cli.add_certs_parser(sub)
     security_cli.add_tokens_parser(sub)
+    _add_log_format(c)
+    r = sub.add_parser("runs", help="list past runs, or one run's per-round metrics")
+    r.add_argument("run", nargs="?", default="", help="a run id (or a unique prefix of one)")
+    r.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
+                   "else fedloom-state)")
+    r.add_argument("--config", help="server TOML file whose state_dir to read")
+    r.add_argument("--json", action="store_true", help="print everything as JSON")
+    r.set_defaults(log_level="WARNING")
     d = sub.add_parser("demo", help="a real federated run on loopback (digits, PyTorch)")
     from fedloom.simulations.demo import add_arguments
 
@@ -202,10 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return simulate_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(str(args.log_level), getattr(args, "log_format", "text"))
     try:
         if args.command == "server":
             return _run_server(args)
@@ -215,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return security_cli.run_certs(args)
         if args.command == "tokens":
             return security_cli.run_tokens(args)
+        if args.command == "runs":
+            return _run_runs(args)
         from fedloom.simulations.demo import main as demo_main
 
         return demo_main(args)

@@ -148,6 +148,8 @@ class ServerConfig:
     stream_timeout_s: float = 600.0
     max_clients: int = 10_000
     progress: bool = True
+    metrics_address: str = ""
+    reflection: bool = True
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     insecure: bool = False
@@ -202,6 +204,8 @@ class ServerConfig:
         _check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
         _check(self.max_clients >= 1, "max_clients", "must be at least 1")
         _check(bool(self.state_dir), "state_dir", "must name a folder")
+        if self.metrics_address:
+            check_address("metrics_address", self.metrics_address)
         _check_security(self.insecure, self.tls, self.auth)
 
 

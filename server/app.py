@@ -29,6 +29,7 @@ from fedloom.errors import ConfigError
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, EvaluateFn
+from fedloom.server.observability import MetricsEndpoint, Probes
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
 from fedloom.server.servicer import FleetServicer
@@ -85,6 +86,7 @@ class Server:
         self.credentials = server_credentials(config)  # None: plaintext (insecure = true)
         self.auth = Authenticator.from_config(config)
         self.port: int | None = None
+        self.metrics_port: int | None = None  # set when metrics_address serves /metrics
         self.coordinator: Coordinator | None = None
         self._ready = threading.Event()
 
@@ -98,16 +100,22 @@ class Server:
         self.coordinator = coordinator
         server = grpc.aio.server(options=grpc_server_options(self.config))
         pb_grpc.add_FleetServicer_to_server(FleetServicer(coordinator, self.auth), server)
+        probes = Probes(server, reflection_enabled=self.config.reflection)
         try:
             port = (
                 server.add_secure_port(self.config.address, self.credentials)
                 if self.credentials is not None
                 else server.add_insecure_port(self.config.address)
             )
-        except RuntimeError as exc:
+            metrics = MetricsEndpoint.start_if(self.config.metrics_address)
+        except (RuntimeError, ConfigError) as exc:
             persistence.close()
+            if isinstance(exc, ConfigError):
+                raise
             raise ConfigError("address", f"cannot listen on {self.config.address}: {exc}") from exc
         await server.start()
+        await probes.serving()
+        self.metrics_port = metrics.port if metrics else None
         self.port = port
         self._ready.set()
         log.info(
@@ -121,6 +129,9 @@ class Server:
             await self._let_clients_leave(coordinator)
         finally:
             reporter.close()
+            await probes.shutting_down()
+            if metrics:
+                metrics.close()
             await server.stop(grace=1.0)
             persistence.close()
         return coordinator.history

@@ -1,11 +1,23 @@
 """Prometheus metrics of the server (rounds, clients, bytes, rejections, durations).
 
-The collectors live in their own registry, so several servers in one process (tests)
-do not clash with each other or with an application's default registry; serve it with
-``prometheus_client.start_http_server(port, registry=ServerMetrics.registry)``.
+The collectors live in their own registry, so an application's default registry is
+left alone; ``metrics_address`` serves it (`fedloom.server.observability`). Several
+servers in one process (tests) share these process-wide collectors. Where each is
+updated:
+
+- ``fedloom_rounds_total{status}``, ``fedloom_round_duration_seconds``,
+  ``fedloom_last_round``: when a round commits (coordinator);
+- ``fedloom_clients_connected``: on join and on removal (leave, silence);
+- ``fedloom_tasks_total{kind,outcome}``: when a phase closes: ``accepted``, ``failed``
+  (client failure, dropped, deadline) or ``cancelled`` (over-selection);
+- ``fedloom_bytes_received_total`` / ``fedloom_bytes_sent_total``: weights chunks in
+  Push / Pull (servicer; payload bytes, not protobuf framing);
+- ``fedloom_rejected_messages_total{reason}``: every refused message (servicer).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -22,6 +34,15 @@ class ServerMetrics:
         "fedloom_rejected_messages_total",
         "Messages refused, by reason",
         ["reason"],
+        registry=registry,
+    )
+    last_round = Gauge(
+        "fedloom_last_round", "The last round committed in this process", registry=registry
+    )
+    tasks = Counter(
+        "fedloom_tasks_total",
+        "Tasks whose phase closed, by kind and outcome",
+        ["kind", "outcome"],
         registry=registry,
     )
     round_seconds = Histogram(
@@ -44,6 +65,15 @@ class ServerMetrics:
         cls.sent.inc(n)
 
     @classmethod
-    def round_done(cls, status: str, seconds: float) -> None:
+    def round_done(cls, status: str, seconds: float, server_round: int | None = None) -> None:
         cls.rounds.labels(status=status).inc()
         cls.round_seconds.observe(seconds)
+        if server_round is not None:
+            cls.last_round.set(server_round)
+
+    @classmethod
+    def tasks_closed(cls, kind: str, outcomes: Mapping[str, int]) -> None:
+        """Count a closed phase's tasks: ``{"accepted": n, "failed": m, ...}``."""
+        for outcome, n in outcomes.items():
+            if n:
+                cls.tasks.labels(kind=kind, outcome=outcome).inc(n)

@@ -58,6 +58,16 @@ class RoundReporter:
             _fmt(loss),
             _fmt(acc),
             record.get("num_updates", "-"),
+            extra={
+                "round": record.get("round"),
+                "status": record.get("status"),
+                "loss": loss,
+                "accuracy": acc,
+                "updates": record.get("num_updates"),
+                "failures": record.get("num_failures"),
+                "cancelled": record.get("num_cancelled"),
+                "duration_s": record.get("duration_s"),
+            },
         )
         if not self.enabled:
             return

@@ -72,7 +72,11 @@ def updates_from_queue(source: queue.Queue[_UpdateItem]) -> Iterator[ClientUpdat
 
 
 class RoundTasks:
-    """The open phase of a round. Lives on the event loop."""
+    """The open phase of a round. Lives on the event loop.
+
+    A task's status changes only through these methods, which keep the counts behind
+    `num_accepted` and `num_answered` (read on every result: O(1), not a scan).
+    """
 
     def __init__(
         self, server_round: int, kind: TaskKind, minimum: int, target: int | None = None
@@ -88,6 +92,8 @@ class RoundTasks:
         self.failures: dict[str, str] = {}
         self.num_cancelled = 0
         self.closed = False
+        self._accepted = 0
+        self._answered = 0
         self._all_answered = asyncio.Event()
 
     def add(self, task: IssuedTask) -> None:
@@ -96,27 +102,43 @@ class RoundTasks:
 
     @property
     def num_accepted(self) -> int:
-        return sum(1 for t in self.tasks.values() if t.status is TaskStatus.ACCEPTED)
+        return self._accepted
 
     @property
     def num_answered(self) -> int:
-        return sum(1 for t in self.tasks.values() if t.status is not TaskStatus.PENDING)
+        return self._answered
+
+    def outcomes(self) -> dict[str, int]:
+        """How many tasks ended in each status (``pending`` until the phase closes)."""
+        counts = {status.value: 0 for status in TaskStatus}
+        for task in self.tasks.values():
+            counts[task.status.value] += 1
+        return counts
+
+    def _settle(self, task: IssuedTask, status: TaskStatus) -> None:
+        assert task.status is TaskStatus.PENDING, task.status
+        task.status = status
+        self._answered += 1
+        if status is TaskStatus.ACCEPTED:
+            self._accepted += 1
 
     def accept_update(self, task: IssuedTask, update: ClientUpdate, fingerprint: bytes) -> None:
-        task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
+        self._settle(task, TaskStatus.ACCEPTED)
+        task.result_fingerprint = fingerprint
         self.updates.put(update)
         self._check_answered()
 
     def accept_evaluation(
         self, task: IssuedTask, result: EvaluateResult, fingerprint: bytes
     ) -> None:
-        task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
+        self._settle(task, TaskStatus.ACCEPTED)
+        task.result_fingerprint = fingerprint
         self.evaluations.append(result)
         self._check_answered()
 
     def fail(self, task: IssuedTask, reason: str) -> None:
         if task.status is TaskStatus.PENDING:
-            task.status = TaskStatus.FAILED
+            self._settle(task, TaskStatus.FAILED)
             self.failures[task.client_id] = reason
             self._check_answered()
 
@@ -150,10 +172,10 @@ class RoundTasks:
             if task.status is not TaskStatus.PENDING:
                 continue
             if cancel:
-                task.status = TaskStatus.CANCELLED
+                self._settle(task, TaskStatus.CANCELLED)
                 self.num_cancelled += 1
             else:
-                task.status = TaskStatus.FAILED
+                self._settle(task, TaskStatus.FAILED)
                 self.failures.setdefault(task.client_id, "no result before the deadline")
         enough = self.num_accepted >= self.minimum and self.num_accepted > 0
         if self.kind is TaskKind.FIT:

@@ -40,7 +40,10 @@ async def _reject(
     context: grpc.aio.ServicerContext, rpc: str, exc: MessageRejectedError
 ) -> NoReturn:
     """Log, count and answer a refused message with its status; never returns."""
-    log.warning("%s rejected from %s: %s (%s)", rpc, context.peer(), exc, exc.reason)
+    log.warning(
+        "%s rejected from %s: %s (%s)", rpc, context.peer(), exc, exc.reason,
+        extra={"rpc": rpc, "peer": context.peer(), "reason": str(exc.reason)},
+    )
     ServerMetrics.rejected(exc.reason)
     await context.abort(STATUS[exc.reason], str(exc))
     raise exc  # abort() raises; this line only satisfies the type checker

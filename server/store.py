@@ -60,9 +60,13 @@ class RoundRecord:
 class RunStore:
     """SQLite-backed record of runs and rounds (``<state_dir>/fedloom.db``)."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, *, readonly: bool = False) -> None:
         self.path = path
+        if readonly:  # for readers beside a running server (`fedloom runs`): no writes
+            uri = f"{path.resolve().as_uri()}?mode=ro"
+            self._db = sqlite3.connect(uri, uri=True, isolation_level=None)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")

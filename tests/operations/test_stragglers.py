@@ -63,7 +63,7 @@ def test_over_selection_below_one_is_refused(server_config) -> None:
 
 # -- over the wire, with the SDK's Connection -----------------------------------------------
 def _connect(address: str, name: str) -> Connection:
-    conn = Connection(ClientConfig(server_address=address, rpc_timeout_s=10.0))
+    conn = Connection(ClientConfig(server_address=address, rpc_timeout_s=10.0, insecure=True))
     conn.join(name)
     return conn
 
@@ -216,9 +216,7 @@ def test_heartbeats_keep_a_slow_client_and_silence_drops_a_sampled_one(server_co
 
 
 def test_a_client_joining_between_rounds_is_sampled_in_later_rounds(server_config) -> None:
-    config = server_config(
-        num_rounds=4, min_clients=2, min_fit_clients=2, fraction_evaluate=0.0
-    )
+    config = server_config(num_rounds=4, min_clients=2, min_fit_clients=2, fraction_evaluate=0.0)
     handle = Server(config, initial_weights=small_weights()).start()
     early = [SlowClient(seed=i, seconds=0.3) for i in range(2)]
     threads = run_clients(handle.address, early)

@@ -1,0 +1,179 @@
+"""`fedloom runs`: past runs and their per-round metrics, read from the run store.
+
+The database is opened read-only, so the command is safe beside a running server::
+
+    $ fedloom runs --state-dir fedloom-state
+    RUN                     STATUS    ROUNDS  STARTED              LOSS    ACCURACY
+    20260105-103102-3f2a9c  finished  20/20   2026-01-05 10:31:02  0.1093  0.9694
+
+    $ fedloom runs 20260105-103102          # a unique prefix of the run id is enough
+    ROUND  STATUS  SAMPLED  UPDATES  FAILED  CANCELLED  SECONDS  LOSS    ACCURACY
+    1      ok      8        8        0       0          1.92     1.9634  0.5722
+    ...
+
+Loss and accuracy come from server-side evaluation when the server has an
+``evaluate_fn``, else from federated evaluation. ``--json`` prints everything the
+store holds (each round's fit, evaluate and server metrics) as one JSON document.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from fedloom.errors import ConfigError
+from fedloom.server.store import RoundRecord, RunRecord, RunStore
+
+DATABASE = "fedloom.db"
+
+
+def open_store(state_dir: str | Path) -> RunStore:
+    """The run store in ``state_dir``, read-only; ConfigError when there is none."""
+    path = Path(state_dir) / DATABASE
+    if not path.is_file():
+        raise ConfigError(
+            "state_dir", f"no run database at {path}: pass the server's state_dir (--state-dir)"
+        )
+    try:
+        return RunStore(path, readonly=True)
+    except sqlite3.Error as exc:
+        raise ConfigError("state_dir", f"cannot read {path}: {exc}") from exc
+
+
+def _pick(metrics: dict[str, Any], key: str) -> Any:
+    """A metric from server-side evaluation, else from federated evaluation."""
+    for source in ("server", "evaluate"):
+        value = (metrics.get(source) or {}).get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def _number(value: Any, spec: str = ".4f") -> str:
+    return "-" if not isinstance(value, int | float) else format(value, spec)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _stamp(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _training_rounds(store: RunStore, run_id: str) -> list[RoundRecord]:
+    return [r for r in store.rounds(run_id) if r.round > 0]  # round 0: the initial model
+
+
+def runs_table(store: RunStore) -> str:
+    """One line per run: status, rounds committed, start, and the last loss/accuracy."""
+    rows = []
+    for run in store.runs():
+        rounds = _training_rounds(store, run.run_id)
+        last = rounds[-1].metrics if rounds else {}
+        done = rounds[-1].round if rounds else 0
+        rows.append(
+            [
+                run.run_id,
+                run.status,
+                f"{done}/{run.num_rounds}",
+                _stamp(run.created_at),
+                _number(_pick(last, "loss")),
+                _number(_pick(last, "accuracy")),
+            ]
+        )
+    if not rows:
+        return "no runs yet"
+    return _table(["RUN", "STATUS", "ROUNDS", "STARTED", "LOSS", "ACCURACY"], rows)
+
+
+def rounds_table(store: RunStore, run: RunRecord) -> str:
+    """One line per committed round of ``run``."""
+    rows = []
+    for r in _training_rounds(store, run.run_id):
+        m = r.metrics
+        rows.append(
+            [
+                str(r.round),
+                r.status,
+                str(m.get("num_sampled", "-")),
+                str(m.get("num_updates", "-")),
+                str(m.get("num_failures", "-")),
+                str(m.get("num_cancelled", "-")),
+                _number(m.get("duration_s"), ".2f"),
+                _number(_pick(m, "loss")),
+                _number(_pick(m, "accuracy")),
+            ]
+        )
+    title = f"run {run.run_id} ({run.status}, {len(rows)} of {run.num_rounds} rounds committed)"
+    if not rows:
+        return f"{title}\nno rounds committed yet"
+    header = ["ROUND", "STATUS", "SAMPLED", "UPDATES", "FAILED", "CANCELLED", "SECONDS"]
+    return f"{title}\n" + _table([*header, "LOSS", "ACCURACY"], rows)
+
+
+def find_run(store: RunStore, prefix: str) -> RunRecord:
+    """The run whose id is ``prefix`` or starts with it (ConfigError if none or several)."""
+    matches = [r for r in store.runs() if r.run_id.startswith(prefix)]
+    exact = [r for r in matches if r.run_id == prefix]
+    if exact:
+        return exact[0]
+    if len(matches) != 1:
+        known = ", ".join(r.run_id for r in store.runs()) or "none"
+        problem = "matches several runs" if matches else "matches no run"
+        raise ConfigError("run", f"{prefix!r} {problem}; runs: {known}")
+    return matches[0]
+
+
+def as_json(store: RunStore, run: RunRecord | None) -> dict[str, Any]:
+    """Every run (or one), each with its committed rounds and their metrics."""
+    runs = [run] if run is not None else store.runs()
+    return {
+        "runs": [
+            {
+                "run_id": r.run_id,
+                "status": r.status,
+                "num_rounds": r.num_rounds,
+                "created_at": r.created_at,
+                "config": r.config,
+                "rounds": [
+                    {
+                        "round": x.round,
+                        "status": x.status,
+                        "started_at": x.started_at,
+                        "finished_at": x.finished_at,
+                        "checkpoint": x.checkpoint,
+                        "metrics": x.metrics,
+                    }
+                    for x in store.rounds(r.run_id)
+                ],
+            }
+            for r in runs
+        ]
+    }
+
+
+def print_runs(
+    state_dir: str | Path, run_id: str = "", *, json_output: bool = False, out: TextIO | None = None
+) -> None:
+    """What ``fedloom runs`` prints: all runs, or one run's rounds (``run_id`` prefix)."""
+    out = out or sys.stdout
+    store = open_store(state_dir)
+    try:
+        run = find_run(store, run_id) if run_id else None
+        if json_output:
+            json.dump(as_json(store, run), out, indent=2, default=str)
+            out.write("\n")
+        else:
+            out.write((rounds_table(store, run) if run else runs_table(store)) + "\n")
+    finally:
+        store.close()
