@@ -7,9 +7,10 @@ Folder layout under ``state_dir``::
     spool/<run_id>/upload-*.bin                  uploads being received
 
 A new run commits round 0 (the initial weights and strategy state) before any client
-trains, so a resumed run always has a verified checkpoint to start from. On resume the
-newest committed round whose file passes its digest is loaded; newer records whose
-files fail are dropped with an error in the log.
+trains, so a resumed run always has a verified checkpoint to start from (a run killed
+before that first commit is started again under its id). On resume the newest committed
+round whose file passes its digest is loaded; newer records whose files fail are
+dropped with an error in the log, and temp files of a torn write are deleted.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class RunPersistence:
         state_dir = Path(config.state_dir)
         store = RunStore(state_dir / "fedloom.db")
         run = store.latest_unfinished_run() if config.resume else None
-        if run is not None:
+        # A run whose round 0 never committed (the server died while writing it) holds
+        # nothing yet: start it again from the initial weights, under the same id.
+        unstarted = run is not None and store.latest_round(run.run_id) is None
+        if run is not None and not unstarted:
             return cls._resume(config, store, run.run_id, initial_weights, strategy)
         if initial_weights is None:
             raise ConfigError(
@@ -66,8 +70,12 @@ class RunPersistence:
                 "a new run needs initial weights: pass --initial-weights FILE.safetensors "
                 "(write one with fedloom.server.save_weights) or Server(initial_weights=...)",
             )
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-        store.create_run(run_id, config.num_rounds, _config_summary(config))
+        if run is not None:
+            run_id = run.run_id
+            log.warning("run %s never committed round 0; starting it again", run_id)
+        else:
+            run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+            store.create_run(run_id, config.num_rounds, _config_summary(config))
         persistence = cls(state_dir, store, run_id, initial_weights, 0, config.keep_checkpoints)
         persistence.commit(
             0, "ok", initial_weights, strategy.state_dict(), {"round": 0}, time.time()
@@ -109,6 +117,7 @@ class RunPersistence:
                         "state_dir, or set resume = false to start a new run",
                     ) from exc
             store.forget_rounds_after(run_id, record.round)
+            _remove_torn_temp_files(state_dir / "checkpoints" / run_id)
             strategy.load_state_dict(checkpoint.strategy_state)
             log.info("resuming run %s after round %d", run_id, record.round)
             return cls(
@@ -176,6 +185,13 @@ class RunPersistence:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _remove_torn_temp_files(folder: Path) -> None:
+    """Delete checkpoint temp files a killed server left behind (never loaded)."""
+    for path in folder.glob(".round-*.safetensors.tmp"):
+        log.info("removing %s, left by a server that stopped mid-write", path.name)
+        path.unlink(missing_ok=True)
 
 
 def _config_summary(config: ServerConfig) -> dict[str, Any]:
