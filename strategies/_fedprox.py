@@ -6,11 +6,13 @@ objective, ``loss + proximal_mu / 2 * ||w - w_global||²``. The strategy sends
 sends it as ``"proximal-mu"``) and `TorchClient` applies it. A client that applies the
 term echoes the value back as the fit metric ``"proximal_mu"``; updates that do not
 (missing, or another value) are counted in the round metric
-``"num_ignored_proximal_mu"`` so an operator can see clients that ignore it.
+``"num_ignored_proximal_mu"`` and named in a warning in the log, so an operator can
+see clients that ignore it (their updates still count: FedProx tolerates partial work).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -25,6 +27,8 @@ from fedloom.weights import Weights
 PROXIMAL_MU_KEY = "proximal_mu"
 #: Round metric: updates whose metrics do not echo the ``proximal_mu`` that was sent.
 IGNORED_METRIC = "num_ignored_proximal_mu"
+
+logger = logging.getLogger(__name__)
 
 
 class FedProx(ComposedStrategy):
@@ -78,22 +82,26 @@ class FedProx(ComposedStrategy):
     def aggregate_fit(
         self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
     ) -> AggregateResult:
-        ignored = 0
+        ignored: list[str] = []
 
         def watched() -> Iterator[ClientUpdate]:
-            nonlocal ignored
             for update in updates:
                 echoed = update.metrics.get(PROXIMAL_MU_KEY)
                 if self.proximal_mu > 0 and not _same(echoed, self.proximal_mu):
-                    ignored += 1
+                    ignored.append(update.client_id)
                 yield update
 
         result = super().aggregate_fit(server_round, current, watched())
-        if result.weights is None:
-            return result
+        if ignored:
+            shown = ", ".join(ignored[:10]) + (", ..." if len(ignored) > 10 else "")
+            logger.warning(
+                "round %d: %d update(s) did not apply proximal_mu=%g (no matching "
+                "'proximal_mu' fit metric): %s", server_round, len(ignored), self.proximal_mu,
+                shown,
+            )
         return AggregateResult(
-            result.weights, {**result.metrics, IGNORED_METRIC: ignored},
-            num_updates=result.num_updates,
+            result.weights, {**result.metrics, IGNORED_METRIC: len(ignored)},
+            num_updates=result.num_updates, reason=result.reason,
         )
 
 

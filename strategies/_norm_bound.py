@@ -12,8 +12,10 @@ so linear strategies still aggregate in constant memory, and adds ``num_clipped`
 ``num_rejected`` to the round's metrics. It sends the bound to clients in the fit
 config (``"max_update_norm"``, ``"norm_bound_mode"``) so that clients can clip
 themselves: under secure aggregation the server sees only the masked sum, so the
-bound can only be applied on the client, with `clip_update` (a pure function the
-client SDK calls on its delta before masking).
+bound can only be applied on the client. `TorchClient` does so (its ``bound_update``
+follows `clip_update`'s definition, which the client SDK cannot import; a test holds
+the two equal) and reports the norm before clipping as the fit metric
+``update_norm``; other clients can call `clip_update` on their delta before masking.
 """
 
 from __future__ import annotations

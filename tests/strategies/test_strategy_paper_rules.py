@@ -238,14 +238,19 @@ def test_fit_configs_carry_eta_l_and_proximal_mu() -> None:
     assert config == {"local_epochs": 2, "server_round": 1, "proximal_mu": 0.5}
 
 
-def test_fedprox_counts_clients_that_ignore_mu() -> None:
+def test_fedprox_counts_clients_that_ignore_mu(caplog: pytest.LogCaptureFixture) -> None:
     current, ups = round_of(4)
     echoes = [{"proximal_mu": 0.5}, {}, {"proximal_mu": 0.1}, {"proximal_mu": 0.5}]
     ups = [ClientUpdate(u.client_id, u.delta, u.num_examples, 0, m)
            for u, m in zip(ups, echoes, strict=True)]
-    result = FedProx(proximal_mu=0.5).aggregate_fit(1, current, ups)
+    with caplog.at_level("WARNING", logger="fedloom.strategies._fedprox"):
+        result = FedProx(proximal_mu=0.5).aggregate_fit(1, current, ups)
     assert result.metrics["num_ignored_proximal_mu"] == 2
+    assert "2 update(s) did not apply proximal_mu=0.5" in caplog.text
+    assert "c1, c2" in caplog.text  # the clients are named
+    caplog.clear()
     assert FedProx().aggregate_fit(1, current, ups).metrics["num_ignored_proximal_mu"] == 0
+    assert not caplog.text
 
 
 def test_median_of_even_count_is_midpoint() -> None:
