@@ -39,7 +39,7 @@ from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.client")
 
-CAPABILITIES = frozenset({"fit", "evaluate"})
+CAPABILITIES = frozenset({"fit", "evaluate", "secagg"})  # secagg: client_sdk/secure_fit.py
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,

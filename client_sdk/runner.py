@@ -28,10 +28,12 @@ import numpy as np
 
 from fedloom.client_sdk._client import Client
 from fedloom.client_sdk.connection import Connection, ResultRefusedError, SessionExpiredError
+from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.config import ClientConfig
 from fedloom.errors import FedloomError, TransportError
 from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo, serialize
+from fedloom.secagg import SecAggConfig
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
 
@@ -108,13 +110,16 @@ class ClientRunner:
         config: ClientConfig,
         token: str = "",
         stop: threading.Event | None = None,
+        secure_aggregation: SecAggConfig | None = None,
     ) -> None:
         self.client = client
         self.config = config
         self.token = token
         self.stop = stop or threading.Event()
         self.stats = ClientStats()
+        self.secure_aggregation = secure_aggregation  # parameters a secure round must use
         self._connection: Connection | None = None
+        self._secure: SecureFit | None = None
 
     def request_stop(self) -> None:
         self.stop.set()
@@ -214,6 +219,8 @@ class ClientRunner:
         self, session: Session, task: TaskHeader, weights: Weights
     ) -> tuple[ResultHeader, memoryview | None]:
         try:
+            if task.kind is TaskKind.SECAGG:  # a secure round's stage (secure_fit.py)
+                return self._secure_fit(session).execute(session, task, weights)
             if task.kind is TaskKind.FIT:
                 fit = self.client.fit(weights, task.config)
                 problem = _check_output(weights, fit.weights)
@@ -249,6 +256,13 @@ class ClientRunner:
             return ResultHeader(session, task.task_id, task.round, None, failure=message), None
 
 
+    def _secure_fit(self, session: Session) -> SecureFit:
+        """The secure-aggregation state of this session (a new one after a re-join)."""
+        if self._secure is None or self._secure.client_id != session.client_id:
+            self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation)
+        return self._secure
+
+
 def start_client(
     server_address: str,
     client: Client,
@@ -258,6 +272,7 @@ def start_client(
     config: ClientConfig | None = None,
     stop: threading.Event | None = None,
     handle_signals: bool = True,
+    secure_aggregation: SecAggConfig | None = None,
 ) -> ClientStats:
     """Take part in federated training until the run ends; see the module docstring.
 
@@ -275,10 +290,13 @@ def start_client(
         stop: set it (from another thread) to stop after the current task.
         handle_signals: install SIGINT/SIGTERM handlers that stop the loop cleanly
             (only from the main thread; the previous handlers are restored after).
+        secure_aggregation: when given, this client takes part in secure rounds only
+            with exactly these parameters (k, t, clip_range, bits, max_weight); by
+            default it accepts any that pass `SecAggConfig`'s rules.
     """
     base = config or ClientConfig(server_address=server_address)
     settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)
-    runner = ClientRunner(client, settings, token, stop)
+    runner = ClientRunner(client, settings, token, stop, secure_aggregation)
     previous: dict[int, object] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
 

@@ -362,9 +362,10 @@ class SecAggClient:
         if len(setup.participants) > self.policy.max_participants:
             self._ignore(f"{len(setup.participants)} participants exceed this client's "
                          f"max_participants ({self.policy.max_participants})")
-        mine = dataclasses.replace(self.policy, enabled=True,
-                                   max_participants=max(2, len(setup.participants)))
         theirs = setup.config()
+        mine = dataclasses.replace(self.policy, enabled=True,
+                                   max_participants=max(2, len(setup.participants)),
+                                   stage_timeout_s=theirs.stage_timeout_s)  # not a parameter
         if mine != theirs:
             self._ignore(f"the round's parameters {theirs} differ from this client's "
                          f"secure_aggregation settings {mine}")

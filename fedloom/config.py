@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from fedloom.errors import ConfigError
 from fedloom.payload import DEFAULT_CHUNK_SIZE
+from fedloom.secagg import SecAggConfig
 
 _MiB = 1 << 20
 
@@ -155,6 +156,7 @@ class ServerConfig:
     insecure: bool = False
     tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
+    secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
 
     def __post_init__(self) -> None:
         check_address("address", self.address)
@@ -207,6 +209,7 @@ class ServerConfig:
         if self.metrics_address:
             check_address("metrics_address", self.metrics_address)
         _check_security(self.insecure, self.tls, self.auth)
+        self.secure_aggregation.check_server(self.min_fit_clients, self.over_selection)
 
 
 def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:

@@ -32,6 +32,7 @@ from fedloom.server.coordinator import Coordinator, EvaluateFn
 from fedloom.server.observability import MetricsEndpoint, Probes
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
+from fedloom.server.secure_round import check_secure_strategy
 from fedloom.server.servicer import FleetServicer
 from fedloom.server.tls import server_credentials
 from fedloom.strategies import Strategy, build_strategy
@@ -81,6 +82,7 @@ class Server:
                 seed=config.seed,
             )
         )
+        check_secure_strategy(self.strategy, config.secure_aggregation)
         self.initial_weights = initial_weights
         self.evaluate_fn = evaluate_fn
         self.credentials = server_credentials(config)  # None: plaintext (insecure = true)

@@ -39,6 +39,8 @@ from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.rounds import IssuedTask, RoundTasks, TaskStatus, updates_from_queue
+from fedloom.server.secure_attempt import StageTask
+from fedloom.server.secure_round import SECAGG_CAPABILITY, SecureRounds
 from fedloom.server.stragglers import ClosedTasks, over_select
 from fedloom.server.uploads import Spool, SpooledWeights
 from fedloom.strategies import Strategy
@@ -50,7 +52,7 @@ log = logging.getLogger("fedloom.server")
 #: ``evaluate_fn(server_round, weights) -> (loss, metrics)``, or None to skip.
 EvaluateFn = Callable[[int, Weights], tuple[float, Metrics] | None]
 
-CAPABILITIES = frozenset({"fit", "evaluate"})
+CAPABILITIES = frozenset({"fit", "evaluate", SECAGG_CAPABILITY})
 
 
 def _fingerprint(*parts: object) -> bytes:
@@ -93,6 +95,9 @@ class Coordinator:
         self._recently_accepted: dict[str, tuple[str, bytes]] = {}
         self._closed_tasks = ClosedTasks()  # why unanswered tasks ended ("round closed")
         self._spool_dir = persistence.state_dir / "spool" / self.run_id
+        # Secure fit rounds (SecAgg+), when config.secure_aggregation.enabled.
+        self.secure = SecureRounds(config, self.run_id, self.registry, self._executor,
+                                   self._spool_dir)
         self._set_global(persistence.weights)
         self.next_round = persistence.completed_round + 1
 
@@ -158,6 +163,9 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.long_poll_s
         while True:
+            offered = self.secure.offer(record.client_id)  # a secure round's stage task
+            if offered is not None:
+                return offered
             phase = self._phase
             task = phase.by_client.get(record.client_id) if phase and not phase.closed else None
             if task is not None and task.status is TaskStatus.PENDING:
@@ -176,6 +184,26 @@ class Coordinator:
                 await asyncio.wait_for(record.wakeup.wait(), remaining)
             except TimeoutError:
                 return NoTask(retry_after_s=0.0)
+            except asyncio.CancelledError:  # the client's stream ended (it went away)
+                self.secure.drop(record.client_id, "its long-poll stream ended")
+                raise
+
+    async def accept_result(
+        self, record: ClientRecord, header: ResultHeader
+    ) -> PendingUpload | bool:
+        """`begin_result` for any task; a secure round's stage results go to it."""
+        if not self.secure.owns(header.task_id):
+            return self.begin_result(record, header)
+        outcome = await self.secure.begin_result(record, header)
+        return outcome if isinstance(outcome, bool) else PendingUpload(outcome[0], header,
+                                                                       outcome[1])
+
+    async def finish_upload(self, upload: PendingUpload, delta: SpooledWeights | None) -> None:
+        """`finish_fit` for any upload; a masked input is folded into the secure sum."""
+        if isinstance(upload.task, StageTask):
+            await self.secure.finish_upload(upload.task, upload.header, upload.spool, delta)
+        else:
+            self.finish_fit(upload, delta)
 
     def begin_result(self, record: ClientRecord, header: ResultHeader) -> PendingUpload | bool:
         """Validate a result header. Returns a `PendingUpload` for a fit result whose
@@ -301,6 +329,7 @@ class Coordinator:
     def _drop_client(self, client_id: str, reason: str) -> None:
         if self.registry.remove(client_id) is None:
             return
+        self.secure.drop(client_id, reason)
         log.info("client %s removed (%s); %d connected", client_id, reason, len(self.registry))
         ServerMetrics.clients.set(len(self.registry))
         phase = self._phase
@@ -352,6 +381,14 @@ class Coordinator:
         await self._wait_for_clients()
         started = time.time()
         current = self.global_weights
+        if self.secure.enabled:  # SecAgg+: server/secure_round.py
+            self.reporter.round_started(server_round, self.config.num_rounds,
+                                        self.config.min_fit_clients)
+            secure_result, secure_record = await self.secure.run_round(
+                server_round, current, self.strategy, self._payload, self._payload_info)
+            self._clean_spool()
+            await self._conclude_round(loop, server_round, started, secure_result, secure_record)
+            return
         plan = self.strategy.configure_fit(server_round, current, self.registry.infos())
         selection = over_select(
             plan.client_ids,
@@ -398,6 +435,17 @@ class Coordinator:
             "num_failures": len(phase.failures),
             "num_cancelled": phase.num_cancelled,
         }
+        await self._conclude_round(loop, server_round, started, result, record)
+
+    async def _conclude_round(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        server_round: int,
+        started: float,
+        result: AggregateResult | None,
+        record: dict[str, Any],
+    ) -> None:
+        """Install the new model (if any), evaluate, and commit the round."""
         if result is not None and result.weights is None:
             log.warning("round %d produced no model: %s", server_round, result.reason)
         if result is not None and result.weights is not None:

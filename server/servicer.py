@@ -116,7 +116,9 @@ class FleetServicer(pb_grpc.FleetServicer):
                         RejectReason.INVALID, "a Push stream must start with a result header"
                     )
                 header = codec.result_from_proto(first.result)
-                outcome = self.coordinator.begin_result(self._client(first.result.session), header)
+                outcome = await self.coordinator.accept_result(
+                    self._client(first.result.session), header
+                )
                 if not isinstance(outcome, PendingUpload):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome
@@ -128,7 +130,7 @@ class FleetServicer(pb_grpc.FleetServicer):
                     upload.spool.feed(*codec.chunk_from_proto(message.chunk))
                     ServerMetrics.bytes_in(len(message.chunk.data))
                 delta = upload.spool.finish()
-            self.coordinator.finish_fit(upload, delta)
+            await self.coordinator.finish_upload(upload, delta)
             upload = None
             return pb.PushResponse(duplicate=False)
         except TimeoutError:

@@ -10,6 +10,7 @@
     bits = 22              # quantization levels 2**bits - 1 per coordinate
     max_weight = 10000.0   # num_examples / max_weight in (0, 1] is the masked weight
     max_participants = 1024  # n: most clients summed in one round
+    stage_timeout_s = 60.0   # deadline of each stage after the first (which trains)
 
 Why each rule (Bonawitz et al., CCS 2017; Bell et al., CCS 2020):
 
@@ -24,7 +25,14 @@ Why each rule (Bonawitz et al., CCS 2017; Bell et al., CCS 2020):
   a full round) can be unmasked.
 - ``bits + ceil(log2 max_participants) <= 32``: each client's quantized coordinate is
   below 2**bits, so the sum of n of them stays below 2**32 and the modular sum never
-  wraps (a wrapped sum would decode to garbage).
+  wraps (a wrapped sum would decode to garbage). A server samples at most
+  ``max_participants`` clients into one secure round.
+
+Inside a server's configuration (`check_server`), a secure round also needs
+``min_fit_clients >= threshold + 1`` (every survivor needs t surviving neighbours) and
+``min_fit_clients <= max_participants``; over-selection is refused (a secure round
+tolerates dropouts instead of cancelling stragglers), and so are strategies that need
+the individual updates (checked where the strategy is built, `fedloom.server`).
 """
 
 from __future__ import annotations
@@ -83,6 +91,10 @@ class SecAggConfig:
             more examples than this refuses to take part (it cannot claim a weight > 1).
             Precision scales with the weight, so set it near the largest client.
         max_participants: n, the most clients one round may sum.
+        stage_timeout_s: seconds the server waits for the replies of each stage after
+            the first (share keys, masked input, unmask); the first stage includes
+            local training and waits the server's ``round_timeout_s``. Not a protocol
+            parameter: clients do not check it.
     """
 
     enabled: bool = False
@@ -92,6 +104,7 @@ class SecAggConfig:
     bits: int = 22
     max_weight: float = 10_000.0
     max_participants: int = 1024
+    stage_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         k, t = self.neighbours, self.threshold
@@ -120,7 +133,7 @@ class SecAggConfig:
                 f"cannot exceed neighbours ({k}) (got {t}): a client's secret is split among "
                 "its k neighbours, so more than k shares can never be gathered",
             )
-        for name in ("clip_range", "max_weight"):
+        for name in ("clip_range", "max_weight", "stage_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise _fail(name, f"must be a number, got {value!r}")
@@ -139,6 +152,34 @@ class SecAggConfig:
                 f"{self.max_participants} quantized values could wrap modulo 2**32; lower bits "
                 f"to {32 - ceil_log2(self.max_participants)} or max_participants to "
                 f"{1 << (32 - self.bits)}",
+            )
+
+    def check_server(self, min_fit_clients: int, over_selection: float = 1.0) -> None:
+        """Refuse server settings that cannot run secure rounds (when ``enabled``)."""
+        if not self.enabled:
+            return
+        need = self.threshold + 1
+        if min_fit_clients < need:
+            raise ConfigError(
+                "min_fit_clients",
+                f"is {min_fit_clients}, but a secure round needs at least threshold + 1 = "
+                f"{need} clients (each survivor's masks are removed with the shares of "
+                f"{self.threshold} surviving neighbours): raise min_fit_clients (and "
+                f"min_clients) to {need}, or lower secure_aggregation.threshold",
+            )
+        if min_fit_clients > self.max_participants:
+            raise _fail(
+                "max_participants",
+                f"({self.max_participants}) is below min_fit_clients ({min_fit_clients}): a "
+                "secure round sums at most max_participants clients",
+            )
+        if over_selection != 1.0:
+            raise ConfigError(
+                "over_selection",
+                f"is {over_selection}, but over-selection cancels the fit tasks of slow "
+                "clients, which a secure round cannot do once keys are shared (it tolerates "
+                "dropouts down to the threshold instead): set over_selection = 1 with "
+                "secure_aggregation.enabled",
             )
 
     @property

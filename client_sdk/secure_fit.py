@@ -1,0 +1,157 @@
+"""The client's side of a secure fit round: SecAgg+ stage tasks run through `SecAggClient`.
+
+A server with ``[secure_aggregation] enabled`` sends a client that joined with the
+``secagg`` capability four stage tasks per round attempt instead of one fit task:
+
+1. advertise keys: carries the global weights and the fit config. The client trains
+   (the application's `Client.fit`, unchanged), takes the delta, clips it to the norm
+   bound when the fit config holds ``max_update_norm`` (under secure aggregation the
+   bound can only be applied here), flattens it, and only then answers with two fresh
+   public keys;
+2. share keys: Shamir shares of its secrets, sealed for each neighbour;
+3. masked input: the clipped, quantized, weighted delta plus the masks, uploaded as a
+   chunked uint32 payload;
+4. unmask: the shares the server may have, and no others.
+
+The client checks what the server sends before it acts: the stage request must be for
+the task's run and round and name this client, the model must have the length the
+round announces, and every rule of `SecAggClient` holds (one unmask answer per attempt,
+no overlapping survivor/dropped lists, at least t survivors, fresh attempts only). A
+refusal goes back as a task failure, which the server treats as a dropout. Fit metrics
+are not sent: under secure aggregation the server learns only sums.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from fedloom.client_sdk._client import Client
+from fedloom.client_sdk.secagg import SecAggClient
+from fedloom.errors import SecureAggregationError
+from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo
+from fedloom.secagg import (
+    AdvertiseKeysRequest,
+    MaskedInputReply,
+    MaskedInputRequest,
+    RoundId,
+    RoundSetup,
+    SecAggConfig,
+    SecAggReply,
+    SecAggRequest,
+    flatten,
+)
+from fedloom.types import TaskKind
+from fedloom.weights import TensorSpec, Weights
+
+log = logging.getLogger("fedloom.client")
+
+#: The fit-config key of the norm bound (`fedloom.strategies.NormBoundedStrategy`).
+MAX_NORM_KEY = "max_update_norm"
+
+
+def clip_delta(delta: Weights, max_norm: float) -> Weights:
+    """Scale the floating tensors of ``delta`` so their global L2 norm is <= ``max_norm``.
+
+    The client-side form of the server's norm bound (Sun et al., 2019; the clipping of
+    DP-FedAvg, McMahan et al., ICLR 2018); integer tensors are neither counted nor
+    scaled, as in `fedloom.strategies.clip_update`.
+    """
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise SecureAggregationError(f"max_update_norm must be a positive number, got {max_norm}")
+    total = 0.0
+    for arr in delta.values():
+        if arr.dtype.kind == "f":
+            flat = arr.astype(np.float64, copy=False).ravel()
+            total += float(np.dot(flat, flat))
+    norm = math.sqrt(total)
+    if norm <= max_norm:
+        return delta
+    scale = max_norm / norm
+    return Weights((name, arr.astype(np.float64) * scale if arr.dtype.kind == "f" else arr)
+                   for name, arr in delta.items())
+
+
+class SecureFit:
+    """Runs the secure-aggregation stage tasks of one session (one client id).
+
+    Args:
+        client: the application's `Client`; its `fit` runs in stage 1.
+        client_id: the id the server gave this session (the round's participant id).
+        policy: when given, the round's parameters must equal these settings.
+    """
+
+    def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None) -> None:
+        self.client = client
+        self.client_id = client_id
+        self.protocol = SecAggClient(client_id, policy=policy)
+        self._input: tuple[RoundId, np.ndarray, int] | None = None  # the trained delta
+
+    def execute(self, session: Session, task: TaskHeader, weights: Weights
+                ) -> tuple[ResultHeader, memoryview | None]:
+        """Answer one stage task: a stage reply, or a failure (a refusal) to report."""
+        request = task.secagg
+        try:
+            if request is None:
+                raise SecureAggregationError("a secagg task without its stage request")
+            self._check_task(task, request)
+            reply, payload, update = self._answer(task, request, weights)
+        except SecureAggregationError as exc:
+            log.warning("secure round %d: %s", task.round, exc)
+            return ResultHeader(session, task.task_id, task.round, None,
+                                failure=f"SecureAggregationError: {exc}"), None
+        header = ResultHeader(session, task.task_id, task.round, TaskKind.SECAGG, update=update,
+                              secagg=reply)
+        return header, payload
+
+    def _check_task(self, task: TaskHeader, request: SecAggRequest) -> None:
+        rid = request.round_id
+        if rid.run_id != task.run_id or rid.server_round != task.round:
+            raise SecureAggregationError(
+                f"the stage request names {rid}, but its task is run {task.run_id!r} round "
+                f"{task.round}")
+
+    def _answer(self, task: TaskHeader, request: SecAggRequest, weights: Weights
+                ) -> tuple[SecAggReply | MaskedInputHeader, memoryview | None, PayloadInfo | None]:
+        if isinstance(request, AdvertiseKeysRequest):
+            self._input = None
+            vector, num_examples = self._train(task, request.setup, weights)
+            reply = self.protocol.advertise_keys(request)
+            self._input = (request.round_id, vector, num_examples)
+            return reply, None, None
+        if isinstance(request, MaskedInputRequest):
+            held = self._input
+            if held is None or held[0] != request.round_id:
+                raise SecureAggregationError(f"no trained update for {request.round_id}")
+            masked = self.protocol.masked_input(request, held[1], held[2])
+            self._input = None  # masked and sent: the plain delta is no longer needed
+            return self._masked_payload(masked)
+        return self.protocol.handle(request), None, None
+
+    def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights
+               ) -> tuple[np.ndarray, int]:
+        if self.client_id not in setup.participants:
+            raise SecureAggregationError("this client is not among the round's participants")
+        size = sum(spec.size for spec in weights.specs())
+        if size != setup.vector_length:
+            raise SecureAggregationError(
+                f"the round announces {setup.vector_length} values, the model has {size}")
+        fit = self.client.fit(weights, task.config)
+        weights.check_same_layout(fit.weights, what="the client's new weights")
+        setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
+        delta = fit.weights.subtract(weights)
+        bound = task.config.get(MAX_NORM_KEY)
+        if isinstance(bound, int | float) and not isinstance(bound, bool):
+            delta = clip_delta(delta, float(bound))
+        return flatten(delta), fit.num_examples
+
+    def _masked_payload(self, reply: MaskedInputReply
+                        ) -> tuple[MaskedInputHeader, memoryview, PayloadInfo]:
+        masked = np.ascontiguousarray(reply.masked, dtype="<u4")
+        payload = memoryview(masked.data).cast("B")
+        spec = TensorSpec(MASKED_TENSOR, "uint32", (masked.shape[0],))
+        info = PayloadInfo.describe((spec,), payload)
+        return MaskedInputHeader(reply.round_id, reply.client_id), payload, info

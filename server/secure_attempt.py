@@ -1,0 +1,290 @@
+"""One SecAgg+ round attempt over the Fleet protocol's mailboxes.
+
+`SecureAttempt` wraps one `SecAggServer` (the pure state machine of
+`fedloom.server.secagg`) and turns each stage into tasks that clients pull and answer
+through the ordinary Pull/Push calls: stage 1 (advertise keys) carries the global
+weights and the fit config (a client trains first, then advertises its keys), stages
+2-4 carry only their stage message, and the masked input comes back as a chunked
+uint32 payload, spooled to disk and verified before it touches the sum.
+
+Threads: the state machine is not thread-safe, and its heavy steps (folding a masked
+input into the sum, the final unmasking) must not stall the event loop. So every call
+into it runs in one single-thread executor, in the order submitted; the event loop only
+keeps the task mailboxes. A stage is complete when no connected client still owes a
+reply (or, in unmask, as soon as every secret has t shares); `complete` is then set.
+
+Memory: the sum is one uint32 vector, accumulated modulo 2**32 as each masked input
+arrives (read through a memory map of its spool file, which is then deleted), so the
+server's memory does not grow with the number of clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+from fedloom.config import ServerConfig
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.messages import MaskedInputHeader, ResultHeader, TaskHeader
+from fedloom.payload import PayloadInfo
+from fedloom.secagg import (
+    STAGE_OF,
+    AdvertiseKeysRequest,
+    MaskedInputReply,
+    RoundSetup,
+    SecAggRequest,
+    Stage,
+)
+from fedloom.server.rounds import IssuedTask, TaskStatus
+from fedloom.server.secagg import SecAggServer, SecAggStatus
+from fedloom.server.uploads import Spool, SpooledWeights
+from fedloom.types import Config, TaskKind
+
+log = logging.getLogger("fedloom.server")
+
+_R = TypeVar("_R")
+EMPTY_PAYLOAD = memoryview(b"")
+EMPTY_INFO = PayloadInfo((), 0, hashlib.sha256(b"").digest())
+
+
+class StageTask(IssuedTask):
+    """A stage task of a secure round (an `IssuedTask` that knows its stage)."""
+
+    def __init__(self, header: TaskHeader, client_id: str, payload: memoryview,
+                 stage: Stage) -> None:
+        super().__init__(header, client_id, payload)
+        self.stage = stage
+
+
+def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
+    return MessageRejectedError(reason, message)
+
+
+def result_fingerprint(header: ResultHeader) -> bytes:
+    """Identifies a stage result, so a retried Push is answered "duplicate"."""
+    sha = header.update.sha256 if header.update is not None else b""
+    return hashlib.sha256(repr((header.kind, header.secagg, sha)).encode()).digest()
+
+
+class SecureAttempt:
+    """The tasks and the state machine of one round attempt (see the module docstring).
+
+    Args:
+        setup: the attempt's public parameters (participants, k, t, ...).
+        config: the server's settings (deadlines, chunk size, run id).
+        payload, payload_info: the global weights stage 1 carries.
+        fit_config: the fit config stage 1 carries.
+        executor: a single-thread executor; every state-machine call runs there.
+        wake: wakes a client's long-poll (it has a new task).
+        spool_dir: where masked inputs are spooled while they arrive.
+    """
+
+    def __init__(
+        self,
+        setup: RoundSetup,
+        config: ServerConfig,
+        payload: memoryview,
+        payload_info: PayloadInfo,
+        fit_config: Config,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        wake: Callable[[str], None],
+        spool_dir: Any,
+    ) -> None:
+        self.setup = setup
+        self.machine = SecAggServer(setup)
+        self.complete = asyncio.Event()
+        self.tasks: dict[str, StageTask] = {}  # task id -> task, every stage
+        self.accepted: dict[str, tuple[str, bytes]] = {}  # task id -> (client, fingerprint)
+        self._config = config
+        self._payload, self._payload_info = payload, payload_info
+        self._fit_config = fit_config
+        self._executor = executor
+        self._wake = wake
+        self._spool_dir = spool_dir
+        self._loop = asyncio.get_running_loop()
+        self._open: dict[str, StageTask] = {}  # client id -> its task of the open stage
+        self._stage: Stage | None = None
+
+    # -- running the stages (called by the round driver) --------------------------------
+    async def call(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """Run ``fn(*args)`` in the state machine's thread."""
+        return await self._loop.run_in_executor(self._executor, fn, *args)
+
+    async def open_stage(self) -> Stage:
+        """Issue the current stage's request to every client that owes one."""
+        requests: Mapping[str, SecAggRequest] = await self.call(self._requests)
+        stage = self.machine.stage
+        self._stage, self._open = stage, {}
+        self.complete.clear()
+        timeout = (self._config.round_timeout_s if stage is Stage.ADVERTISE_KEYS
+                   else self._config.secure_aggregation.stage_timeout_s)
+        for client_id, request in sorted(requests.items()):
+            first = isinstance(request, AdvertiseKeysRequest)
+            header = TaskHeader(
+                task_id=secrets.token_hex(16),
+                run_id=self.setup.round_id.run_id,
+                round=self.setup.round_id.server_round,
+                kind=TaskKind.SECAGG,
+                config=self._fit_config if first else {},
+                deadline_s=timeout,
+                weights=self._payload_info if first else EMPTY_INFO,
+                secagg=request,
+            )
+            task = StageTask(header, client_id, self._payload if first else EMPTY_PAYLOAD,
+                             stage)
+            self.tasks[task.task_id] = task
+            self._open[client_id] = task
+            self._wake(client_id)
+        await self.check_complete()
+        return stage
+
+    def _requests(self) -> dict[str, SecAggRequest]:
+        return {cid: self.machine.request_for(cid) for cid in self.machine.pending()}
+
+    def close_stage(self) -> None:
+        """No more replies for this stage: unanswered tasks fail (their clients drop)."""
+        for task in self._open.values():
+            if task.status is TaskStatus.PENDING:
+                task.status = TaskStatus.FAILED
+        self._open = {}
+
+    async def check_complete(self) -> None:
+        if await self.call(self._is_complete):
+            self.complete.set()
+
+    def _is_complete(self) -> bool:
+        machine = self.machine
+        if machine.status is not SecAggStatus.RUNNING:
+            return True
+        return machine.stage_complete or (machine.stage is Stage.UNMASK and machine.can_finish())
+
+    # -- what the coordinator relays -----------------------------------------------------
+    def offer(self, client_id: str) -> StageTask | None:
+        """The client's pending task of the open stage (re-offered until answered)."""
+        task = self._open.get(client_id)
+        return task if task is not None and task.status is TaskStatus.PENDING else None
+
+    def drop(self, client_id: str, reason: str) -> None:
+        """A client vanished (left, went silent, its stream broke): stop waiting for it."""
+        if client_id not in self.setup.participants:
+            return
+        task = self._open.get(client_id)
+        if task is not None and task.status is TaskStatus.PENDING and not task.in_flight:
+            task.status = TaskStatus.FAILED
+        log.info("secure round %s: client %s dropped (%s)", self.setup.round_id, client_id,
+                 reason)
+        future = self._executor.submit(self._drop_and_check, client_id)
+        future.add_done_callback(self._report)
+
+    def _drop_and_check(self, client_id: str) -> None:
+        self.machine.drop(client_id)
+        if self._is_complete():
+            self._loop.call_soon_threadsafe(self.complete.set)
+
+    @staticmethod
+    def _report(future: concurrent.futures.Future[None]) -> None:
+        if future.exception() is not None:
+            log.error("secure aggregation: dropping a client failed: %s", future.exception())
+
+    async def begin_result(self, client_id: str, header: ResultHeader
+                           ) -> tuple[StageTask, Spool] | bool:
+        """Validate a stage result. A masked input returns its task and the spool its
+        chunks go to; any other stage is taken now (returns whether it was a retry)."""
+        task = self.tasks.get(header.task_id)
+        if task is None:
+            raise _reject(RejectReason.STALE, "not a task of this secure round")
+        if task.client_id != client_id:
+            raise _reject(RejectReason.FORBIDDEN, "that task was issued to another client")
+        fingerprint = result_fingerprint(header)
+        if task.status is TaskStatus.ACCEPTED:
+            if fingerprint == task.result_fingerprint:
+                return True
+            raise _reject(RejectReason.CONFLICT, f"{task.stage} was already answered differently")
+        if task.status is not TaskStatus.PENDING or self._open.get(client_id) is not task:
+            raise _reject(RejectReason.STALE, f"secure round {self.setup.round_id.server_round}: "
+                          f"stage {task.stage} has closed for this client")
+        if header.round != task.header.round:
+            raise _reject(RejectReason.STALE, f"result names round {header.round}, the task is "
+                          f"for round {task.header.round}")
+        if header.kind is None:
+            log.warning("client %s failed secure stage %s: %s", client_id, task.stage,
+                        header.failure[:200])
+            self.drop(client_id, f"client failure in {task.stage}")
+            return False
+        try:
+            return await self._take(task, header, fingerprint)
+        except MessageRejectedError as exc:
+            self.drop(client_id, f"{task.stage} refused: {exc}")
+            raise
+
+    async def _take(self, task: StageTask, header: ResultHeader, fingerprint: bytes
+                    ) -> tuple[StageTask, Spool] | bool:
+        reply = header.secagg
+        if header.kind is not TaskKind.SECAGG or reply is None:
+            raise _reject(RejectReason.INVALID, f"a {header.kind} result for a secagg task")
+        stage = Stage.MASKED_INPUT if isinstance(reply, MaskedInputHeader) else STAGE_OF[
+            type(reply)]
+        if stage is not task.stage:
+            raise _reject(RejectReason.INVALID, f"a {stage} reply to a {task.stage} task")
+        if isinstance(reply, MaskedInputHeader):
+            return task, self._begin_masked_input(task, reply, header.update)
+        await self.call(self.machine.receive, task.client_id, reply)
+        self._accept(task, fingerprint)
+        await self.check_complete()
+        return False
+
+    def _begin_masked_input(self, task: StageTask, reply: MaskedInputHeader,
+                            update: PayloadInfo | None) -> Spool:
+        if reply.round_id != self.setup.round_id:
+            raise _reject(RejectReason.STALE, f"a masked input for {reply.round_id}; this round "
+                          f"attempt is {self.setup.round_id}")
+        if reply.client_id != task.client_id:
+            raise _reject(RejectReason.FORBIDDEN, "a masked input in another client's name")
+        length = self.setup.masked_length
+        assert update is not None  # the codec guarantees one uint32 vector
+        if update.specs[0].shape != (length,):
+            raise _reject(RejectReason.INVALID, f"a masked input is uint32[{length}], got "
+                          f"uint32{list(update.specs[0].shape)}")
+        if task.in_flight:
+            raise _reject(RejectReason.CONFLICT, "an upload for this task is already in progress")
+        task.in_flight = True
+        return Spool(self._spool_dir, update, self._config.transfer.chunk_size)
+
+    async def finish_masked_input(self, task: StageTask, header: ResultHeader, spool: Spool,
+                                  delta: SpooledWeights | None) -> None:
+        """Fold a whole, verified masked input into the sum (or release a failed one)."""
+        task.in_flight = False
+        if delta is None:  # the upload broke; the client may push again
+            return
+        try:
+            masked = np.memmap(spool.path, dtype="<u4", mode="r",
+                               shape=(self.setup.masked_length,))
+            reply = MaskedInputReply(self.setup.round_id, task.client_id, masked)
+            try:
+                await self.call(self.machine.receive, task.client_id, reply)
+            finally:
+                del reply, masked
+        except MessageRejectedError as exc:
+            self.drop(task.client_id, f"masked input refused: {exc}")
+            raise
+        finally:
+            spool.discard()
+        self._accept(task, result_fingerprint(header))
+        await self.check_complete()
+
+    def _accept(self, task: StageTask, fingerprint: bytes) -> None:
+        task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
+        self.accepted[task.task_id] = (task.client_id, fingerprint)
+
+    # -- progress ---------------------------------------------------------------------
+    def counts(self) -> tuple[int, int]:
+        """(answered, issued) tasks of the open stage."""
+        answered = sum(1 for t in self._open.values() if t.status is not TaskStatus.PENDING)
+        return answered, len(self._open)

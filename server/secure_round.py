@@ -1,0 +1,263 @@
+"""Secure fit rounds: SecAgg+ (Bell et al., CCS 2020; Bonawitz et al., CCS 2017) in the
+server's real rounds.
+
+With ``[secure_aggregation] enabled``, the coordinator hands each fit round to
+`SecureRounds.run_round`: it samples among the clients that joined with the ``secagg``
+capability, runs one round attempt (`fedloom.server.secure_attempt.SecureAttempt`)
+stage by stage — each stage with its own deadline, closed as soon as no connected
+client owes a reply — and gets back only the weighted mean over the survivors. That
+mean is the aggregate of the strategy's round: it is handed, as the round's one
+update, to the strategy's own ``aggregate_fit``, so FedAvg, FedAvgM, FedProx and the
+FedOpt family apply their ServerOptimizer to it as usual (their weighted-mean
+aggregator of one update returns it unchanged). Strategies whose aggregator needs the
+individual updates (median, trimmed mean, Krum, Bulyan) are refused when the server is
+built (`check_secure_strategy`); a norm bound becomes clipping on the client.
+
+Dropouts: a client that leaves, stops its heartbeats, or whose long-poll stream breaks
+is dropped from the attempt at once (`drop`), not only at the stage's deadline. A round
+that cannot finish (too few survivors) fails cleanly: the global model is unchanged,
+the round is committed as failed and the next one starts. Every attempt has a new
+attempt id (microseconds of the wall clock, strictly increasing in a process), so a
+round run again after a server restart never reuses one, and clients make fresh keys.
+
+What the server learns: the sum of the survivors' clipped, weighted deltas, the sum of
+their weights (hence of their examples), and who survived. Per-client fit metrics are
+not sent under secure aggregation; the round's fit metrics hold only those sums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedloom.config import ServerConfig
+from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
+from fedloom.messages import ResultHeader, TaskHeader
+from fedloom.payload import PayloadInfo
+from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, Stage, unflatten
+from fedloom.server.registry import ClientRecord, ClientRegistry
+from fedloom.server.secagg import SecAggResult, SecAggStatus
+from fedloom.server.secure_attempt import SecureAttempt, StageTask, result_fingerprint
+from fedloom.server.uploads import Spool, SpooledWeights
+from fedloom.strategies import NormBoundedStrategy, Strategy, WeightedMeanAggregator
+from fedloom.types import AggregateResult, ClientUpdate
+from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.server")
+
+#: The capability a client sends in Join when it can run SecAgg+ stages.
+SECAGG_CAPABILITY = "secagg"
+#: The client id of the one update a secure round hands to the strategy.
+AGGREGATE_ID = "secure-aggregate"
+MEAN_STRATEGIES = "fedavg, fedavgm, fedprox, fedadagrad, fedadam or fedyogi"
+
+
+def check_secure_strategy(strategy: Strategy, config: SecAggConfig) -> None:
+    """Refuse a strategy that cannot aggregate under secure aggregation (if enabled).
+
+    Raises:
+        ConfigError: the strategy needs the individual updates (a robust rule), or a
+            norm bound that rejects updates (the server cannot see one to reject).
+    """
+    if not config.enabled:
+        return
+    inner: Any = strategy
+    if isinstance(strategy, NormBoundedStrategy):
+        if strategy.norm_bound_mode == "reject":
+            raise ConfigError(
+                "strategy.norm_bound_mode",
+                '"reject" cannot work under secure aggregation: the server never sees one '
+                'client\'s update to reject it. Use "clip" (each client then clips its own '
+                "delta to max_update_norm before masking)",
+            )
+        inner = strategy.inner
+    aggregator = getattr(inner, "aggregator", None)
+    if not isinstance(aggregator, WeightedMeanAggregator) or aggregator.holds_all_updates:
+        what = type(aggregator).__name__ if aggregator is not None else "its own aggregation"
+        raise ConfigError(
+            "strategy.name",
+            f"{type(inner).__name__} aggregates with {what}, which needs each client's "
+            "update (robust rules hold them all to choose among them), but under secure "
+            "aggregation the server only ever holds the sum of masked updates. Use a "
+            f"mean-based strategy ({MEAN_STRATEGIES}) or set secure_aggregation.enabled = "
+            "false",
+        )
+
+
+class SecureRounds:
+    """Runs the secure fit rounds of one coordinator and relays their stage traffic."""
+
+    def __init__(self, config: ServerConfig, run_id: str, registry: ClientRegistry,
+                 executor: concurrent.futures.ThreadPoolExecutor, spool_dir: Path) -> None:
+        self.config = config
+        self.secagg = config.secure_aggregation
+        self.run_id = run_id
+        self.registry = registry
+        self._executor = executor
+        self._spool_dir = spool_dir
+        self._attempt: SecureAttempt | None = None
+        self._recent: dict[str, tuple[str, bytes]] = {}  # accepted results, last attempt
+        self._last_attempt = 0
+        #: What the server learned in the last secure round that succeeded (sums only).
+        self.last_result: SecAggResult | None = None
+        #: The public parameters of the last attempt (its round id, participants, ...).
+        self.last_setup: RoundSetup | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.secagg.enabled
+
+    # -- relayed by the coordinator --------------------------------------------------
+    def owns(self, task_id: str) -> bool:
+        attempt = self._attempt
+        return (attempt is not None and task_id in attempt.tasks) or task_id in self._recent
+
+    def offer(self, client_id: str) -> tuple[TaskHeader, memoryview] | None:
+        attempt = self._attempt
+        task = attempt.offer(client_id) if attempt is not None else None
+        return (task.header, task.payload) if task is not None else None
+
+    def drop(self, client_id: str, reason: str) -> None:
+        if self._attempt is not None:
+            self._attempt.drop(client_id, reason)
+
+    async def begin_result(self, record: ClientRecord, header: ResultHeader
+                           ) -> tuple[StageTask, Spool] | bool:
+        attempt = self._attempt
+        if attempt is None or header.task_id not in attempt.tasks:
+            accepted = self._recent.get(header.task_id)
+            if accepted is not None and accepted[0] == record.client_id:
+                if accepted[1] == result_fingerprint(header):
+                    return True  # a retry after a lost acknowledgement
+                raise MessageRejectedError(RejectReason.CONFLICT,
+                                           "a different result was already accepted")
+            raise MessageRejectedError(RejectReason.STALE,
+                                       "the secure round of that task has ended")
+        return await attempt.begin_result(record.client_id, header)
+
+    async def finish_upload(self, task: StageTask, header: ResultHeader, spool: Spool,
+                            delta: SpooledWeights | None) -> None:
+        attempt = self._attempt
+        if attempt is None or attempt.tasks.get(task.task_id) is not task:
+            task.in_flight = False
+            spool.discard()
+            if delta is not None:
+                raise MessageRejectedError(RejectReason.STALE, "the secure round has ended")
+            return
+        await attempt.finish_masked_input(task, header, spool, delta)
+
+    # -- one round ----------------------------------------------------------------------
+    def _next_attempt(self) -> int:
+        self._last_attempt = max(self._last_attempt + 1, time.time_ns() // 1000)
+        return self._last_attempt
+
+    async def _eligible(self) -> list[Any]:
+        """Connected clients that can run SecAgg+, once at least min_fit_clients are."""
+        while True:
+            eligible = [c for c in self.registry.infos() if SECAGG_CAPABILITY in c.capabilities]
+            if len(eligible) >= self.config.min_fit_clients:
+                return eligible
+            log.info("secure round waits: %d of %d clients support secure aggregation",
+                     len(eligible), self.config.min_fit_clients)
+            self.registry.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.registry.changed.wait(), 5.0)
+
+    async def run_round(self, server_round: int, current: Weights, strategy: Strategy,
+                        payload: memoryview, payload_info: PayloadInfo
+                        ) -> tuple[AggregateResult | None, dict[str, Any]]:
+        """Run one secure fit round; returns the strategy's result (None: failed) and
+        the round's record."""
+        eligible = await self._eligible()
+        plan = strategy.configure_fit(server_round, current, eligible)
+        participants = tuple(c for c in plan.client_ids if c in self.registry)
+        participants = participants[: self.secagg.max_participants]
+        record: dict[str, Any] = {"round": server_round, "num_sampled": len(participants),
+                                  "num_updates": 0, "num_failures": len(participants)}
+        vector_length = sum(spec.size for spec in current.specs())
+        try:
+            setup = RoundSetup.create(
+                self.secagg, RoundId(self.run_id, server_round, self._next_attempt()),
+                participants, vector_length)
+        except ConfigError as exc:
+            log.warning("secure round %d cannot start: %s", server_round, exc)
+            record["secure_aggregation"] = {"failure": str(exc)}
+            return None, record
+        self.last_setup = setup
+        outcome = await self._run_attempt(setup, payload, payload_info, plan.config)
+        info: dict[str, Any] = {"attempt": setup.round_id.attempt}
+        record["secure_aggregation"] = info
+        if isinstance(outcome, str):
+            log.warning("secure round %d failed: %s; the global model is unchanged",
+                        server_round, outcome)
+            info["failure"] = outcome
+            return None, record
+        self.last_result = outcome
+        survivors = len(outcome.survivors)
+        total_examples = round(outcome.total_examples)
+        record.update(num_updates=survivors, num_failures=len(participants) - survivors)
+        info.update(survivors=survivors, dropped=len(outcome.dropped),
+                    total_examples=total_examples)
+        result = await self._apply(strategy, server_round, current, outcome, total_examples)
+        return result, record
+
+    async def _run_attempt(self, setup: RoundSetup, payload: memoryview,
+                           payload_info: PayloadInfo, fit_config: Any) -> SecAggResult | str:
+        """Run the stages of one attempt; its result, or why it failed."""
+        attempt = SecureAttempt(setup, self.config, payload, payload_info, fit_config,
+                                self._executor, self._wake, self._spool_dir)
+        self._attempt = attempt
+        try:
+            while attempt.machine.status is SecAggStatus.RUNNING:
+                started = time.monotonic()
+                stage = await attempt.open_stage()
+                timeout = (self.config.round_timeout_s if stage is Stage.ADVERTISE_KEYS
+                           else self.secagg.stage_timeout_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(attempt.complete.wait(), timeout)
+                answered, issued = attempt.counts()
+                attempt.close_stage()
+                await attempt.call(attempt.machine.advance)
+                log.info("secure round %d: %s closed after %.2f s (%d/%d answered)",
+                         setup.round_id.server_round, stage, time.monotonic() - started,
+                         answered, issued)
+            return attempt.machine.result
+        except SecureAggregationError as exc:
+            return str(exc)
+        finally:
+            attempt.close_stage()
+            self._recent = dict(attempt.accepted)
+            self._attempt = None
+
+    def _wake(self, client_id: str) -> None:
+        client = self.registry.get(client_id)
+        if client is not None:
+            client.wakeup.set()
+
+    async def _apply(self, strategy: Strategy, server_round: int, current: Weights,
+                     outcome: SecAggResult, total_examples: int) -> AggregateResult:
+        """The strategy's step with the secure mean as the round's one update."""
+        # In each tensor's dtype, as any client's delta (integers round half to even,
+        # the rule the plain mean applies at its end).
+        mean = Weights(
+            (name, np.rint(arr).astype(ref.dtype) if ref.dtype.kind in "iu"
+             else arr.astype(ref.dtype))
+            for (name, arr), ref in zip(unflatten(outcome.mean, current.specs()).items(),
+                                        current.values(), strict=True))
+        update = ClientUpdate(AGGREGATE_ID, mean, max(1, total_examples), server_round - 1)
+        inner = strategy.inner if isinstance(strategy, NormBoundedStrategy) else strategy
+        loop = asyncio.get_running_loop()
+        result: AggregateResult = await loop.run_in_executor(
+            self._executor, inner.aggregate_fit, server_round, current, [update])
+        metrics = {k: v for k, v in result.metrics.items()
+                   if k not in ("num_updates", "num_examples")}
+        metrics.update(num_updates=len(outcome.survivors), num_examples=total_examples)
+        return AggregateResult(result.weights, metrics, num_updates=len(outcome.survivors),
+                               reason=result.reason)
