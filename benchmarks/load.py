@@ -165,7 +165,9 @@ def report(
             {
                 "round": r["round"],
                 "status": r["status"],
+                "sampled": r.get("num_sampled"),
                 "updates": r.get("num_updates"),
+                "cancelled": r.get("num_cancelled"),
                 "federated_evaluation": bool(r.get("evaluate")),
                 "failures": r.get("num_failures"),
                 "duration_s": round(r.get("duration_s", 0.0), 3),
@@ -215,6 +217,10 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
         overrides: dict[str, Any] = {}
         if args.heartbeat_interval_s:
             overrides["heartbeat_interval_s"] = args.heartbeat_interval_s
+        if args.fraction_fit < 1.0:  # the strategy samples this share; over-select on top
+            overrides["fraction_fit"] = args.fraction_fit
+            overrides["min_fit_clients"] = max(1, int(args.clients * args.fraction_fit))
+            overrides["over_selection"] = args.over_selection
         config = server_config(args.clients, args.rounds, state_dir, **overrides)
         server_end, here = ctx.Pipe()
         server = ctx.Process(
@@ -260,6 +266,8 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
         client_processes=args.procs,
         model_bytes=tiny_model(args.params).nbytes,
         train_s=args.train_s,
+        fraction_fit=args.fraction_fit,
+        over_selection=args.over_selection if args.fraction_fit < 1.0 else 1.0,
         wall_s=round(wall, 2),
         server_peak_rss_mb=round(final["peak_rss_bytes"] / 1e6, 1),
         server_idle_rss_mb=round(hello["rss_idle_bytes"] / 1e6, 1),
@@ -277,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-s", type=float, default=0.5, help="max simulated training")
     parser.add_argument("--ramp-s", type=float, default=5.0, help="joins spread over this")
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.0)
+    parser.add_argument(
+        "--fraction-fit", type=float, default=1.0, help="below 1: sample this share per round"
+    )
+    parser.add_argument(
+        "--over-selection", type=float, default=1.0, help="with --fraction-fit below 1"
+    )
     parser.add_argument("--server-log-level", default="WARNING")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -143,7 +143,9 @@ class RoundTasks:
             self._check_answered()
 
     def _check_answered(self) -> None:
-        if self.num_answered == len(self.tasks) or self._target_reached():
+        if self._target_reached():
+            self.closed = True  # now, not when `wait` wakes: no result beyond the target
+        if self.num_answered == len(self.tasks) or self.closed:
             self._all_answered.set()
 
     def _target_reached(self) -> bool:
@@ -151,7 +153,9 @@ class RoundTasks:
 
     def end_reason(self, task: IssuedTask) -> str:
         """Why ``task`` ended without an accepted result (for late results)."""
-        if task.status is TaskStatus.CANCELLED:
+        if task.status is TaskStatus.CANCELLED or (
+            task.status is TaskStatus.PENDING and self._target_reached()
+        ):
             return f"enough results arrived ({self.num_accepted} of {len(self.tasks)} tasks)"
         return self.failures.get(task.client_id, "its deadline has passed")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -17,8 +18,9 @@ from fedloom.errors import ConfigError
 from fedloom.messages import NoTask, ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.server import Server
+from fedloom.server.rounds import IssuedTask, RoundTasks
 from fedloom.server.stragglers import over_select
-from fedloom.types import ClientInfo
+from fedloom.types import ClientInfo, EvaluateResult
 
 
 def _infos(n: int) -> list[ClientInfo]:
@@ -54,6 +56,42 @@ def test_over_select_depends_on_seed_and_round_not_on_join_order() -> None:
     assert a == b  # a resumed run (clients rejoin in any order) draws alike
     draws = {over_select(planned, clients, 10.0, seed=1, server_round=r).client_ids for r in (1, 2)}
     assert len(draws) == 2  # a fresh draw per round
+
+
+def _evaluate_phase(num_tasks: int, target: int | None) -> tuple[RoundTasks, list[IssuedTask]]:
+    info = PayloadInfo.describe(small_weights().specs(), serialize(small_weights()))
+    phase = RoundTasks(1, TaskKind.EVALUATE, minimum=1, target=target)
+    tasks = []
+    for i in range(num_tasks):
+        header = TaskHeader(f"t{i}", "run", 1, TaskKind.EVALUATE, {}, 10.0, info)
+        tasks.append(IssuedTask(header, f"c{i}", memoryview(b"")))
+        phase.add(tasks[-1])
+    return phase, tasks
+
+
+def test_a_phase_closes_the_moment_its_target_is_reached() -> None:
+    phase, tasks = _evaluate_phase(4, target=2)
+    for task in tasks[:2]:
+        phase.accept_evaluation(task, EvaluateResult(task.client_id, 1, 0.5), b"f")
+    assert phase.closed  # at once: a result arriving before `wait` wakes is not taken
+    assert phase.end_reason(tasks[2]).startswith("enough results arrived (2 of 4")
+    enough = asyncio.run(phase.wait(5.0))
+    assert enough and phase.num_cancelled == 2 and not phase.failures
+    assert phase.outcomes() == {"pending": 0, "accepted": 2, "failed": 0, "cancelled": 2}
+
+
+def test_without_a_target_a_phase_waits_for_everyone_or_the_deadline() -> None:
+    phase, tasks = _evaluate_phase(3, target=None)
+    phase.accept_evaluation(tasks[0], EvaluateResult("c0", 1, 0.5), b"f")
+    phase.fail(tasks[1], "client failure: out of memory")
+    assert not phase.closed
+    assert asyncio.run(phase.wait(0.2))  # the deadline: one accepted, minimum 1
+    assert phase.failures == {
+        "c1": "client failure: out of memory",
+        "c2": "no result before the deadline",
+    }
+    assert phase.num_cancelled == 0
+    assert phase.end_reason(tasks[2]) == "no result before the deadline"
 
 
 def test_over_selection_below_one_is_refused(server_config) -> None:
