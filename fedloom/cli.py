@@ -22,6 +22,7 @@ from fedloom import security_cli
 from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
 from fedloom.errors import FedloomError
 from fedloom.logs import FORMATS, configure_logging
+from fedloom.secagg import SecAggConfig
 
 SERVER_HELP = {
     "address": "HOST:PORT to listen on (port 0 picks a free port)",
@@ -68,7 +69,7 @@ def _parse_bool(text: str) -> bool:
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: str) -> None:
     for field in dataclasses.fields(cls):
-        if field.name in ("transfer", "strategy", "tls", "auth", "insecure"):
+        if field.name in ("transfer", "strategy", "tls", "auth", "insecure", "secure_aggregation"):
             continue
         kind = {"int": int, "float": float, "bool": _parse_bool}.get(str(field.type), str)
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -80,6 +81,29 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: st
             metavar=str(field.type).upper(),
             help=f"{SERVER_HELP.get(field.name, '')} (default: {default})",
         )
+
+
+SECAGG_HELP = {
+    "enabled": "run fit rounds under SecAgg+: the server learns only the sum of the updates",
+    "neighbours": "k: other clients each client masks against and shares secrets with (even)",
+    "threshold": "t: neighbours' shares that reconstruct a secret; k/2 < t <= k",
+    "clip_range": "each delta coordinate is clipped to [-clip_range, clip_range] on the client",
+    "bits": "quantization bits per coordinate; bits + ceil(log2 max_participants) <= 32",
+    "max_weight": "num_examples of the largest client (weights are num_examples / max_weight)",
+    "max_participants": "most clients summed in one secure round",
+    "stage_timeout_s": "seconds each stage after the first waits for replies",
+}
+
+
+def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for the [secure_aggregation] table (docs/secure-aggregation.md)."""
+    group = parser.add_argument_group("secure aggregation ([secure_aggregation] table)")
+    for field in dataclasses.fields(SecAggConfig):
+        flag = "--secure-aggregation" if field.name == "enabled" else _flag(f"secagg_{field.name}")
+        kind = {"int": int, "float": float, "bool": _parse_bool}[str(field.type)]
+        group.add_argument(flag, dest=f"secagg_{field.name}", type=kind, default=None,
+                           metavar=str(field.type).upper(),
+                           help=f"{SECAGG_HELP[field.name]} (default: {field.default})")
 
 
 def _server_parser(sub: Any) -> None:
@@ -104,6 +128,7 @@ def _server_parser(sub: Any) -> None:
     _add_log_format(p)
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
+    _add_secagg_flags(p)
     security_cli.add_server_flags(p)
 
 
@@ -127,6 +152,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             data[key[4:]] = value
         elif key.startswith("transfer_"):
             data.setdefault("transfer", {})[key[9:]] = value
+        elif key.startswith("secagg_"):
+            data.setdefault("secure_aggregation", {})[key[7:]] = value
         elif key.startswith(("tls_", "auth_")):  # security_cli's flags: [tls] / [auth]
             table, _, name = key.partition("_")
             data.setdefault(table, {})[name] = value

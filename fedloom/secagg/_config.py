@@ -122,16 +122,18 @@ class SecAggConfig:
         if not 2 * t > k:
             raise _fail(
                 "threshold",
-                f"must exceed neighbours/2 = {k / 2} (got {t}): otherwise the server could "
-                "collect the self-mask shares of a client from half of its neighbours and its "
-                "mask-key shares from the other half, and unmask its input; use at least "
+                f"must exceed neighbours/2 = {k / 2} (got {t}; neighbours counts the other "
+                "clients each client pairs with, not the client itself): otherwise the server "
+                "could collect the self-mask shares of a client from half of its neighbours "
+                "and its mask-key shares from the other half, and unmask its input; use at least "
                 f"{k // 2 + 1}",
             )
         if t > k:
             raise _fail(
                 "threshold",
                 f"cannot exceed neighbours ({k}) (got {t}): a client's secret is split among "
-                "its k neighbours, so more than k shares can never be gathered",
+                "its k neighbours (the client itself holds no share), so more than k shares "
+                "can never be gathered",
             )
         for name in ("clip_range", "max_weight", "stage_timeout_s"):
             value = getattr(self, name)

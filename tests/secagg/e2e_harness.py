@@ -7,6 +7,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,9 @@ from fedloom.secagg import (
     UnmaskRequest,
     flatten,
 )
+from fedloom.server import Server
+from fedloom.server.checkpoint import load_checkpoint
+from fedloom.server.store import RunStore
 
 STAGE_OF_REQUEST = {AdvertiseKeysRequest: Stage.ADVERTISE_KEYS, ShareKeysRequest: Stage.SHARE_KEYS,
                     MaskedInputRequest: Stage.MASKED_INPUT, UnmaskRequest: Stage.UNMASK}
@@ -183,3 +187,21 @@ def mean_tolerance(weighted: np.ndarray, total_weight: float, count: int,
     levels = config.levels
     slack = count * (config.quantum * total_weight + np.abs(weighted) / levels)
     return slack / (total_weight * (total_weight - count / levels))
+
+
+def checkpoints(state_dir: str) -> dict[int, Weights]:
+    store = RunStore(Path(state_dir) / "fedloom.db")
+    try:
+        run = store.runs()[-1]
+        return {r.round: load_checkpoint(Path(state_dir) / r.checkpoint, r.sha256).weights
+                for r in store.rounds(run.run_id)}
+    finally:
+        store.close()
+
+
+def survivor_indices(server: Server, runners: list[HarnessRunner]) -> list[int]:
+    assert server.coordinator is not None
+    result = server.coordinator.secure.last_result
+    assert result is not None
+    ids = set(result.survivors)
+    return [i for i, r in enumerate(runners) if r._secure and r._secure.client_id in ids]

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from e2e_harness import (
     Behaviour,
     RecordingClient,
+    checkpoints,
     mean_tolerance,
     plaintext,
     secagg,
     start_runners,
     stop_runners,
+    survivor_indices,
 )
 from helpers import small_weights
 
@@ -29,26 +30,6 @@ from fedloom import Weights
 from fedloom.config import StrategyConfig
 from fedloom.secagg import Stage, flatten, unflatten
 from fedloom.server import Server
-from fedloom.server.checkpoint import load_checkpoint
-from fedloom.server.store import RunStore
-
-
-def _checkpoints(state_dir: str) -> dict[int, Weights]:
-    store = RunStore(Path(state_dir) / "fedloom.db")
-    try:
-        run = store.runs()[-1]
-        return {r.round: load_checkpoint(Path(state_dir) / r.checkpoint, r.sha256).weights
-                for r in store.rounds(run.run_id)}
-    finally:
-        store.close()
-
-
-def _survivor_indices(server: Server, runners) -> list[int]:  # type: ignore[no-untyped-def]
-    assert server.coordinator is not None
-    result = server.coordinator.secure.last_result
-    assert result is not None
-    ids = set(result.survivors)
-    return [i for i, r in enumerate(runners) if r._secure and r._secure.client_id in ids]
 
 
 def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
@@ -73,7 +54,7 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     assert abs(result.total_weight - total_weight) < 6 / sa.levels
     assert abs(result.total_examples - 210) < 6 * sa.max_weight / sa.levels
     # each round's global model: the previous one plus the plaintext mean, to the bound
-    saved = _checkpoints(config.state_dir)
+    saved = checkpoints(config.state_dir)
     for server_round in (1, 2):
         mean, weighted, total_weight = plaintext(clients, list(range(6)), server_round, sa)
         tolerance = mean_tolerance(weighted, total_weight, 6, sa)
@@ -108,7 +89,7 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
     assert behaviours[0].vanished.is_set()
     assert history[0]["status"] == "ok", history
     assert elapsed < 15.0
-    survivors = _survivor_indices(server, runners)
+    survivors = survivor_indices(server, runners)
     info = history[0]["secure_aggregation"]
     if stage is Stage.MASKED_INPUT:  # its masked input is in the sum: it is a survivor
         assert survivors == list(range(7)) and info["survivors"] == 7
@@ -116,7 +97,7 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
         assert survivors == list(range(1, 7)) and info["survivors"] == 6
         assert info["dropped"] == 0
     mean, weighted, total_weight = plaintext(clients, survivors, 1, sa)
-    saved = _checkpoints(config.state_dir)
+    saved = checkpoints(config.state_dir)
     got = flatten(saved[1].subtract(saved[0]))
     tolerance = mean_tolerance(weighted, total_weight, len(survivors), sa)
     assert np.all(np.abs(got - mean) <= tolerance + 1e-6)
@@ -142,10 +123,10 @@ def test_a_client_gone_after_sharing_keys_has_its_masks_removed(server_config) -
     assert elapsed < 12.0
     info = history[0]["secure_aggregation"]
     assert (info["survivors"], info["dropped"]) == (6, 1)
-    survivors = _survivor_indices(server, runners)
+    survivors = survivor_indices(server, runners)
     assert survivors == list(range(1, 7))
     mean, weighted, total_weight = plaintext(clients, survivors, 1, sa)
-    saved = _checkpoints(config.state_dir)
+    saved = checkpoints(config.state_dir)
     got = flatten(saved[1].subtract(saved[0]))
     assert np.all(np.abs(got - mean) <= mean_tolerance(weighted, total_weight, 6, sa) + 1e-6)
 
@@ -200,7 +181,7 @@ def test_too_few_survivors_fail_the_round_cleanly_and_the_next_one_runs(server_c
     stop_runners(runners, threads)
     assert [r["status"] for r in history] == ["failed", "ok"], history
     assert "at least 5 are needed" in history[0]["secure_aggregation"]["failure"]
-    saved = _checkpoints(config.state_dir)
+    saved = checkpoints(config.state_dir)
     assert saved[1].allclose(saved[0], rtol=0, atol=0)  # the global model is unchanged
     assert not saved[2].allclose(saved[1], rtol=0, atol=1e-3)
     assert history[1]["num_updates"] == 5
@@ -231,6 +212,6 @@ def test_fedadam_composes_with_secure_aggregation(server_config) -> None:  # typ
         updates.append(ClientUpdate(f"c{i}", delta, n, 0))
     expected = FedAdam(eta=0.1).aggregate_fit(1, initial, updates).weights
     assert expected is not None
-    got = _checkpoints(config.state_dir)[1]
+    got = checkpoints(config.state_dir)[1]
     assert got.allclose(expected, rtol=0, atol=1e-4)
     assert not got.allclose(initial, rtol=0, atol=1e-2)

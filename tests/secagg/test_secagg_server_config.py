@@ -1,0 +1,98 @@
+"""``[secure_aggregation]`` in the server's configuration: TOML, flags, every refusal
+with its reason, and the strategies that compose (or are refused)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import small_weights
+
+from fedloom.cli import build_parser, server_config_from_args
+from fedloom.config import ServerConfig, StrategyConfig, from_mapping
+from fedloom.errors import ConfigError
+from fedloom.secagg import SecAggConfig
+from fedloom.server import Server
+
+BASE: dict[str, Any] = {"insecure": True, "min_clients": 8, "min_fit_clients": 8}
+
+
+def _config(secure: dict[str, Any], **top: Any) -> ServerConfig:
+    return from_mapping(ServerConfig, {**BASE, **top, "secure_aggregation": secure})
+
+
+def test_the_toml_table_builds_a_validated_secagg_config() -> None:
+    config = _config({"enabled": True, "neighbours": 6, "threshold": 4, "clip_range": 2,
+                      "bits": 20, "max_weight": 500, "max_participants": 100,
+                      "stage_timeout_s": 15})
+    assert config.secure_aggregation == SecAggConfig(
+        enabled=True, neighbours=6, threshold=4, clip_range=2.0, bits=20, max_weight=500.0,
+        max_participants=100, stage_timeout_s=15.0)
+    assert ServerConfig(insecure=True).secure_aggregation.enabled is False  # off by default
+
+
+def test_flags_fill_the_table() -> None:
+    args = build_parser().parse_args([
+        "server", "--insecure", "--min-clients", "5", "--min-fit-clients", "5",
+        "--secure-aggregation", "true", "--secagg-neighbours", "4", "--secagg-threshold", "3",
+        "--secagg-clip-range", "1.5", "--secagg-stage-timeout-s", "9"])
+    config = server_config_from_args(args).secure_aggregation
+    assert (config.enabled, config.neighbours, config.threshold) == (True, 4, 3)
+    assert (config.clip_range, config.stage_timeout_s) == (1.5, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("secure", "top", "setting", "reason"),
+    [
+        ({"threshold": 5}, {}, "secure_aggregation.threshold", "not the client itself"),
+        ({"threshold": 11}, {}, "secure_aggregation.threshold", "cannot exceed neighbours"),
+        ({"neighbours": 7, "threshold": 5}, {}, "secure_aggregation.neighbours", "even"),
+        ({"bits": 24}, {}, "secure_aggregation.bits", "could wrap"),  # 24 + 10 > 32
+        ({"max_participants": 2048}, {}, "secure_aggregation.bits", "could wrap"),
+        ({"stage_timeout_s": 0}, {}, "secure_aggregation.stage_timeout_s", "positive"),
+        ({"enabld": True}, {}, "secure_aggregation.enabld", "did you mean 'enabled'"),
+        ({}, {"min_clients": 6, "min_fit_clients": 6}, "min_fit_clients", r"threshold \+ 1 = 7"),
+        ({"max_participants": 6, "bits": 20}, {}, "secure_aggregation.max_participants",
+         "below min_fit_clients"),
+        ({}, {"over_selection": 1.3}, "over_selection", "set over_selection = 1"),
+    ],
+)
+def test_refusals_name_the_setting_and_say_why(secure: dict[str, Any], top: dict[str, Any],
+                                               setting: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason) as info:
+        _config({"enabled": True, **secure}, **top)
+    assert info.value.setting == setting
+
+
+def test_the_round_size_rules_are_only_checked_when_enabled() -> None:
+    _config({"enabled": False}, min_clients=2, min_fit_clients=2)
+    _config({"enabled": False}, over_selection=1.3)
+
+
+def _server(tmp_path, strategy: StrategyConfig) -> Server:  # type: ignore[no-untyped-def]
+    config = ServerConfig(insecure=True, min_clients=8, min_fit_clients=8,
+                          state_dir=str(tmp_path), progress=False, strategy=strategy,
+                          secure_aggregation=SecAggConfig(enabled=True))
+    return Server(config, initial_weights=small_weights())
+
+
+@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan"])
+def test_robust_strategies_are_refused_with_the_reason(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="only ever holds the sum") as info:
+        _server(tmp_path, StrategyConfig(name))
+    assert info.value.setting == "strategy.name"
+    assert "fedavg, fedavgm, fedprox, fedadagrad, fedadam or fedyogi" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam",
+                                  "fedyogi"])
+def test_mean_strategies_compose(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    _server(tmp_path, StrategyConfig(name))
+
+
+def test_a_norm_bound_must_clip_not_reject(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _server(tmp_path, StrategyConfig("fedavg", {"max_update_norm": 1.0}))
+    with pytest.raises(ConfigError, match="never sees one") as info:
+        _server(tmp_path, StrategyConfig("fedavg", {"max_update_norm": 1.0,
+                                                    "norm_bound_mode": "reject"}))
+    assert info.value.setting == "strategy.norm_bound_mode"
