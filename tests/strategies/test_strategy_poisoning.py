@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("torch")  # fedloom.simulations' data pipeline imports it
 
-from fedloom.strategies import Bulyan, FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum  # noqa: E402
+from fedloom.strategies import Bulyan, FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 experiments: Any = importlib.import_module("strategies_experiments")
