@@ -186,6 +186,7 @@ def _run_server(args: argparse.Namespace) -> int:
 def _run_client(args: argparse.Namespace) -> int:
     from fedloom.client_sdk import Client, start_client
 
+    config = security_cli.client_config_from_args(args)  # TLS settings refused before the app
     app = _load_attr(args.app, "--app")
     client = app() if callable(app) and not isinstance(app, Client) else app
     if not isinstance(client, Client):
@@ -195,7 +196,7 @@ def _run_client(args: argparse.Namespace) -> int:
         client,
         name=args.name or "",
         token=security_cli.client_token_from_args(args),
-        config=security_cli.client_config_from_args(args),
+        config=config,
     )
     print(f"client done: {stats}")
     return 0

@@ -19,7 +19,7 @@ hand anyone who can reach the port a cheap way to burn the server's CPU with Joi
 domain-separated (``fedloom-token-v1``) so a digest is useless anywhere else.
 
 Removing a name revokes its token for new Joins; the server notices the file changed
-(by its modification time and size) at the next Join, so no restart is needed.
+(its inode, modification time or size) at the next Join, so no restart is needed.
 Sessions already joined run on until they end.
 """
 
@@ -71,7 +71,7 @@ class TokenStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._hashes: dict[str, str] = {}
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
 
     @classmethod
     def load(cls, path: str | Path, setting: str = "auth.tokens_file") -> TokenStore:
@@ -84,12 +84,12 @@ class TokenStore:
         store.refresh(setting)
         return store
 
-    def _read_stamp(self) -> tuple[int, int] | None:
+    def _read_stamp(self) -> tuple[int, int, int] | None:
         try:
             st = self.path.stat()
         except FileNotFoundError:
             return None
-        return (st.st_mtime_ns, st.st_size)
+        return (st.st_ino, st.st_mtime_ns, st.st_size)  # edits replace the file
 
     def refresh(self, setting: str = "auth.tokens_file") -> None:
         """Re-read the file if it changed since the last read."""
