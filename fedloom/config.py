@@ -246,8 +246,8 @@ class ClientConfig:
     """Settings of the client SDK's connection loop.
 
     TLS: ``root_ca`` is the PEM file of the CA that signed the server's certificate
-    (``ca.pem`` from ``fedloom certs``), or ``system_roots=True`` trusts the system's
-    CAs; ``cert`` and ``key`` are this client's certificate for mutual TLS;
+    (``ca.pem`` from ``fedloom certs``), or ``system_roots=True`` trusts gRPC's default
+    public CAs; ``cert`` and ``key`` are this client's certificate for mutual TLS;
     ``server_name`` overrides the name checked against the server's certificate (when
     dialling an address the certificate does not name). ``insecure=True`` talks
     plaintext (test servers only); one of the three is required.

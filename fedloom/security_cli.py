@@ -57,7 +57,8 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transport security")
     g.add_argument("--root-ca", metavar="PEM", help="CA that signed the server's certificate")
     g.add_argument(
-        "--system-roots", action="store_true", help="trust the system's CAs (public certificate)"
+        "--system-roots", action="store_true",
+        help="trust gRPC's default public CAs (a publicly issued server certificate)",
     )
     g.add_argument("--cert", metavar="PEM", help="this client's certificate (mutual TLS)")
     g.add_argument("--key", metavar="PEM", help="its private key")
