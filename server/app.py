@@ -3,11 +3,14 @@
 Embed it in Python::
 
     from fedloom.server import Server
-    server = Server(ServerConfig(num_rounds=5), initial_weights=weights,
+    tls = TLSConfig(cert="pki/server.pem", key="pki/server.key",
+                    client_ca="pki/ca.pem")     # mutual TLS (docs/security.md)
+    server = Server(ServerConfig(num_rounds=5, tls=tls), initial_weights=weights,
                     evaluate_fn=my_eval)        # evaluate_fn(round, weights) -> (loss, metrics)
     history = server.run()                      # blocks; SIGINT/SIGTERM stop it cleanly
 
-or start it in a background thread (tests, demos)::
+(``ServerConfig(insecure=True)`` serves plaintext, for loopback tests), or start it in a
+background thread (tests, demos)::
 
     handle = server.start()                     # returns once the port is bound
     ...                                         # clients connect to 127.0.0.1:handle.port
