@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,9 +21,11 @@ from fedloom.strategies import (
 
 
 def delta(rng: np.random.Generator, scale: float) -> Weights:
-    return Weights({"a": (scale * rng.normal(size=(4, 3))).astype(np.float32),
-                    "b": (scale * rng.normal(size=5)).astype(np.float32),
-                    "steps": np.array(int(rng.integers(1, 9)), np.int64)})
+    tensors: dict[str, np.ndarray] = {
+        "a": (scale * rng.normal(size=(4, 3))).astype(np.float32),
+        "b": (scale * rng.normal(size=5)).astype(np.float32),
+        "steps": np.array(int(rng.integers(1, 9)), np.int64)}
+    return Weights(tensors)
 
 
 def reference_norm(d: Weights) -> float:
@@ -56,8 +60,10 @@ def test_clip_update_rejects_bad_bounds() -> None:
 
 def _round(n: int, seed: int = 0) -> tuple[Weights, list[ClientUpdate], list[float]]:
     rng = np.random.default_rng(seed)
-    current = Weights({"a": np.zeros((4, 3), np.float32), "b": np.zeros(5, np.float32),
-                       "steps": np.array(10, np.int64)})
+    tensors: dict[str, np.ndarray] = {"a": np.zeros((4, 3), np.float32),
+                                       "b": np.zeros(5, np.float32),
+                                       "steps": np.array(10, np.int64)}
+    current = Weights(tensors)
     scales = [0.1, 5.0, 0.2, 8.0, 0.3][:n]
     ups = [ClientUpdate(f"c{i}", delta(rng, s), int(rng.integers(1, 50)), 0)
            for i, s in enumerate(scales)]
@@ -65,12 +71,13 @@ def _round(n: int, seed: int = 0) -> tuple[Weights, list[ClientUpdate], list[flo
 
 
 @pytest.mark.parametrize("mode", ["clip", "reject"])
-def test_wrapped_fedavg_matches_reference(mode: str) -> None:
+def test_wrapped_fedavg_matches_reference(mode: Literal["clip", "reject"]) -> None:
     current, ups, norms = _round(5)
     bound = 2.0
     assert sum(n > bound for n in norms) == 2
     strategy = NormBoundedStrategy(FedAvg(), bound, mode)
     result = strategy.aggregate_fit(1, current, iter(ups))
+    assert result.weights is not None
     kept = [(u, n) for u, n in zip(ups, norms, strict=True) if mode == "clip" or n <= bound]
     weights = np.array([u.num_examples for u, _ in kept], np.float64)
     for k in ("a", "b"):
@@ -88,6 +95,7 @@ def test_wrapped_fedavg_matches_reference(mode: str) -> None:
 def test_wraps_robust_strategies_too() -> None:
     current, ups, norms = _round(5)
     result = NormBoundedStrategy(FedMedian(), 1.0, "clip").aggregate_fit(1, current, ups)
+    assert result.weights is not None
     rows = np.stack([u.delta["a"].astype(np.float64) * min(1.0, 1.0 / n)
                      for u, n in zip(ups, norms, strict=True)])
     np.testing.assert_allclose(result.weights["a"], np.median(rows, axis=0), rtol=1e-6)

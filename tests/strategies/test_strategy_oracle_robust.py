@@ -46,6 +46,7 @@ setup_flower()
 from flwr.serverapp import strategy as flower  # noqa: E402
 
 RTOL = ATOL = 1e-5
+Shapes = list[tuple[int, ...]]
 shapes_st = st.lists(st.sampled_from(SHAPES), min_size=2, max_size=4, unique=True)
 rounds_st = st.integers(1, 3)
 
@@ -69,7 +70,7 @@ def clear_gap(scores: np.ndarray, m: int) -> bool:
 
 
 def play(
-    ours: Any, theirs: Any, seed: int, num_clients: int, shapes: list[tuple[int, ...]],
+    ours: Any, theirs: Any, seed: int, num_clients: int, shapes: Shapes,
     num_rounds: int, admissible: Callable[[Round], bool] = lambda rnd: True,
     expect_error: bool = False,
 ) -> None:
@@ -103,7 +104,8 @@ def play(
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(1, 9), shapes=shapes_st,
        num_rounds=rounds_st)
-def test_fedmedian_equals_flower(seed: int, num_clients: int, shapes, num_rounds: int) -> None:
+def test_fedmedian_equals_flower(seed: int, num_clients: int, shapes: Shapes,
+                                 num_rounds: int) -> None:
     play(FedMedian(), flower.FedMedian(), seed, num_clients, shapes, num_rounds)
 
 
@@ -111,7 +113,7 @@ def test_fedmedian_equals_flower(seed: int, num_clients: int, shapes, num_rounds
 @given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(1, 12), shapes=shapes_st,
        beta=st.sampled_from([0.0, 0.1, 0.2, 0.3, 0.45]), num_rounds=rounds_st,
        paper=st.booleans())
-def test_fedtrimmedavg_equals_flower(seed: int, num_clients: int, shapes, beta: float,
+def test_fedtrimmedavg_equals_flower(seed: int, num_clients: int, shapes: Shapes, beta: float,
                                      num_rounds: int, paper: bool) -> None:
     """Flower trims ``int(beta * n)`` at each end; ours too, and by default refuses a
     round where that is 0 although ``beta > 0`` (nothing would be trimmed)."""
@@ -124,7 +126,7 @@ def test_fedtrimmedavg_equals_flower(seed: int, num_clients: int, shapes, beta: 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(2, 9), shapes=shapes_st,
        f=st.integers(0, 3), num_rounds=rounds_st, paper=st.booleans())
-def test_krum_equals_flower(seed: int, num_clients: int, shapes, f: int, num_rounds: int,
+def test_krum_equals_flower(seed: int, num_clients: int, shapes: Shapes, f: int, num_rounds: int,
                             paper: bool) -> None:
     """Unchecked (Flower's behaviour) for any n; by default, equal where n > 2f + 2
     (``n - f - 2`` neighbours either way) and a named refusal below it."""
@@ -138,7 +140,7 @@ def test_krum_equals_flower(seed: int, num_clients: int, shapes, f: int, num_rou
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(2, 9), shapes=shapes_st,
        f=st.integers(0, 3), m=st.integers(1, 9), num_rounds=rounds_st)
-def test_multikrum_equals_flower(seed: int, num_clients: int, shapes, f: int, m: int,
+def test_multikrum_equals_flower(seed: int, num_clients: int, shapes: Shapes, f: int, m: int,
                                  num_rounds: int) -> None:
     ours = MultiKrum(num_malicious_nodes=f, num_nodes_to_select=m, weighted_by_examples=True,
                      enforce_preconditions=False)
@@ -177,7 +179,7 @@ def _bulyan_admissible(f: int) -> Callable[[Round], bool]:
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(3, 12), shapes=shapes_st,
        f=st.integers(0, 2), num_rounds=rounds_st, enforce=st.booleans())
-def test_bulyan_equals_flower(seed: int, num_clients: int, shapes, f: int, num_rounds: int,
+def test_bulyan_equals_flower(seed: int, num_clients: int, shapes: Shapes, f: int, num_rounds: int,
                               enforce: bool) -> None:
     """Flower's selection rule (one Multi-Krum pass); below n = 4f + 3 Flower returns
     None, ours yields no model with the reason, or raises by default."""

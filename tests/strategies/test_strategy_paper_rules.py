@@ -4,6 +4,7 @@ papers' definitions, the preconditions and their messages, and the fit configs."
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from fedloom import AggregationError, ClientInfo, ClientUpdate, Weights
 from fedloom.strategies import (
     STRATEGIES,
     Bulyan,
+    ComposedStrategy,
     FedAdagrad,
     FedAdam,
     FedAvgM,
@@ -56,7 +58,8 @@ def unflat(current: Weights, vector: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def assert_weights(result: Weights, expected: dict[str, np.ndarray]) -> None:
+def assert_weights(result: Weights | None, expected: dict[str, np.ndarray]) -> None:
+    assert result is not None
     for k, v in expected.items():
         np.testing.assert_allclose(result[k], v, rtol=1e-6, atol=1e-6, err_msg=k)
 
@@ -79,7 +82,7 @@ def bulyan_reference(vectors: list[np.ndarray], f: int) -> np.ndarray:
     """El Mhamdi et al.: recursive Krum picks n - 2f; per coordinate, the mean of the
     n - 4f values closest to the median of the picked ones."""
     remaining = list(range(len(vectors)))
-    picked = []
+    picked: list[int] = []
     while len(picked) < len(vectors) - 2 * f:
         scores = krum_reference([vectors[i] for i in remaining], f)
         best = remaining[int(np.argsort(scores, kind="stable")[0])]
@@ -110,6 +113,7 @@ def test_robust_rules_resist_a_far_outlier_that_inflates_num_examples() -> None:
                      MultiKrum(num_malicious_nodes=1, num_nodes_to_select=5),
                      Bulyan(num_malicious_nodes=1)):
         result = strategy.aggregate_fit(1, current, [*ups, evil])
+        assert result.weights is not None
         assert np.max(np.abs(result.weights["x"] - current["x"])) < 5, type(strategy).__name__
 
 
@@ -145,6 +149,7 @@ def test_trimmed_mean_needs_enough_updates_to_trim() -> None:
     with pytest.raises(AggregationError, match=r"beta=0.2 it needs at least 5 updates"):
         FedTrimmedAvg(beta=0.2).aggregate_fit(1, current, ups)
     untrimmed = FedTrimmedAvg(beta=0.2, enforce_preconditions=False).aggregate_fit(1, current, ups)
+    assert untrimmed.weights is not None
     expected = np.mean([u.delta["x"].astype(np.float64) for u in ups], axis=0)
     np.testing.assert_allclose(untrimmed.weights["x"], current["x"] + expected, rtol=1e-6)
     assert FedTrimmedAvg(beta=0.2).aggregate_fit(1, *round_of(5)).weights is not None
@@ -161,7 +166,7 @@ def test_a_failed_round_can_be_followed_by_a_good_one() -> None:
 def test_only_the_robust_rules_hold_updates() -> None:
     robust = {"fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan"}
     for name, cls in STRATEGIES.items():
-        assert cls().aggregator.holds_all_updates == (name in robust), name
+        assert cls().aggregator.holds_all_updates == (name in robust), name  # type: ignore[call-arg]
 
 
 # -- FedOpt: the paper's update, bias corrections, integer tensors ---------------------
@@ -189,11 +194,12 @@ def adaptive_reference(kind: str, rounds: list[np.ndarray], x0: np.ndarray, *, e
 @pytest.mark.parametrize(("kind", "correction"), [("adam", "none"), ("adam", "adam"),
                                                   ("adam", "flower"), ("adagrad", "none"),
                                                   ("yogi", "none")])
-def test_fedopt_follows_reddi(kind: str, correction: str) -> None:
+def test_fedopt_follows_reddi(kind: str, correction: Literal["none", "adam", "flower"]) -> None:
     rng = np.random.default_rng(7)
     x0 = rng.normal(size=5)
     current = Weights({"x": x0.astype(np.float64)})
     means = []
+    strategy: ComposedStrategy
     if kind == "adam":
         strategy = FedAdam(eta=0.3, beta_1=0.8, beta_2=0.95, tau=0.01, bias_correction=correction)
     elif kind == "adagrad":
@@ -205,7 +211,9 @@ def test_fedopt_follows_reddi(kind: str, correction: str) -> None:
                for i, n in enumerate(rng.integers(1, 30, size=4))]
         n = np.array([u.num_examples for u in ups], np.float64)
         means.append(np.tensordot(n / n.sum(), np.stack([u.delta["x"] for u in ups]), axes=1))
-        current = strategy.aggregate_fit(r, current, ups).weights
+        new = strategy.aggregate_fit(r, current, ups).weights
+        assert new is not None
+        current = new
     expected = adaptive_reference(kind, means, x0, eta=0.3, beta_1=0.8, beta_2=0.95, tau=0.01,
                                   correction=correction)
     np.testing.assert_allclose(current["x"], expected, rtol=1e-12, atol=1e-12)
@@ -214,13 +222,18 @@ def test_fedopt_follows_reddi(kind: str, correction: str) -> None:
 @pytest.mark.parametrize("cls", [FedAdagrad, FedAdam, FedYogi, FedAvgM])
 def test_integer_buffers_take_the_mean_delta(cls) -> None:  # type: ignore[no-untyped-def]
     strategy = cls(server_momentum=0.9) if cls is FedAvgM else cls()
-    current = Weights({"w": np.zeros(3, np.float32), "steps": np.array(10, np.int64)})
+    def model(w: float, steps: int) -> Weights:
+        tensors: dict[str, np.ndarray] = {"w": np.full(3, w, np.float32),
+                                          "steps": np.array(steps, np.int64)}
+        return Weights(tensors)
+
+    current = model(0.0, 10)
     for r in range(1, 3):
-        ups = [ClientUpdate("a", Weights({"w": np.ones(3, np.float32),
-                                          "steps": np.array(4, np.int64)}), 1, r - 1),
-               ClientUpdate("b", Weights({"w": np.ones(3, np.float32),
-                                          "steps": np.array(5, np.int64)}), 3, r - 1)]
-        current = strategy.aggregate_fit(r, current, ups).weights
+        ups = [ClientUpdate("a", model(1.0, 4), 1, r - 1),
+               ClientUpdate("b", model(1.0, 5), 3, r - 1)]
+        new = strategy.aggregate_fit(r, current, ups).weights
+        assert new is not None
+        current = new
     # Mean delta 4.75 rounds to 5 each round; no momentum, no adaptive step.
     assert current["steps"] == 20 and current["steps"].dtype == np.int64
 
@@ -257,7 +270,7 @@ def test_median_of_even_count_is_midpoint() -> None:
     current = Weights({"x": np.zeros(1, np.float32)})
     ups = [ClientUpdate(f"c{i}", Weights({"x": np.array([v], np.float32)}), 1, 0)
            for i, v in enumerate([1.0, 7.0, 3.0, 100.0])]
-    assert FedMedian().aggregate_fit(1, current, ups).weights["x"][0] == 5.0
     # Permutation-invariant.
     for perm in itertools.permutations(ups):
-        assert FedMedian().aggregate_fit(1, current, list(perm)).weights["x"][0] == 5.0
+        weights = FedMedian().aggregate_fit(1, current, list(perm)).weights
+        assert weights is not None and weights["x"][0] == 5.0
