@@ -107,16 +107,20 @@ def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_parser(sub: Any) -> None:
+    from fedloom.strategies import describe_strategies  # numpy only; lists every setting
+
     p = sub.add_parser(
         "server",
         help="run the aggregation server",
         description="Run the aggregation server. Settings come from "
         "defaults, then --config FILE, then flags.",
+        epilog=describe_strategies() + "\n\nGuide: docs/strategies.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file of settings ([strategy] and [transfer] tables)")
     p.add_argument("--initial-weights", help="safetensors file of the starting model")
     p.add_argument("--evaluate-fn", help="module:attr of evaluate_fn(round, weights)")
-    p.add_argument("--strategy", help="strategy name (see the README's strategy list)")
+    p.add_argument("--strategy", help="strategy name (the list follows the options)")
     p.add_argument(
         "--strategy-param",
         action="append",

@@ -144,3 +144,17 @@ def test_exported_names_are_pinned() -> None:
     ])
     for name in strategies_pkg.__all__:
         assert hasattr(strategies_pkg, name), name
+
+
+def test_server_help_lists_every_strategy_and_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedloom.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["server", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for name in NAMES:
+        assert f"\n{name}: " in text, name
+        for key in strategy_settings(name):
+            assert f"    {key} (" in text, (name, key)
+    assert "docs/strategies.md" in text
