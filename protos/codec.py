@@ -49,15 +49,21 @@ MAX_ID_LENGTH = 128
 MAX_CAPABILITIES = 64
 MAX_TEXT = 4096
 MAX_DIM = 1 << 40
+#: One tensor's bytes at most: beyond any max_model_bytes, and far from int64's range.
+MAX_TENSOR_BYTES = 1 << 40
 
 
 def _invalid(message: str) -> MessageRejectedError:
     return MessageRejectedError(RejectReason.INVALID, message)
 
 
-def _check_text(value: str, what: str, limit: int = MAX_ID_LENGTH) -> str:
+def _check_text(
+    value: str, what: str, limit: int = MAX_ID_LENGTH, *, printable: bool = True
+) -> str:
     if len(value) > limit:
         raise _invalid(f"{what} is {len(value)} characters; at most {limit} allowed")
+    if printable and not value.isprintable():  # ids and names end up in logs
+        raise _invalid(f"{what} holds control characters (newlines, NUL, ...)")
     return value
 
 
@@ -108,9 +114,13 @@ def spec_from_proto(spec: ProtoTensorSpec) -> TensorSpec:
     if len(spec.shape) > MAX_NDIM or any(d > MAX_DIM for d in spec.shape):
         raise _invalid(f"tensor {spec.name[:64]!r} has an absurd shape")
     try:
-        return TensorSpec(spec.name, spec.dtype, tuple(int(d) for d in spec.shape))
+        result = TensorSpec(spec.name, spec.dtype, tuple(int(d) for d in spec.shape))
     except ConfigError as exc:
         raise _invalid(str(exc)) from exc
+    # Count in Python ints: numpy's int64 product of hostile dims wraps (2**40 * 2**40 == 0).
+    if math.prod(result.shape) * result.numpy_dtype.itemsize > MAX_TENSOR_BYTES:
+        raise _invalid(f"tensor {result.name[:64]!r} would exceed {MAX_TENSOR_BYTES} bytes")
+    return result
 
 
 def payload_to_proto(info: PayloadInfo) -> ProtoPayloadHeader:
@@ -180,7 +190,7 @@ def join_request_from_proto(request: ProtoJoinRequest) -> JoinRequest:
         protocol_version=request.protocol_version,
         capabilities=frozenset(request.capabilities),
         name=_check_text(request.name, "name"),
-        token=_check_text(request.token, "token", 1024),
+        token=_check_text(request.token, "token", 1024, printable=False),
     )
 
 
@@ -205,6 +215,10 @@ def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
             raise _invalid(f"{name} {value} is out of range")
     if reply.chunk_size == 0 or reply.chunk_size > reply.max_message_bytes:
         raise _invalid("chunk_size must be positive and fit in max_message_bytes")
+    if len(reply.capabilities) > MAX_CAPABILITIES:
+        raise _invalid(f"at most {MAX_CAPABILITIES} capabilities allowed")
+    for cap in reply.capabilities:
+        _check_text(cap, "capability")
     return JoinReply(
         session=session_from_proto(reply.session),
         protocol_version=reply.protocol_version,
@@ -252,6 +266,8 @@ def task_from_proto(header: ProtoTaskHeader) -> TaskHeader:
         raise _invalid(f"task kind {kind!r} is not supported by this client")
     if not (math.isfinite(header.deadline_s) and header.deadline_s >= 0):
         raise _invalid("task deadline is not a non-negative number")
+    if header.round < 1:
+        raise _invalid("task round must be at least 1 (round 0 is the initial model)")
     return TaskHeader(
         task_id=_check_text(header.task_id, "task_id"),
         run_id=_check_text(header.run_id, "run_id"),
@@ -337,7 +353,9 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
             task_id=task_id,
             round=rnd,
             kind=None,
-            failure=_check_text(header.failure.message, "failure message", MAX_TEXT),
+            failure=_check_text(
+                header.failure.message, "failure message", MAX_TEXT, printable=False
+            ),
         )
     if kind is None or not kind.startswith("secagg_"):
         raise _invalid("result header has no kind (fit, evaluate, a secagg stage or failure)")
