@@ -16,8 +16,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from helpers import small_weights
+from ops_wire import connect, pull_task, push_zero_update, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from test_stragglers import _connect, _pull_task, _push_zero_update, _wait_for
 
 from fedloom.cli import build_parser
 from fedloom.client_sdk.connection import SessionExpiredError
@@ -106,14 +106,14 @@ def test_metrics_endpoint_shows_the_counters_moving_after_a_round(server_config)
     assert port is not None
     model_bytes = small_weights().nbytes  # 15 float32 = 60 bytes
     before = _scrape(port)
-    conns = [_connect(handle.address, f"c{i}") for i in range(3)]
+    conns = [connect(handle.address, f"c{i}") for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        tasks = list(pool.map(_pull_task, conns))
+        tasks = list(pool.map(pull_task, conns))
     for conn, (task, weights) in zip(conns, tasks, strict=True):
-        _push_zero_update(conn, task, weights)
+        push_zero_update(conn, task, weights)
     coordinator = handle.server.coordinator
     assert coordinator is not None
-    _wait_for(lambda: len(coordinator.history) >= 1)
+    wait_for(lambda: len(coordinator.history) >= 1)
     real = conns[0].session
     assert real is not None
     conns[0].session = Session("forged", b"x" * 32)
@@ -195,11 +195,11 @@ def test_server_logs_in_json_name_the_client_and_the_round(server_config) -> Non
     try:
         config = server_config(num_rounds=1, fraction_evaluate=0.0)
         handle = Server(config, initial_weights=small_weights()).start()
-        conns = [_connect(handle.address, f"site-{i}") for i in range(3)]
+        conns = [connect(handle.address, f"site-{i}") for i in range(3)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            tasks = list(pool.map(_pull_task, conns))
+            tasks = list(pool.map(pull_task, conns))
         for conn, (task, weights) in zip(conns, tasks, strict=True):
-            _push_zero_update(conn, task, weights)
+            push_zero_update(conn, task, weights)
         handle.wait(20)
         for conn in conns:
             conn.close()

@@ -7,15 +7,14 @@ import concurrent.futures
 import threading
 import time
 
-import numpy as np
 import pytest
 from helpers import ScriptedClient, run_clients, small_weights
+from ops_wire import connect, pull_task, push_zero_update, wait_for
 
-from fedloom import TaskKind, Weights
-from fedloom.client_sdk.connection import Connection, ResultRefusedError
-from fedloom.config import ClientConfig
+from fedloom import TaskKind
+from fedloom.client_sdk.connection import ResultRefusedError
 from fedloom.errors import ConfigError
-from fedloom.messages import NoTask, ResultHeader, TaskHeader
+from fedloom.messages import TaskHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.server import Server
 from fedloom.server.rounds import IssuedTask, RoundTasks
@@ -100,43 +99,6 @@ def test_over_selection_below_one_is_refused(server_config) -> None:
 
 
 # -- over the wire, with the SDK's Connection -----------------------------------------------
-def _connect(address: str, name: str) -> Connection:
-    conn = Connection(ClientConfig(server_address=address, rpc_timeout_s=10.0, insecure=True))
-    conn.join(name)
-    return conn
-
-
-def _pull_task(conn: Connection) -> tuple[TaskHeader, Weights]:
-    for _ in range(50):
-        outcome = conn.pull()
-        if not isinstance(outcome, NoTask):
-            return outcome
-    raise AssertionError("no task arrived")
-
-
-def _push_zero_update(conn: Connection, task: TaskHeader, weights: Weights) -> bool:
-    assert conn.session is not None
-    delta = Weights({n: np.zeros_like(a) for n, a in weights.items()})
-    payload = serialize(delta)
-    header = ResultHeader(
-        conn.session,
-        task.task_id,
-        task.round,
-        TaskKind.FIT,
-        num_examples=5,
-        base_round=task.round - 1,
-        update=PayloadInfo.describe(delta.specs(), payload),
-    )
-    return conn.push(header, payload)
-
-
-def _wait_for(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_over_selection_closes_with_the_first_enough_and_late_pushes_hear_round_closed(
     server_config,
 ) -> None:
@@ -150,22 +112,22 @@ def test_over_selection_closes_with_the_first_enough_and_late_pushes_hear_round_
         over_selection=2.0,
     )
     handle = Server(config, initial_weights=small_weights()).start()
-    conns = [_connect(handle.address, f"c{i}") for i in range(4)]
+    conns = [connect(handle.address, f"c{i}") for i in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        tasks = list(pool.map(_pull_task, conns))
+        tasks = list(pool.map(pull_task, conns))
     assert len({t.task_id for t, _ in tasks}) == 4  # every over-selected client got a task
     for conn, (task, weights) in zip(conns[:2], tasks[:2], strict=True):
-        assert _push_zero_update(conn, task, weights) is False
+        assert push_zero_update(conn, task, weights) is False
     coordinator = handle.server.coordinator
     assert coordinator is not None
-    _wait_for(lambda: len(coordinator.history) >= 1)  # round 2 is open now
+    wait_for(lambda: len(coordinator.history) >= 1)  # round 2 is open now
     record = coordinator.history[0]
     assert record["status"] == "ok"
     assert (record["num_sampled"], record["num_updates"]) == (4, 2)
     assert (record["num_cancelled"], record["num_failures"]) == (2, 0)
     for conn, (task, weights) in zip(conns[2:], tasks[2:], strict=True):
         with pytest.raises(ResultRefusedError, match="round 1 closed: enough results") as info:
-            _push_zero_update(conn, task, weights)
+            push_zero_update(conn, task, weights)
         assert info.value.code.name == "FAILED_PRECONDITION"
     handle.stop()
     handle.wait(10)
@@ -184,11 +146,11 @@ def test_the_deadline_closes_a_round_with_the_minimum_and_a_late_push_hears_why(
         round_timeout_s=1.5,
     )
     handle = Server(config, initial_weights=small_weights()).start()
-    conns = [_connect(handle.address, f"c{i}") for i in range(3)]
+    conns = [connect(handle.address, f"c{i}") for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        tasks = list(pool.map(_pull_task, conns))
+        tasks = list(pool.map(pull_task, conns))
     for conn, (task, weights) in zip(conns[:2], tasks[:2], strict=True):
-        _push_zero_update(conn, task, weights)
+        push_zero_update(conn, task, weights)
     # the third sits on its task (and heartbeats) past the deadline
     coordinator = handle.server.coordinator
     assert coordinator is not None
@@ -202,7 +164,7 @@ def test_the_deadline_closes_a_round_with_the_minimum_and_a_late_push_hears_why(
     assert (record["num_updates"], record["num_failures"]) == (2, 1)
     assert 1.4 < record["duration_s"] < 5.0
     with pytest.raises(ResultRefusedError, match="round 1 closed: no result before the deadline"):
-        _push_zero_update(conns[2], *tasks[2])
+        push_zero_update(conns[2], *tasks[2])
     handle.stop()
     handle.wait(10)
     for conn in conns:
@@ -233,7 +195,7 @@ def test_heartbeats_keep_a_slow_client_and_silence_drops_a_sampled_one(server_co
         round_timeout_s=30.0,
     )
     handle = Server(config, initial_weights=small_weights()).start()
-    silent = _connect(handle.address, "silent")  # joins, then never calls again
+    silent = connect(handle.address, "silent")  # joins, then never calls again
     fast, slow = ScriptedClient(seed=0, num_examples=4), SlowClient(seed=1, seconds=2.5)
     threads = run_clients(handle.address, [fast, slow])
     history = handle.wait(30)
@@ -260,7 +222,7 @@ def test_a_client_joining_between_rounds_is_sampled_in_later_rounds(server_confi
     threads = run_clients(handle.address, early)
     coordinator = handle.server.coordinator
     assert coordinator is not None
-    _wait_for(lambda: len(coordinator.history) >= 1)
+    wait_for(lambda: len(coordinator.history) >= 1)
     late = SlowClient(seed=9, seconds=0.3)
     late_thread = threading.Thread(
         target=lambda: run_clients(handle.address, [late])[0].join(30), daemon=True
