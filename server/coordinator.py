@@ -374,8 +374,11 @@ class Coordinator:
         while len(self.registry) < self.config.min_clients:
             self.reporter.waiting(len(self.registry), self.config.min_clients)
             self.registry.changed.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel
+            # that lands as a client joins, and the server then never stops.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.registry.changed.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await self.registry.changed.wait()
 
     async def _run_round(self, loop: asyncio.AbstractEventLoop, server_round: int) -> None:
         await self._wait_for_clients()
