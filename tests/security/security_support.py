@@ -4,6 +4,7 @@ raw Join over a chosen channel."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,13 @@ import grpc
 from fedloom.certs import write_certificates
 from fedloom.client_sdk import Client, start_client
 from fedloom.client_sdk.connection import Connection
-from fedloom.config import AuthConfig, ClientConfig, TLSConfig
+from fedloom.config import AuthConfig, ClientConfig, ServerConfig, TLSConfig
 from fedloom.messages import JoinReply
+from fedloom.server import ServerHandle
+from fedloom.server.coordinator import Coordinator
+
+#: The ``server_config`` fixture of tests/conftest.py.
+MakeConfig = Callable[..., ServerConfig]
 
 CLIENTS = ("site-1", "site-2", "site-3")
 
@@ -67,9 +73,9 @@ def client_config(address: str, pki: Path | None, name: str = "", **overrides: A
 
 def run_client_threads(
     address: str,
-    clients: list[Client],
-    configs: list[ClientConfig],
-    tokens: list[str] | None = None,
+    clients: Sequence[Client],
+    configs: Sequence[ClientConfig],
+    tokens: Sequence[str] | None = None,
 ) -> list[threading.Thread]:
     threads = []
     for i, (client, config) in enumerate(zip(clients, configs, strict=True)):
@@ -101,3 +107,9 @@ def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
     """The gRPC status behind an SDK error, where there is one."""
     cause = exc.__cause__
     return cause.code() if isinstance(cause, grpc.RpcError) else getattr(exc, "code", None)
+
+
+def coordinator(handle: ServerHandle) -> Coordinator:
+    """The coordinator of a started server."""
+    assert handle.server.coordinator is not None
+    return handle.server.coordinator

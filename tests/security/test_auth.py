@@ -10,7 +10,9 @@ import grpc
 import pytest
 from helpers import ScriptedClient, small_weights
 from security_support import (
+    MakeConfig,
     client_config,
+    coordinator,
     join_once,
     make_pki,
     run_client_threads,
@@ -99,7 +101,7 @@ def pki(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def test_tokens_over_tls(server_config, pki: Path, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_tokens_over_tls(server_config: MakeConfig, pki: Path, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     store = TokenStore(tmp_path / "tokens.toml")
     tokens = {name: store.add(name) for name in ("site-1", "site-2", "site-3")}
     config = server_config(
@@ -139,7 +141,7 @@ def test_tokens_over_tls(server_config, pki: Path, tmp_path: Path, caplog) -> No
         assert token not in caplog.text and token.rpartition(".")[2] not in caplog.text
 
 
-def test_mutual_tls_allow_list(server_config, pki: Path) -> None:
+def test_mutual_tls_allow_list(server_config: MakeConfig, pki: Path) -> None:
     config = server_config(
         num_rounds=1,
         **tls_settings(pki, tls=server_tls(pki, mutual=True),
@@ -157,7 +159,7 @@ def test_mutual_tls_allow_list(server_config, pki: Path) -> None:
         handle.wait(30)
 
 
-def test_one_session_per_identity(server_config, pki: Path) -> None:
+def test_one_session_per_identity(server_config: MakeConfig, pki: Path) -> None:
     config = server_config(
         num_rounds=1,
         **tls_settings(pki, tls=server_tls(pki, mutual=True), auth=AuthConfig()),
@@ -167,7 +169,7 @@ def test_one_session_per_identity(server_config, pki: Path) -> None:
     try:
         old = first.join("site-1")
         new = join_once(client_config(handle.address, pki, "site-1"))
-        registry = handle.server.coordinator.registry
+        registry = coordinator(handle).registry
         assert old.session.client_id not in registry and new.session.client_id in registry
         with pytest.raises(SessionExpiredError):  # the replaced session is over
             first.heartbeat()

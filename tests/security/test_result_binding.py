@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from helpers import small_weights
+from security_support import MakeConfig, coordinator
 
 from fedloom import TaskKind, Weights
 from fedloom.client_sdk.connection import Connection, ResultRefusedError, SessionExpiredError
@@ -46,7 +47,7 @@ def _fit(session: Session, task: TaskHeader, value: float) -> tuple[ResultHeader
     return header, payload
 
 
-def test_only_the_client_a_task_was_issued_to_may_answer_it(server_config) -> None:
+def test_only_the_client_a_task_was_issued_to_may_answer_it(server_config: MakeConfig) -> None:
     config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2, fraction_evaluate=0.0)
     handle = Server(config, initial_weights=small_weights()).start()
     a, b = _connect(handle.address), _connect(handle.address)
@@ -66,10 +67,10 @@ def test_only_the_client_a_task_was_issued_to_may_answer_it(server_config) -> No
         a.close()
         b.close()
     assert history[-1]["num_updates"] == 2
-    np.testing.assert_allclose(handle.server.coordinator.global_weights["w"], 2.0)  # (1+3)/2
+    np.testing.assert_allclose(coordinator(handle).global_weights["w"], 2.0)  # (1+3)/2
 
 
-def test_a_retry_after_the_round_closed_is_accepted_once(server_config) -> None:
+def test_a_retry_after_the_round_closed_is_accepted_once(server_config: MakeConfig) -> None:
     config = server_config(num_rounds=2, min_clients=1, min_fit_clients=1, fraction_evaluate=0.0)
     handle = Server(config, initial_weights=small_weights()).start()
     client = _connect(handle.address)
@@ -79,11 +80,11 @@ def test_a_retry_after_the_round_closed_is_accepted_once(server_config) -> None:
         task = _pull_task(client)
         result = _fit(client.session, task, 1.0)
         assert client.push(*result) is False
-        coordinator = handle.server.coordinator
+        rounds = coordinator(handle).history
         deadline = time.time() + 20
-        while not coordinator.history and time.time() < deadline:
+        while not rounds and time.time() < deadline:
             time.sleep(0.01)
-        assert coordinator.history[0]["round"] == 1  # round 1 has closed
+        assert rounds[0]["round"] == 1  # round 1 has closed
         assert client.push(*result) is True  # the acknowledgement was "lost": duplicate
         with pytest.raises(ResultRefusedError) as info:
             client.push(*_fit(client.session, task, 5.0))  # another payload, same nonce
@@ -95,7 +96,7 @@ def test_a_retry_after_the_round_closed_is_accepted_once(server_config) -> None:
     finally:
         client.close()
     assert [r["num_updates"] for r in history] == [1, 1]
-    np.testing.assert_allclose(handle.server.coordinator.global_weights["w"], 1.0)  # once
+    np.testing.assert_allclose(coordinator(handle).global_weights["w"], 1.0)  # once
 
 
 def _free_port() -> int:
@@ -104,7 +105,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_nonce_from_before_a_restart_is_refused(server_config) -> None:
+def test_a_nonce_from_before_a_restart_is_refused(server_config: MakeConfig) -> None:
     config = server_config(
         address=f"127.0.0.1:{_free_port()}", num_rounds=3, min_clients=1, min_fit_clients=1
     )
@@ -121,7 +122,7 @@ def test_a_nonce_from_before_a_restart_is_refused(server_config) -> None:
     second = Server(config, initial_weights=small_weights()).start()
     new = _connect(second.address)
     try:
-        assert second.server.coordinator.run_id == first.server.coordinator.run_id  # resumed
+        assert coordinator(second).run_id == coordinator(first).run_id  # resumed
         with pytest.raises(SessionExpiredError):  # the old session died with the server
             old.push(*result)
         new.join("a")

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from helpers import ScriptedClient, small_weights
 from security_support import (
+    MakeConfig,
     client_config,
+    coordinator,
     join_once,
     make_pki,
     run_client_threads,
@@ -31,7 +33,7 @@ def pki(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def test_a_round_over_tls(server_config, pki: Path) -> None:
+def test_a_round_over_tls(server_config: MakeConfig, pki: Path) -> None:
     config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2, **tls_settings(pki))
     handle = Server(config, initial_weights=small_weights()).start()
     clients = [ScriptedClient(seed=i, num_examples=5) for i in range(2)]
@@ -42,10 +44,10 @@ def test_a_round_over_tls(server_config, pki: Path) -> None:
         t.join(10)
     assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
     expected = np.mean([c.sent[0][2]["w"] - c.sent[0][1]["w"] for c in clients], axis=0)
-    np.testing.assert_allclose(handle.server.coordinator.global_weights["w"], expected, atol=1e-6)
+    np.testing.assert_allclose(coordinator(handle).global_weights["w"], expected, atol=1e-6)
 
 
-def test_mutual_tls_identity_is_the_certificate_cn(server_config, pki: Path) -> None:
+def test_mutual_tls_identity_is_the_certificate_cn(server_config: MakeConfig, pki: Path) -> None:
     config = server_config(
         num_rounds=1, min_clients=3, min_fit_clients=3,
         **tls_settings(pki, tls=server_tls(pki, mutual=True), auth=AuthConfig()),
@@ -53,18 +55,19 @@ def test_mutual_tls_identity_is_the_certificate_cn(server_config, pki: Path) -> 
     handle = Server(config, initial_weights=small_weights()).start()
     try:
         grant = join_once(client_config(handle.address, pki, "site-1"))
-        registry = handle.server.coordinator.registry
-        assert registry.get(grant.session.client_id).info.name == "site-1"
+        registry = coordinator(handle).registry
+        assert [c.name for c in registry.infos()] == ["site-1"]
         # Without a name of its own, a client is named by its certificate as well.
         unnamed = dataclasses.replace(client_config(handle.address, pki, "site-2"), name="")
         grant = join_once(unnamed)
-        assert registry.get(grant.session.client_id).info.name == "site-2"
+        names = {c.client_id: c.name for c in registry.infos()}
+        assert names[grant.session.client_id] == "site-2"
     finally:
         handle.stop()
         handle.wait(30)
 
 
-def test_mutual_tls_refuses_a_certificate_from_another_ca(server_config, pki: Path,
+def test_mutual_tls_refuses_a_certificate_from_another_ca(server_config: MakeConfig, pki: Path,
                                                           tmp_path: Path) -> None:
     rogue = make_ca("rogue CA")
     write_issued(tmp_path, "site-1", make_client_cert(rogue, "site-1"))  # a forged name
@@ -84,13 +87,15 @@ def test_mutual_tls_refuses_a_certificate_from_another_ca(server_config, pki: Pa
                                   key=str(pki / "server.key"))
         with pytest.raises(TransportError):
             join_once(as_client)
-        assert len(handle.server.coordinator.registry) == 0
+        assert len(coordinator(handle).registry) == 0
     finally:
         handle.stop()
         handle.wait(30)
 
 
-def test_plaintext_client_to_a_tls_server_fails_cleanly(server_config, pki: Path) -> None:
+def test_plaintext_client_to_a_tls_server_fails_cleanly(
+    server_config: MakeConfig, pki: Path
+) -> None:
     config = server_config(num_rounds=1, **tls_settings(pki))
     handle = Server(config, initial_weights=small_weights()).start()
     try:
@@ -100,13 +105,15 @@ def test_plaintext_client_to_a_tls_server_fails_cleanly(server_config, pki: Path
             start_client(handle.address, ScriptedClient(0, 1), config=plain,
                          handle_signals=False)
         assert time.monotonic() - started < 15
-        assert len(handle.server.coordinator.registry) == 0
+        assert len(coordinator(handle).registry) == 0
     finally:
         handle.stop()
         handle.wait(30)
 
 
-def test_tls_client_to_a_plaintext_server_fails_with_a_hint(server_config, pki: Path) -> None:
+def test_tls_client_to_a_plaintext_server_fails_with_a_hint(
+    server_config: MakeConfig, pki: Path
+) -> None:
     handle = Server(server_config(num_rounds=1), initial_weights=small_weights()).start()
     try:
         with pytest.raises(TransportError, match="TLS") as info:
@@ -117,7 +124,7 @@ def test_tls_client_to_a_plaintext_server_fails_with_a_hint(server_config, pki: 
         handle.wait(30)
 
 
-def test_the_server_certificate_must_name_the_address_dialled(server_config,
+def test_the_server_certificate_must_name_the_address_dialled(server_config: MakeConfig,
                                                               tmp_path: Path) -> None:
     pki = tmp_path / "named"
     write_certificates(pki, hosts=["fl.example.org"])
@@ -133,7 +140,7 @@ def test_the_server_certificate_must_name_the_address_dialled(server_config,
         handle.wait(30)
 
 
-def test_a_client_trusting_another_ca_refuses_the_server(server_config, pki: Path,
+def test_a_client_trusting_another_ca_refuses_the_server(server_config: MakeConfig, pki: Path,
                                                          tmp_path: Path) -> None:
     other = tmp_path / "other"
     write_certificates(other)
