@@ -8,7 +8,7 @@ instead of the MLP and 12 rounds, so it takes seconds. Accuracy is the mean cent
 test accuracy of the last 3 rounds.
 
 Attacks (see ``benchmarks/strategies_experiments.py``): ``sign_flip`` sends -10 times
-the honest delta; ``noise100`` sends Gaussian noise 100 times the honest delta's norm;
+the honest delta; ``noise1000`` sends Gaussian noise 1000 times the honest delta's norm;
 ``inflate`` trains on shifted labels and claims 100x its examples. ``noise`` (10x, the
 sign-flipped update's norm) is not enough to break FedAvg — zero-mean noise averages
 out — so for it only the robust strategies' side is asserted.
@@ -42,7 +42,7 @@ ROBUST = {
     "bulyan": lambda: Bulyan(num_malicious_nodes=F, fraction_evaluate=0.0),
 }
 ATTACKS = {"sign_flip": ("sign_flip", -10.0), "noise": ("noise", -10.0),
-           "noise100": ("noise", -100.0), "inflate": ("inflate", -10.0)}
+           "noise1000": ("noise", -1000.0), "inflate": ("inflate", -10.0)}
 
 
 @functools.cache
