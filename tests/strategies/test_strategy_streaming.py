@@ -1,14 +1,13 @@
 """Linear strategies aggregate as a stream; only the robust rules hold the round's updates.
 
 The updates come from a generator that, each time it is resumed, counts how many of the
-delta arrays it has yielded are still alive (weak references, after a garbage
-collection). A streaming strategy keeps at most the update in hand (and a wrapper's
-loop variable); a holding one keeps them all.
+delta arrays it has yielded are still alive (weak references; arrays are freed by
+reference counting, so no garbage collection is needed). A streaming strategy keeps at
+most the update in hand (and a wrapper's loop variable); a holding one keeps them all.
 """
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterator
 
@@ -30,7 +29,6 @@ def counting_stream(alive: list[int]) -> Iterator[ClientUpdate]:
         refs.append(weakref.ref(update.delta["w"]))
         yield update
         del update
-        gc.collect()
         alive.append(sum(r() is not None for r in refs))
 
 
