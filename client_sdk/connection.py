@@ -177,6 +177,11 @@ class Connection:
             grant = codec.join_reply_from_proto(response)
         except MessageRejectedError as exc:
             raise TransportError(f"the server's join reply is invalid: {exc}") from exc
+        if grant.protocol_version != PROTOCOL_VERSION:
+            raise TransportError(
+                f"the server speaks protocol {grant.protocol_version}, this client "
+                f"{PROTOCOL_VERSION}: upgrade the client (or the server)"
+            )
         if grant.chunk_size + 16 * 1024 > self.config.transfer.max_message_bytes:
             raise ConfigError(
                 "max_message_bytes",
@@ -241,6 +246,11 @@ class Connection:
             task = codec.task_from_proto(first.task)
         except MessageRejectedError as exc:
             raise TransportError(f"the server sent an invalid task: {exc}") from exc
+        if self.grant is not None and task.run_id != self.grant.run_id:
+            raise TransportError(
+                f"the server sent a task of run {task.run_id[:40]!r}, not of the run "
+                f"{self.grant.run_id[:40]!r} this client joined; joining again"
+            )
         info = task.weights
         limit = self.config.transfer.max_model_bytes
         if info.total_bytes > limit:

@@ -147,6 +147,8 @@ class ServerConfig:
     heartbeat_interval_s: float = 5.0
     client_timeout_s: float = 30.0
     stream_timeout_s: float = 600.0
+    quarantine_after: int = 10
+    quarantine_s: float = 60.0
     max_clients: int = 10_000
     progress: bool = True
     metrics_address: str = ""
@@ -184,6 +186,7 @@ class ServerConfig:
             "heartbeat_interval_s",
             "client_timeout_s",
             "stream_timeout_s",
+            "quarantine_s",
         ):
             value = getattr(self, name)
             _check(math.isfinite(value) and value > 0, name, "must be a positive number")
@@ -205,6 +208,7 @@ class ServerConfig:
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         _check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
         _check(self.max_clients >= 1, "max_clients", "must be at least 1")
+        _check(self.quarantine_after >= 0, "quarantine_after", "must be >= 0 (0 disables it)")
         _check(bool(self.state_dir), "state_dir", "must name a folder")
         if self.metrics_address:
             check_address("metrics_address", self.metrics_address)

@@ -51,6 +51,7 @@ class RejectReason(enum.StrEnum):
     FORBIDDEN = "forbidden"  # a known client asking for what is not its -> PERMISSION_DENIED
     CONFLICT = "conflict"  # a different payload for a used nonce -> ALREADY_EXISTS
     TIMEOUT = "timeout"  # a stream exceeded its time limit -> DEADLINE_EXCEEDED
+    QUARANTINED = "quarantined"  # refused for a while after many bad messages -> RESOURCE_EXHAUSTED
 
 
 class MessageRejectedError(FedloomError):

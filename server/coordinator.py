@@ -37,6 +37,7 @@ from fedloom.payload import PayloadInfo, deserialize, serialize
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
+from fedloom.server.quarantine import Quarantine
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.rounds import IssuedTask, RoundTasks, TaskStatus, updates_from_queue
 from fedloom.server.secure_attempt import StageTask
@@ -84,6 +85,7 @@ class Coordinator:
         self.evaluate_fn = evaluate_fn
         self.reporter = reporter or RoundReporter(enabled=False)
         self.registry = ClientRegistry(config.max_clients)
+        self.quarantine = Quarantine(config.quarantine_after, config.quarantine_s)
         self.run_id = persistence.run_id
         self.finished = asyncio.Event()  # set only once the run is over and recorded
         self.stopping = False  # run() has ended, finished or not (e.g. the server stops)
@@ -126,6 +128,7 @@ class Coordinator:
         missing = {"fit"} - request.capabilities
         if missing:
             raise MessageRejectedError(RejectReason.INVALID, "a client must support 'fit'")
+        self.quarantine.check(identity or request.name)
         for info in self.registry.infos() if identity is not None else ():
             if info.name == identity:
                 self._drop_client(info.client_id, "replaced by a new session of its identity")
@@ -151,6 +154,16 @@ class Coordinator:
             max_message_bytes=t.max_message_bytes,
             max_model_bytes=t.max_model_bytes,
         )
+
+    def strike(self, record: ClientRecord, reason: RejectReason) -> None:
+        """Count a refused message against its client; past the limit, quarantine its
+        identity and end its sessions (`fedloom.server.quarantine`)."""
+        name = record.info.name
+        if self.quarantine.strike(name, reason):
+            log.warning("client %s quarantined for %.0f s", name, self.quarantine.duration_s)
+            for info in self.registry.infos():
+                if info.name == name:
+                    self._drop_client(info.client_id, "quarantined")
 
     def heartbeat(self, session_client: ClientRecord) -> None:
         session_client.last_seen = time.monotonic()
@@ -299,6 +312,11 @@ class Coordinator:
         task.in_flight = False
         phase = self._phase
         if delta is None:
+            # A client dropped mid-upload (left, quarantined) kept its task open for the
+            # upload; with the upload gone, the task fails now, not at the deadline.
+            gone = task.client_id not in self.registry
+            if gone and phase is not None and phase.tasks.get(task.task_id) is task:
+                phase.fail(task, "the client left while its upload was failing")
             return
         if phase is None or task.task_id not in phase.tasks or phase.closed:
             upload.spool.discard()

@@ -8,8 +8,10 @@ line), and the server carries on; the reason decides the status code.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -25,6 +27,12 @@ from fedloom.server.metrics import ServerMetrics
 
 log = logging.getLogger("fedloom.server")
 
+# Who to blame for a refusal in the current RPC (each RPC runs in its own task, with its
+# own context): set once the caller's session is authenticated.
+_strike_caller: contextvars.ContextVar[Callable[[RejectReason], None] | None] = (
+    contextvars.ContextVar("fedloom_strike_caller", default=None)
+)
+
 STATUS = {
     RejectReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     RejectReason.STALE: grpc.StatusCode.FAILED_PRECONDITION,
@@ -33,13 +41,20 @@ STATUS = {
     RejectReason.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
     RejectReason.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
     RejectReason.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RejectReason.QUARANTINED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
 async def _reject(
     context: grpc.aio.ServicerContext, rpc: str, exc: MessageRejectedError
 ) -> NoReturn:
-    """Log, count and answer a refused message with its status; never returns."""
+    """Log, count and answer a refused message with its status; never returns.
+
+    A refusal after the caller was authenticated (`FleetServicer._client`) is also a
+    strike against that client (`fedloom.server.quarantine`)."""
+    strike = _strike_caller.get()
+    if strike is not None:
+        strike(exc.reason)
     log.warning(
         "%s rejected from %s: %s (%s)", rpc, context.peer(), exc, exc.reason,
         extra={"rpc": rpc, "peer": context.peer(), "reason": str(exc.reason)},
@@ -57,7 +72,9 @@ class FleetServicer(pb_grpc.FleetServicer):
         self.stream_timeout_s = coordinator.config.stream_timeout_s
 
     def _client(self, session: pb.Session):  # type: ignore[no-untyped-def]
-        return self.coordinator.registry.authenticate(codec.session_from_proto(session))
+        record = self.coordinator.registry.authenticate(codec.session_from_proto(session))
+        _strike_caller.set(functools.partial(self.coordinator.strike, record))  # this RPC only
+        return record
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -88,21 +105,31 @@ class FleetServicer(pb_grpc.FleetServicer):
             await _reject(context, "Leave", exc)
         return pb.LeaveResponse()
 
-    async def Pull(
+    async def Pull(  # type: ignore[override]
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.PullResponse]:
+    ) -> None:
+        # Messages are written, not yielded, so that the stream's time limit covers every
+        # write: a client that stops reading (HTTP/2 flow control) cannot hold the stream.
         try:
             outcome = await self.coordinator.pull(self._client(request.session))
+            if not isinstance(outcome, tuple):
+                await context.write(codec.no_task_to_proto(outcome))
+                return
+            header, payload = outcome
+            async with asyncio.timeout(self.stream_timeout_s):
+                await context.write(codec.task_to_proto(header))
+                chunks = iter_chunks(payload, self.transfer.chunk_size)
+                for message in codec.chunks_for_pull(chunks):
+                    await context.write(message)
+                    ServerMetrics.bytes_out(len(message.chunk.data))
+        except TimeoutError:
+            exc = MessageRejectedError(
+                RejectReason.TIMEOUT,
+                f"download exceeded the {self.stream_timeout_s:.0f} s stream limit",
+            )
+            await _reject(context, "Pull", exc)
         except MessageRejectedError as exc:
             await _reject(context, "Pull", exc)
-        if isinstance(outcome, tuple):
-            header, payload = outcome
-            yield codec.task_to_proto(header)
-            for message in codec.chunks_for_pull(iter_chunks(payload, self.transfer.chunk_size)):
-                ServerMetrics.bytes_out(len(message.chunk.data))
-                yield message
-        else:
-            yield codec.no_task_to_proto(outcome)
 
     async def Push(
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
@@ -115,10 +142,9 @@ class FleetServicer(pb_grpc.FleetServicer):
                     raise MessageRejectedError(
                         RejectReason.INVALID, "a Push stream must start with a result header"
                     )
+                client = self._client(first.result.session)  # first: refusals are its strikes
                 header = codec.result_from_proto(first.result)
-                outcome = await self.coordinator.accept_result(
-                    self._client(first.result.session), header
-                )
+                outcome = await self.coordinator.accept_result(client, header)
                 if not isinstance(outcome, PendingUpload):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome

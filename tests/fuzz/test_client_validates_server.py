@@ -1,0 +1,169 @@
+"""Clients validate what the server sends: a hostile or broken server earns a
+`TransportError` (the runner reconnects) or a refusal, never a crash or a bad model."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedloom import Weights
+from fedloom.client_sdk.connection import Connection, ResultRefusedError
+from fedloom.config import ClientConfig, TransferConfig
+from fedloom.errors import TransportError
+from fedloom.messages import PROTOCOL_VERSION, JoinReply, Session, TaskHeader
+from fedloom.payload import PayloadInfo, iter_chunks, serialize
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.types import TaskKind
+
+WEIGHTS = Weights({"w": np.arange(40, dtype=np.float32), "b": np.ones(3, np.float32)})
+PAYLOAD = bytes(serialize(WEIGHTS))
+
+
+class HostileServer(pb_grpc.FleetServicer):
+    """Answers Join and Pull with whatever the test sets."""
+
+    def __init__(self) -> None:
+        self.join_reply = _join_reply()
+        self.pull: list[pb.PullResponse] = []
+
+    def Join(self, request: Any, context: Any) -> pb.JoinResponse:
+        return self.join_reply
+
+    def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        yield from self.pull
+
+
+def _join_reply(**changes: Any) -> pb.JoinResponse:
+    reply = JoinReply(Session("c1", b"s" * 32), PROTOCOL_VERSION, frozenset({"fit"}), "run-1",
+                      5.0, 2.0, 1024, 64 * 1024, 1 << 20)  # fmt: skip
+    message = codec.join_reply_to_proto(reply)
+    for key, value in changes.items():
+        setattr(message, key, value)
+    return message
+
+
+def _task(run_id: str = "run-1", payload: bytes = PAYLOAD, **info: Any) -> pb.PullResponse:
+    described = PayloadInfo.describe(WEIGHTS.specs(), payload)
+    header = TaskHeader("t1", run_id, 3, TaskKind.FIT, {"server_round": 3}, 10.0, described)
+    message = codec.task_to_proto(header)
+    for key, value in info.items():
+        setattr(message.task.weights, key, value)
+    return message
+
+
+@pytest.fixture(scope="module")
+def hostile():  # type: ignore[no-untyped-def]
+    servicer = HostileServer()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_FleetServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def _connect(address: str) -> Connection:
+    transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
+    return Connection(
+        ClientConfig(server_address=address, rpc_timeout_s=5.0, transfer=transfer, insecure=True)
+    )
+
+
+def test_a_join_reply_in_another_protocol_or_out_of_range_is_refused(hostile) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = hostile
+    for bad in (
+        _join_reply(protocol_version=PROTOCOL_VERSION + 1),
+        _join_reply(long_poll_s=float("nan")),
+        _join_reply(chunk_size=0),
+        _join_reply(run_id="run\n2"),
+    ):
+        servicer.join_reply = bad
+        connection = _connect(address)
+        with pytest.raises(TransportError):
+            connection.join("me")
+        connection.close()
+    servicer.join_reply = _join_reply()
+
+
+def _pull(servicer: HostileServer, address: str, parts: list[pb.PullResponse]) -> Any:
+    servicer.pull = parts
+    connection = _connect(address)
+    try:
+        connection.join("me")
+        return connection.pull()
+    finally:
+        connection.close()
+
+
+def test_a_good_task_passes_and_hostile_tasks_are_refused(hostile) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = hostile
+    chunks = [
+        pb.PullResponse(chunk=pb.Chunk(offset=o, data=d)) for o, d in iter_chunks(PAYLOAD, 50)
+    ]
+    task, weights = _pull(servicer, address, [_task(), *chunks])
+    assert task.round == 3 and weights.allclose(WEIGHTS, rtol=0)
+    nan_payload = bytes(
+        serialize(Weights({"w": np.full(40, np.nan, np.float32), "b": np.ones(3, np.float32)}))
+    )
+    nan_chunks = [
+        pb.PullResponse(chunk=pb.Chunk(offset=o, data=d)) for o, d in iter_chunks(nan_payload, 50)
+    ]
+    cases = {
+        "another run": [_task(run_id="run-2"), *chunks],
+        "chunks out of order": [_task(), *reversed(chunks)],
+        "a chunk missing": [_task(), *chunks[:-1]],
+        "a byte altered": [_task(sha256=hashlib.sha256(b"other").digest()), *chunks],
+        "NaN weights": [_task(payload=nan_payload), *nan_chunks],
+        "a second header": [_task(), _task(), *chunks],
+        "chunks only": chunks,
+        "nothing": [],
+        "round 0": [_round_0(), *chunks],
+    }
+    for name, parts in cases.items():
+        with pytest.raises(TransportError):
+            _pull(servicer, address, parts)
+            pytest.fail(f"accepted a task with {name}")
+    # A model bigger than this client accepts is refused before it is downloaded.
+    with pytest.raises(ResultRefusedError):
+        _pull(servicer, address, [_big_task()])
+
+
+def _round_0() -> pb.PullResponse:
+    message = _task()
+    message.task.round = 0
+    return message
+
+
+def _big_task() -> pb.PullResponse:
+    message = _task()
+    spec = message.task.weights.tensors[0]
+    del spec.shape[:]
+    spec.shape.append(10_000)
+    message.task.weights.total_bytes = 40_000 + 12
+    return message
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(st.lists(st.binary(max_size=60), max_size=6))
+def test_random_pull_streams_never_crash_the_client(hostile, blobs) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = hostile
+    parts = []
+    for blob in blobs:
+        try:
+            parts.append(pb.PullResponse.FromString(blob))
+        except Exception:
+            parts.append(pb.PullResponse(chunk=pb.Chunk(offset=0, data=blob)))
+    with contextlib.suppress(TransportError, ResultRefusedError):  # refused: fine
+        _pull(servicer, address, [_task(), *parts])

@@ -1,0 +1,127 @@
+"""Every stream has a server-side time limit, and the keepalive policies of the two
+sides agree, so idle long-polls are never punished."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from fuzz_wire import RawClient, chunked
+from helpers import ScriptedClient, run_clients
+
+from fedloom import TaskKind, Weights
+from fedloom.client_sdk.connection import Connection
+from fedloom.config import ClientConfig, TransferConfig
+from fedloom.messages import ResultHeader
+from fedloom.payload import PayloadInfo, serialize
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.server import Server
+from fedloom.server.app import grpc_server_options
+
+
+def _weights(n: int = 12) -> Weights:
+    return Weights({"w": np.zeros(n, np.float32), "b": np.zeros(3, np.float32)})
+
+
+def test_a_trickling_upload_is_cut_at_the_stream_limit_and_the_round_goes_on(
+    server_config,
+) -> None:
+    config = server_config(num_rounds=1, min_clients=3, min_fit_clients=2, stream_timeout_s=1.0)
+    handle = Server(config, initial_weights=_weights()).start()
+    raw = RawClient(handle.address)
+    threads = run_clients(
+        handle.address, [ScriptedClient(seed=i, num_examples=2) for i in range(2)]
+    )
+    task = raw.pull_task()
+    delta = Weights({n: np.zeros_like(a) for n, a in _weights().items()})
+    payload = bytes(serialize(delta))
+    header = ResultHeader(
+        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
+        base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
+    )  # fmt: skip
+
+    def trickle():  # type: ignore[no-untyped-def]
+        yield codec.result_to_proto(header)
+        for offset, data in chunked(payload, 4):  # 4 bytes every 0.3 s: 4.5 s in all
+            time.sleep(0.3)
+            yield pb.PushRequest(chunk=pb.Chunk(offset=offset, data=data))
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        raw.stub.Push(trickle(), timeout=20)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "stream limit" in (info.value.details() or "")
+    assert time.monotonic() - started < 3.0
+
+    # A silent stream (header never sent) is cut the same way.
+    def silent():  # type: ignore[no-untyped-def]
+        time.sleep(3.0)
+        yield codec.result_to_proto(header)
+
+    with pytest.raises(grpc.RpcError) as info:
+        raw.stub.Push(silent(), timeout=20)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    history = handle.wait(60)
+    for t in threads:
+        t.join(10)
+    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
+
+
+def test_a_client_that_stops_reading_its_download_cannot_hold_the_stream(server_config) -> None:
+    transfer = TransferConfig(chunk_size=64 * 1024, max_message_bytes=160 * 1024)
+    big = _weights(8 << 20)  # 32 MB: far beyond what HTTP/2 flow control buffers
+    config = server_config(
+        num_rounds=1, min_clients=1, min_fit_clients=1, stream_timeout_s=1.0,
+        transfer=transfer, round_timeout_s=20.0,
+    )  # fmt: skip
+    handle = Server(config, initial_weights=big).start()
+    raw = RawClient(handle.address)
+    stream = raw.stub.Pull(pb.PullRequest(session=raw.session_proto), timeout=30)
+    first = next(stream)
+    assert first.WhichOneof("part") == "task"
+    time.sleep(3.0)  # read nothing more: the server's writes block on flow control
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "stream limit" in (info.value.details() or "")
+    # The task is delivered again to a client that reads; the server is fine.
+    again = raw.stub.Pull(pb.PullRequest(session=raw.session_proto), timeout=30)
+    parts = list(again)
+    assert parts[0].WhichOneof("part") == "task"
+    assert sum(len(p.chunk.data) for p in parts[1:]) == big.nbytes
+    handle.stop()
+    handle.wait(10)
+
+
+def _client_channel_options(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    def spy(target: str, *args: Any, options: Any = None, **kwargs: Any) -> Any:
+        seen.update(dict(options or []))
+        return real(target, *args, options=options, **kwargs)
+
+    real = grpc.insecure_channel
+    monkeypatch.setattr(grpc, "insecure_channel", spy)
+    Connection(ClientConfig(server_address="127.0.0.1:9", insecure=True)).close()
+    return seen
+
+
+def test_keepalive_policies_let_idle_long_polls_live(server_config, monkeypatch) -> None:
+    server = dict(grpc_server_options(server_config()))
+    client = _client_channel_options(monkeypatch)
+    # A client pinging more often than the server accepts earns strikes, then a GOAWAY
+    # that drops every call on the connection; the SDK stays well inside the policy.
+    min_interval = server["grpc.http2.min_recv_ping_interval_without_data_ms"]
+    assert client["grpc.keepalive_time_ms"] >= 2 * min_interval
+    assert server["grpc.keepalive_permit_without_calls"] == 1  # idle clients may ping
+    assert server["grpc.http2.max_ping_strikes"] >= 1
+    # Dead peers are still found: both sides ping, and give up after a timeout.
+    assert client["grpc.keepalive_timeout_ms"] <= 20_000
+    assert server["grpc.keepalive_time_ms"] <= 60_000
+    # Messages: the client accepts what the server may send, and vice versa.
+    assert client["grpc.max_receive_message_length"] >= server["grpc.max_send_message_length"]
