@@ -29,7 +29,6 @@ import grpc
 
 from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError
-from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, EvaluateFn
 from fedloom.server.observability import MetricsEndpoint, Probes
@@ -38,6 +37,7 @@ from fedloom.server.progress import RoundReporter
 from fedloom.server.secure_round import check_secure_strategy
 from fedloom.server.servicer import FleetServicer
 from fedloom.server.tls import server_credentials
+from fedloom.server.wire import add_fleet_servicer
 from fedloom.strategies import Strategy, build_strategy
 from fedloom.weights import Weights
 
@@ -104,7 +104,8 @@ class Server:
         )
         self.coordinator = coordinator
         server = grpc.aio.server(options=grpc_server_options(self.config))
-        pb_grpc.add_FleetServicer_to_server(FleetServicer(coordinator, self.auth), server)
+        # Parses requests in the handlers: malformed protobuf gets INVALID_ARGUMENT.
+        add_fleet_servicer(FleetServicer(coordinator, self.auth), server)
         probes = Probes(server, reflection_enabled=self.config.reflection)
         try:
             port = (
