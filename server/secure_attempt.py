@@ -101,7 +101,6 @@ class SecureAttempt:
         self.machine = SecAggServer(setup)
         self.complete = asyncio.Event()
         self.tasks: dict[str, StageTask] = {}  # task id -> task, every stage
-        self.accepted: dict[str, tuple[str, bytes]] = {}  # task id -> (client, fingerprint)
         self._config = config
         self._payload, self._payload_info = payload, payload_info
         self._fit_config = fit_config
@@ -208,6 +207,8 @@ class SecureAttempt:
                 return True
             raise _reject(RejectReason.CONFLICT, f"{task.stage} was already answered differently")
         if task.status is not TaskStatus.PENDING or self._open.get(client_id) is not task:
+            if task.stage is Stage.UNMASK and header.kind is TaskKind.SECAGG:
+                return False  # unmask closed once every secret had t shares: not needed
             raise _reject(RejectReason.STALE, f"secure round {self.setup.round_id.server_round}: "
                           f"stage {task.stage} has closed for this client")
         if header.round != task.header.round:
@@ -281,7 +282,6 @@ class SecureAttempt:
 
     def _accept(self, task: StageTask, fingerprint: bytes) -> None:
         task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
-        self.accepted[task.task_id] = (task.client_id, fingerprint)
 
     # -- progress ---------------------------------------------------------------------
     def counts(self) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from fedloom.payload import PayloadInfo
 from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, Stage, unflatten
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.secagg import SecAggResult, SecAggStatus
-from fedloom.server.secure_attempt import SecureAttempt, StageTask, result_fingerprint
+from fedloom.server.secure_attempt import EMPTY_PAYLOAD, SecureAttempt, StageTask
 from fedloom.server.uploads import Spool, SpooledWeights
 from fedloom.strategies import NormBoundedStrategy, Strategy, WeightedMeanAggregator
 from fedloom.types import AggregateResult, ClientUpdate
@@ -103,7 +103,7 @@ class SecureRounds:
         self._executor = executor
         self._spool_dir = spool_dir
         self._attempt: SecureAttempt | None = None
-        self._recent: dict[str, tuple[str, bytes]] = {}  # accepted results, last attempt
+        self._previous: SecureAttempt | None = None  # answers late results of the last one
         self._last_attempt = 0
         #: What the server learned in the last secure round that succeeded (sums only).
         self.last_result: SecAggResult | None = None
@@ -114,10 +114,17 @@ class SecureRounds:
     def enabled(self) -> bool:
         return self.secagg.enabled
 
+    @property
+    def running(self) -> tuple[int, Stage] | None:
+        """(round, stage) of the attempt in progress, or None (safe from any thread)."""
+        attempt = self._attempt
+        return None if attempt is None else (attempt.setup.round_id.server_round,
+                                             attempt.machine.stage)
+
     # -- relayed by the coordinator --------------------------------------------------
     def owns(self, task_id: str) -> bool:
         attempt = self._attempt
-        return (attempt is not None and task_id in attempt.tasks) or task_id in self._recent
+        return any(a is not None and task_id in a.tasks for a in (attempt, self._previous))
 
     def offer(self, client_id: str) -> tuple[TaskHeader, memoryview] | None:
         attempt = self._attempt
@@ -130,17 +137,10 @@ class SecureRounds:
 
     async def begin_result(self, record: ClientRecord, header: ResultHeader
                            ) -> tuple[StageTask, Spool] | bool:
-        attempt = self._attempt
-        if attempt is None or header.task_id not in attempt.tasks:
-            accepted = self._recent.get(header.task_id)
-            if accepted is not None and accepted[0] == record.client_id:
-                if accepted[1] == result_fingerprint(header):
-                    return True  # a retry after a lost acknowledgement
-                raise MessageRejectedError(RejectReason.CONFLICT,
-                                           "a different result was already accepted")
-            raise MessageRejectedError(RejectReason.STALE,
-                                       "the secure round of that task has ended")
-        return await attempt.begin_result(record.client_id, header)
+        for attempt in (self._attempt, self._previous):
+            if attempt is not None and header.task_id in attempt.tasks:
+                return await attempt.begin_result(record.client_id, header)
+        raise MessageRejectedError(RejectReason.STALE, "the secure round of that task has ended")
 
     async def finish_upload(self, task: StageTask, header: ResultHeader, spool: Spool,
                             delta: SpooledWeights | None) -> None:
@@ -233,8 +233,9 @@ class SecureRounds:
             return str(exc)
         finally:
             attempt.close_stage()
-            self._recent = dict(attempt.accepted)
-            self._attempt = None
+            for task in attempt.tasks.values():
+                task.payload = EMPTY_PAYLOAD  # keep no old model alive
+            self._previous, self._attempt = attempt, None
 
     def _wake(self, client_id: str) -> None:
         client = self.registry.get(client_id)

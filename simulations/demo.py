@@ -8,11 +8,16 @@ A server and N spawned client processes; each client holds a private non-IID sha
 trains a small PyTorch MLP; the server evaluates the global model on a held-out test
 split after every round. Writes ``history.json``, ``metrics.png`` and the final
 checkpoint (``model.safetensors``) into the output folder.
+
+``--secure-aggregation`` runs every fit round under SecAgg+ (the server learns only the
+sum of the updates), and ``--drop-clients N`` kills N client processes mid-round to
+show dropout recovery (`fedloom.simulations.demo_secure`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -25,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fedloom.config import ServerConfig, StrategyConfig
+from fedloom.simulations.demo_secure import ClientKiller, describe, secure_settings
 from fedloom.simulations.demo_tls import ThrowawayPKI, client_tls_config
 from fedloom.weights import Weights
 
@@ -141,8 +147,15 @@ def run_demo(
     seed: int = 0,
     out_dir: str | Path = "fedloom-out",
     progress: bool = True,
+    secure_aggregation: bool = False,
+    drop_clients: int = 0,
+    drop_round: int = 2,
 ) -> list[dict[str, Any]]:
-    """Run the demo and return its history (also written to ``out_dir``)."""
+    """Run the demo and return its history (also written to ``out_dir``).
+
+    With ``secure_aggregation`` the fit rounds run under SecAgg+; ``drop_clients``
+    client processes are then killed in round ``drop_round`` after sharing keys.
+    """
     import torch
 
     from fedloom.client_sdk.torch_trainer import state_dict_to_weights
@@ -169,6 +182,10 @@ def run_demo(
         tls=pki.server_tls(),
         auth=pki.server_auth(),
     )
+    if secure_aggregation:  # SecAgg+ settings for this demo (demo_secure.py)
+        _x, _xt, y_train, _yt = load_digits_split(seed)
+        largest = max(len(s) for s in dirichlet_shares(y_train, clients, 0.5, seed))
+        config = dataclasses.replace(config, **secure_settings(clients, drop_clients, largest))
     server = Server(config, initial_weights=initial, evaluate_fn=_server_evaluator(seed))
     started = time.time()
     handle = server.start()
@@ -187,9 +204,23 @@ def run_demo(
         p.start()
     if env_threads is None:
         os.environ.pop("OMP_NUM_THREADS", None)
+
+    def respawn(index: int) -> Any:  # a killed client coming back (--drop-clients)
+        process = context.Process(
+            target=_client_process,
+            args=(handle.address, index, clients, seed, str(pki.folder)),
+            daemon=True,
+        )
+        process.start()
+        return process
+
+    killer = (ClientKiller(server, processes, drop_clients, drop_round, respawn)
+              if secure_aggregation else None)
     try:
         history = handle.wait(timeout_s=600)
     finally:
+        if killer is not None:
+            killer.close()
         for p in processes:
             p.join(timeout=10)
             if p.is_alive():
@@ -217,6 +248,11 @@ def run_demo(
         f"\nfinished {rounds} rounds with {clients} clients in {elapsed:.1f} s; "
         f"final test accuracy {last:.3f} (best {best:.3f})"
     )
+    if secure_aggregation:
+        print("secure aggregation (SecAgg+): the server saw only sums of masked updates")
+        summary = describe(history, killer)
+        if summary:
+            print(summary)
     print(f"wrote {out / 'history.json'}, {out / 'metrics.png'}, {out / 'model.safetensors'}")
     return history
 
@@ -226,10 +262,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="training rounds (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, model and sampling")
     parser.add_argument("--out", default="fedloom-out", help="output folder (default fedloom-out)")
+    parser.add_argument("--secure-aggregation", action="store_true",
+                        help="run the fit rounds under SecAgg+: the server learns only sums")
+    parser.add_argument("--drop-clients", type=int, default=0, metavar="N",
+                        help="with --secure-aggregation: kill N client processes mid-round "
+                        "(after they shared keys) to show dropout recovery")
+    parser.add_argument("--drop-round", type=int, default=2, metavar="R",
+                        help="the round in which --drop-clients kills them (default 2)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.rounds < 1:
         raise SystemExit("--clients and --rounds must be at least 1")
-    run_demo(args.clients, args.rounds, args.seed, args.out)
+    if args.drop_clients and not args.secure_aggregation:
+        raise SystemExit("--drop-clients shows SecAgg+ dropout recovery: add --secure-aggregation")
+    run_demo(args.clients, args.rounds, args.seed, args.out,
+             secure_aggregation=args.secure_aggregation, drop_clients=args.drop_clients,
+             drop_round=args.drop_round)
     return 0
