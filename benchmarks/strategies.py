@@ -297,8 +297,10 @@ def plot(convergence_result: dict[str, Any] | None, poisoning_result: dict[str, 
     column = 0
     if convergence_result is not None:
         ax = axes[0][column]
-        for name, points in convergence_result["curves"].items():
-            ax.plot([r for r, _ in points], [a for _, a in points], label=name)
+        styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))]  # overlapping curves show
+        for i, (name, points) in enumerate(convergence_result["curves"].items()):
+            ax.plot([r for r, _ in points], [a for _, a in points], label=name,
+                    linestyle=styles[i % len(styles)])
         ax.axhline(convergence_result["target"], color="grey", linestyle=":")
         ax.set(xlabel="round", ylabel="test accuracy", ylim=(0, 1),
                title=f"digits, 20 clients, Dirichlet 0.1 (seed "
@@ -327,6 +329,23 @@ def plot(convergence_result: dict[str, Any] | None, poisoning_result: dict[str, 
     plt.close(fig)
 
 
+def replot(out: Path) -> int:
+    """Print the tables and draw both panels from the JSON files a run left in ``out``."""
+    results = []
+    for part in ("convergence", "poisoning"):
+        path = out / f"strategies_{part}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    conv, pois = results
+    if conv is None and pois is None:
+        print(f"no strategies_*.json in {out}", file=sys.stderr)
+        return 1
+    plot(conv, pois, out / "strategies_all.png")
+    for result, table in ((conv, convergence_table), (pois, poisoning_table)):
+        if result is not None:
+            print(table(result), end="\n\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=("convergence", "poisoning", "all"), default="all")
@@ -339,7 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="poisoning seeds")
     parser.add_argument("--rounds", type=int, default=40, help="poisoning rounds")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--replot", action="store_true",
+                        help="no runs: tables and strategies_all.png from the JSON in --out")
     args = parser.parse_args(argv)
+    if args.replot:
+        return replot(args.out)
     logging.getLogger("fedloom").setLevel(logging.ERROR)  # diverging runs: failed fits
     if args.quick:
         args.sweep_seeds, args.report_seeds, args.seeds = [0], [3], [0]
