@@ -7,8 +7,12 @@ the deadline (with at least ``min_fit_clients``); run federated and server-side
 evaluation; commit the round (checkpoint, then SQLite). A failed round leaves the
 global model unchanged and the next round starts.
 
-The servicer calls `join`, `pull`, `begin_result`, `finish_fit`, `heartbeat` and
+The servicer calls `join`, `pull`, `accept_result`, `finish_upload`, `heartbeat` and
 `leave`; each validates its input and raises `MessageRejectedError` with a reason.
+
+Under ``[secure_aggregation] enabled`` a fit round runs in `fedloom.server.secure_round`
+instead (SecAgg+ stage tasks through the same mailboxes; the server sees only the sum),
+and its result is committed here like any other round.
 """
 
 from __future__ import annotations

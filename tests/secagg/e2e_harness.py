@@ -100,6 +100,7 @@ class HarnessRunner(ClientRunner):
         super().__init__(client, config)
         self.behaviour = behaviour
         self.stages_pushed: list[tuple[int, Stage]] = []
+        self.results: list[ResultHeader] = []  # every stage result pushed
 
     def _execute(self, session: Session, task: TaskHeader, weights: Weights
                  ) -> tuple[ResultHeader, memoryview | None]:
@@ -126,6 +127,7 @@ class HarnessRunner(ClientRunner):
         if stage is None:
             return
         self.stages_pushed.append((task.round, stage))
+        self.results.append(result)
         b = self.behaviour
         if stage is b.vanish_after and task.round in b.vanish_rounds and not b.vanished.is_set():
             b.vanished.set()

@@ -215,3 +215,44 @@ def test_fedadam_composes_with_secure_aggregation(server_config) -> None:  # typ
     got = checkpoints(config.state_dir)[1]
     assert got.allclose(expected, rtol=0, atol=1e-4)
     assert not got.allclose(initial, rtol=0, atol=1e-2)
+
+
+def test_a_round_restarted_by_a_server_restart_gets_a_new_attempt_and_fresh_keys(
+        server_config) -> None:  # type: ignore[no-untyped-def]
+    """The server stops in round 1's share-keys stage and a new one resumes the run:
+    round 1 runs again under a larger attempt id, and every client advertises new keys."""
+    import socket
+
+    from fedloom.secagg import AdvertisedKeys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sa = secagg()
+    config = server_config(address=f"127.0.0.1:{port}", num_rounds=1, min_clients=5,
+                           min_fit_clients=5, fraction_evaluate=0.0, secure_aggregation=sa)
+    first = Server(config, initial_weights=small_weights())
+    handle = first.start()
+    clients = [RecordingClient(seed=i, num_examples=12) for i in range(5)]
+    behaviours = {i: Behaviour(delay={Stage.SHARE_KEYS: 0.5}) for i in range(5)}
+    runners, threads = start_runners(handle.address, clients, behaviours)
+    deadline = time.monotonic() + 30
+    assert first.coordinator is not None
+    while first.coordinator.secure.running != (1, Stage.SHARE_KEYS):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    handle.stop()  # abrupt: round 1 is not committed
+    handle.wait(30)
+    assert first.coordinator.secure.last_setup is not None
+    stopped_attempt = first.coordinator.secure.last_setup.round_id.attempt
+    second = Server(config, initial_weights=small_weights())
+    history = second.start().wait(60)
+    stop_runners(runners, threads)
+    assert [r["status"] for r in history] == ["ok"]
+    assert history[0]["secure_aggregation"]["attempt"] > stopped_attempt
+    for runner in runners:
+        keys = [r.secagg for r in runner.results if isinstance(r.secagg, AdvertisedKeys)]
+        assert [k.round_id.attempt for k in keys] == [stopped_attempt,
+                                                     history[0]["secure_aggregation"]["attempt"]]
+        assert keys[0].mask_public_key != keys[1].mask_public_key
+        assert keys[0].cipher_public_key != keys[1].cipher_public_key
