@@ -118,6 +118,8 @@ class ClientRunner:
         self.stop = stop or threading.Event()
         self.stats = ClientStats()
         self.secure_aggregation = secure_aggregation  # parameters a secure round must use
+        #: CPU seconds of secure rounds: "train" and per stage (client_sdk/secure_fit.py)
+        self.secagg_cpu_s: dict[str, float] = {}
         self._connection: Connection | None = None
         self._secure: SecureFit | None = None
 
@@ -259,7 +261,8 @@ class ClientRunner:
     def _secure_fit(self, session: Session) -> SecureFit:
         """The secure-aggregation state of this session (a new one after a re-join)."""
         if self._secure is None or self._secure.client_id != session.client_id:
-            self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation)
+            self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation,
+                                     self.secagg_cpu_s)
         return self._secure
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from fedloom.errors import SecureAggregationError
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.secagg import (
+    STAGE_OF,
     AdvertiseKeysRequest,
     MaskedInputReply,
     MaskedInputRequest,
@@ -82,18 +84,24 @@ class SecureFit:
         client: the application's `Client`; its `fit` runs in stage 1.
         client_id: the id the server gave this session (the round's participant id).
         policy: when given, the round's parameters must equal these settings.
+        cpu_s: adds the CPU seconds (of the calling thread) spent per stage to this
+            mapping: ``"train"`` (the application's fit), then each `Stage`'s value.
     """
 
-    def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None) -> None:
+    def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None,
+                 cpu_s: dict[str, float] | None = None) -> None:
         self.client = client
         self.client_id = client_id
         self.protocol = SecAggClient(client_id, policy=policy)
+        self.cpu_s = cpu_s if cpu_s is not None else {}
         self._input: tuple[RoundId, np.ndarray, int] | None = None  # the trained delta
+        self._train_cpu_s = 0.0
 
     def execute(self, session: Session, task: TaskHeader, weights: Weights
                 ) -> tuple[ResultHeader, memoryview | None]:
         """Answer one stage task: a stage reply, or a failure (a refusal) to report."""
         request = task.secagg
+        started, self._train_cpu_s = time.thread_time(), 0.0
         try:
             if request is None:
                 raise SecureAggregationError("a secagg task without its stage request")
@@ -105,6 +113,9 @@ class SecureFit:
                                 failure=f"SecureAggregationError: {exc}"), None
         header = ResultHeader(session, task.task_id, task.round, TaskKind.SECAGG, update=update,
                               secagg=reply)
+        stage = str(STAGE_OF[type(request)])  # the protocol's own cost, training apart
+        spent = time.thread_time() - started - self._train_cpu_s
+        self.cpu_s[stage] = self.cpu_s.get(stage, 0.0) + spent
         return header, payload
 
     def _check_task(self, task: TaskHeader, request: SecAggRequest) -> None:
@@ -139,7 +150,10 @@ class SecureFit:
         if size != setup.vector_length:
             raise SecureAggregationError(
                 f"the round announces {setup.vector_length} values, the model has {size}")
+        started = time.thread_time()
         fit = self.client.fit(weights, task.config)
+        self._train_cpu_s = time.thread_time() - started
+        self.cpu_s["train"] = self.cpu_s.get("train", 0.0) + self._train_cpu_s
         weights.check_same_layout(fit.weights, what="the client's new weights")
         setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
         delta = fit.weights.subtract(weights)

@@ -109,6 +109,8 @@ class SecureRounds:
         self.last_result: SecAggResult | None = None
         #: The public parameters of the last attempt (its round id, participants, ...).
         self.last_setup: RoundSetup | None = None
+        #: Wall seconds of each stage of the last attempt (also in the round's record).
+        self.last_stage_s: dict[str, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -192,7 +194,8 @@ class SecureRounds:
             return None, record
         self.last_setup = setup
         outcome = await self._run_attempt(setup, payload, payload_info, plan.config)
-        info: dict[str, Any] = {"attempt": setup.round_id.attempt}
+        info: dict[str, Any] = {"attempt": setup.round_id.attempt,
+                                "stage_s": {k: round(v, 4) for k, v in self.last_stage_s.items()}}
         record["secure_aggregation"] = info
         if isinstance(outcome, str):
             log.warning("secure round %d failed: %s; the global model is unchanged",
@@ -214,6 +217,7 @@ class SecureRounds:
         attempt = SecureAttempt(setup, self.config, payload, payload_info, fit_config,
                                 self._executor, self._wake, self._spool_dir)
         self._attempt = attempt
+        self.last_stage_s = {}
         try:
             while attempt.machine.status is SecAggStatus.RUNNING:
                 started = time.monotonic()
@@ -224,7 +228,8 @@ class SecureRounds:
                     await asyncio.wait_for(attempt.complete.wait(), timeout)
                 answered, issued = attempt.counts()
                 attempt.close_stage()
-                await attempt.call(attempt.machine.advance)
+                await attempt.call(attempt.machine.advance)  # the last one unmasks
+                self.last_stage_s[str(stage)] = time.monotonic() - started
                 log.info("secure round %d: %s closed after %.2f s (%d/%d answered)",
                          setup.round_id.server_round, stage, time.monotonic() - started,
                          answered, issued)

@@ -46,6 +46,9 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     assert [r["status"] for r in history] == ["ok", "ok"]
     assert [r["num_updates"] for r in history] == [6, 6]
     assert history[0]["fit"] == {"num_updates": 6, "num_examples": 210}  # sums only
+    assert set(history[0]["secure_aggregation"]["stage_s"]) == {str(s) for s in Stage}
+    assert {"train", *(str(s) for s in Stage)} == set(runners[0].secagg_cpu_s)
+    assert all(v >= 0 for v in runners[0].secagg_cpu_s.values())
     # the server's sums (last round) within one quantum per client per coordinate
     result = server.coordinator.secure.last_result  # type: ignore[union-attr]
     assert result is not None
