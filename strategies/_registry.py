@@ -74,7 +74,9 @@ NORM_BOUND_SETTINGS: dict[str, inspect.Parameter] = {
 }
 _COMMON_DOCS = {
     "max_update_norm": "bound on each update's global L2 norm, > 0; unset (default) means "
-                       "no bound. Sent to clients in the fit config too.",
+                       "no bound. Sent to clients in the fit config too: TorchClient clips "
+                       "its own update to it (under secure aggregation, the only place the "
+                       "bound can hold).",
     "norm_bound_mode": '"clip" scales a larger delta down to the bound (default); "reject" '
                        "drops it. Counted as num_clipped / num_rejected in round metrics.",
     "fit_config": "extra entries sent to every client with each fit task (a table).",
