@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from hypothesis import strategies as st
 
@@ -53,7 +53,7 @@ _SCALARS: dict[int, st.SearchStrategy[Any]] = {
 }
 
 
-def _field_strategy(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any] | None:
+def _field_strategy(field: Any, depth: int) -> st.SearchStrategy[Any] | None:
     if field.type == _F.TYPE_MESSAGE:
         if depth <= 0:
             return None
@@ -65,7 +65,7 @@ def _field_strategy(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any
     return _SCALARS.get(field.type)
 
 
-def messages(descriptor: Descriptor, depth: int = 4) -> st.SearchStrategy[Message]:
+def messages(descriptor: Any, depth: int = 4) -> st.SearchStrategy[Message]:
     """Random instances of the message ``descriptor`` describes (fields set at random)."""
     cls = _message_class(descriptor)
 
@@ -105,7 +105,7 @@ def messages(descriptor: Descriptor, depth: int = 4) -> st.SearchStrategy[Messag
     return build()
 
 
-def _fill_map(draw: st.DrawFn, message: Message, field: FieldDescriptor, depth: int) -> None:
+def _fill_map(draw: st.DrawFn, message: Message, field: Any, depth: int) -> None:
     key_field = field.message_type.fields_by_name["key"]
     value_field = field.message_type.fields_by_name["value"]
     keys = draw(st.lists(_SCALARS[key_field.type], max_size=4, unique=True))
@@ -119,8 +119,9 @@ def _fill_map(draw: st.DrawFn, message: Message, field: FieldDescriptor, depth: 
             target[key] = draw(_SCALARS[value_field.type])
 
 
-def _message_class(descriptor: Descriptor) -> type[Message]:
-    return getattr(pb, descriptor.name)  # type: ignore[no-any-return]
+def _message_class(descriptor: Any) -> type[Message]:
+    cls: type[Message] = getattr(pb, descriptor.name)
+    return cls
 
 
 # ---- decoders under test ---------------------------------------------------------
@@ -224,7 +225,7 @@ class _Sink:
         self.data += data
 
 
-def check_receiver(info_message: Message, payload: bytes, pieces: list[tuple[int, bytes]]) -> bool:
+def check_receiver(info_message: Any, payload: bytes, pieces: list[tuple[int, bytes]]) -> bool:
     """Feed chunks to a `PayloadReceiver` built from a (possibly hostile) header; True if
     the payload was accepted, which must happen only for the exact declared bytes."""
     try:

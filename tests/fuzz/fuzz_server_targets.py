@@ -63,7 +63,7 @@ def check_status(code: grpc.StatusCode, details: str, what: str, parseable: bool
 
 
 # ---- raw bytes ---------------------------------------------------------------------
-METHODS = {
+METHODS: dict[str, tuple[str, Any]] = {
     "Join": ("unary", pb.JoinRequest),
     "Heartbeat": ("unary", pb.HeartbeatRequest),
     "Leave": ("unary", pb.LeaveRequest),

@@ -82,13 +82,13 @@ class RawClient:
         call = self.channel.unary_unary(
             SERVICE + method, request_serializer=None, response_deserializer=None
         )
-        return call(data, timeout=timeout_s)  # type: ignore[no-any-return]
+        return call(data, timeout=timeout_s)
 
     def raw_stream_in(self, method: str, parts: list[bytes], timeout_s: float = 10.0) -> bytes:
         call = self.channel.stream_unary(
             SERVICE + method, request_serializer=None, response_deserializer=None
         )
-        return call(iter(parts), timeout=timeout_s)  # type: ignore[no-any-return]
+        return call(iter(parts), timeout=timeout_s)
 
     def raw_stream_out(self, method: str, data: bytes, timeout_s: float = 10.0) -> list[bytes]:
         call = self.channel.unary_stream(

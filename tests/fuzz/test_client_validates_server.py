@@ -43,6 +43,16 @@ class HostileServer(pb_grpc.FleetServicer):
     def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
         yield from self.pull
 
+    def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(interval_s=5.0)
+
+    def Leave(self, request: Any, context: Any) -> pb.LeaveResponse:
+        return pb.LeaveResponse()
+
+    def Push(self, request_iterator: Any, context: Any) -> pb.PushResponse:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "this fake server takes no results")
+        raise AssertionError  # abort raises
+
 
 def _join_reply(**changes: Any) -> pb.JoinResponse:
     reply = JoinReply(Session("c1", b"s" * 32), PROTOCOL_VERSION, frozenset({"fit"}), "run-1",

@@ -109,7 +109,7 @@ def test_the_server_still_runs_a_round_after_the_fuzzing(server) -> None:  # typ
     seen = len(coordinator.history)
     clients = [ScriptedClient(seed=i, num_examples=3) for i in range(2)]
     stop = threading.Event()
-    threads = run_clients(server.address, clients, stop=stop)
+    threads = run_clients(server.address, [*clients], stop=stop)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         honest = [r for r in coordinator.history[seen:] if r.get("num_updates", 0) >= 1]

@@ -4,6 +4,7 @@ clients and honest mistakes (late results, expired sessions) are not."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -11,12 +12,14 @@ import pytest
 from fuzz_wire import RawClient
 from helpers import ScriptedClient, run_clients, small_weights
 
-from fedloom import TaskKind, Weights
+from fedloom import ServerConfig, TaskKind, Weights
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.server import Server
 from fedloom.server.quarantine import Quarantine
+
+ServerConfigFactory = Callable[..., ServerConfig]
 
 
 class FakeClock:
@@ -75,7 +78,9 @@ def _bad_header(raw: RawClient, task) -> tuple[ResultHeader, bytes]:  # type: ig
     return header, payload
 
 
-def test_a_client_sending_garbage_is_quarantined_and_the_round_goes_on(server_config) -> None:
+def test_a_client_sending_garbage_is_quarantined_and_the_round_goes_on(
+    server_config: ServerConfigFactory,
+) -> None:
     config = server_config(
         num_rounds=1, min_clients=3, min_fit_clients=2, quarantine_after=3, quarantine_s=2.0
     )
@@ -107,7 +112,9 @@ def test_a_client_sending_garbage_is_quarantined_and_the_round_goes_on(server_co
     assert handle.server.coordinator.quarantine.remaining_s("c0") == 0.0  # honest: untouched
 
 
-def test_the_quarantine_ends_and_the_client_may_join_again(server_config) -> None:
+def test_the_quarantine_ends_and_the_client_may_join_again(
+    server_config: ServerConfigFactory,
+) -> None:
     config = server_config(
         num_rounds=3, min_clients=1, min_fit_clients=1, quarantine_after=2, quarantine_s=1.0
     )

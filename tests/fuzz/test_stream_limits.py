@@ -4,6 +4,7 @@ sides agree, so idle long-polls are never punished."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 from fuzz_wire import RawClient, chunked
 from helpers import ScriptedClient, run_clients
 
-from fedloom import TaskKind, Weights
+from fedloom import ServerConfig, TaskKind, Weights
 from fedloom.client_sdk.connection import Connection
 from fedloom.config import ClientConfig, TransferConfig
 from fedloom.messages import ResultHeader
@@ -22,13 +23,15 @@ from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.server import Server
 from fedloom.server.app import grpc_server_options
 
+ServerConfigFactory = Callable[..., ServerConfig]
+
 
 def _weights(n: int = 12) -> Weights:
     return Weights({"w": np.zeros(n, np.float32), "b": np.zeros(3, np.float32)})
 
 
 def test_a_trickling_upload_is_cut_at_the_stream_limit_and_the_round_goes_on(
-    server_config,
+    server_config: ServerConfigFactory,
 ) -> None:
     config = server_config(num_rounds=1, min_clients=3, min_fit_clients=2, stream_timeout_s=1.0)
     handle = Server(config, initial_weights=_weights()).start()
@@ -71,7 +74,9 @@ def test_a_trickling_upload_is_cut_at_the_stream_limit_and_the_round_goes_on(
     assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
 
 
-def test_a_client_that_stops_reading_its_download_cannot_hold_the_stream(server_config) -> None:
+def test_a_client_that_stops_reading_its_download_cannot_hold_the_stream(
+    server_config: ServerConfigFactory,
+) -> None:
     transfer = TransferConfig(chunk_size=64 * 1024, max_message_bytes=160 * 1024)
     big = _weights(8 << 20)  # 32 MB: far beyond what HTTP/2 flow control buffers
     config = server_config(
@@ -111,7 +116,9 @@ def _client_channel_options(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
-def test_keepalive_policies_let_idle_long_polls_live(server_config, monkeypatch) -> None:
+def test_keepalive_policies_let_idle_long_polls_live(
+    server_config: ServerConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = dict(grpc_server_options(server_config()))
     client = _client_channel_options(monkeypatch)
     # A client pinging more often than the server accepts earns strikes, then a GOAWAY

@@ -15,7 +15,6 @@ end with the *same bits* as an uninterrupted one:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -41,12 +40,6 @@ NUM_ROUNDS = 6
 CRASH_EXIT = 86
 
 
-def insecure(cls: type[Any]) -> dict[str, bool]:
-    """``{"insecure": True}`` where the config has that switch (plaintext on loopback)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {"insecure": True} if "insecure" in names else {}
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,7 +60,7 @@ class DeterministicClient(Client):
         self.rounds.append(server_round)
         time.sleep(self.fit_delay_s)
         rng = np.random.default_rng([self.seed, server_round])
-        new = {}
+        new: dict[str, np.ndarray] = {}
         for name, g in weights.items():
             noise = rng.integers(-64, 65, size=g.shape)
             if g.dtype.kind != "f":  # integer tensors (a step counter) take integer steps
@@ -84,13 +77,12 @@ class DeterministicClient(Client):
 
 def initial_weights() -> Weights:
     rng = np.random.default_rng(1234)
-    return Weights(
-        {
-            "layer.w": rng.normal(size=(6, 5)).astype(np.float32),
-            "layer.b": np.zeros(5, np.float32),
-            "steps": np.zeros((), np.int64),
-        }
-    )
+    tensors: dict[str, np.ndarray] = {
+        "layer.w": rng.normal(size=(6, 5)).astype(np.float32),
+        "layer.b": np.zeros(5, np.float32),
+        "steps": np.zeros((), np.int64),  # an integer tensor takes the integer rule
+    }
+    return Weights(tensors)
 
 
 def run_settings(state_dir: Path, port: int, **overrides: Any) -> dict[str, Any]:
@@ -109,7 +101,7 @@ def run_settings(state_dir: Path, port: int, **overrides: Any) -> dict[str, Any]
         "keep_checkpoints": 2,
         "state_dir": str(state_dir),
         "progress": False,
-        **insecure(ServerConfig),
+        "insecure": True,  # plaintext on loopback; tests/security covers TLS
         "strategy": {"name": "fedadam", "eta": 0.05, "bias_correction": "adam"},
     }
     settings.update(overrides)
@@ -156,7 +148,7 @@ class ClientPool:
             rpc_timeout_s=5.0,
             reconnect_initial_s=0.05,
             reconnect_max_s=0.3,
-            **insecure(ClientConfig),
+            insecure=True,
         )
         self.threads = [
             threading.Thread(target=self._run, args=(i, c, address, config), daemon=True)
@@ -329,10 +321,12 @@ def run_with_restarts(
     return server, pool
 
 
-_reference: dict[str, tuple[Weights, Any, list[int]]] = {}
+#: A finished run: final weights, strategy state, committed rounds.
+Reference = tuple[Weights, Any, list[int]]
+_reference: dict[str, Reference] = {}
 
 
-def reference_run(tmp_root: Path) -> tuple[Weights, Any, list[int]]:
+def reference_run(tmp_root: Path) -> Reference:
     """The uninterrupted run (in-process server, same settings): final weights, strategy
     state and committed rounds. Computed once per test session."""
     if "run" not in _reference:

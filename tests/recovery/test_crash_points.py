@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from recovery_support import (
     NUM_ROUNDS,
+    Reference,
     assert_bitwise_equal,
     assert_same_state,
     final_checkpoint,
@@ -35,13 +36,13 @@ def test_every_named_point_is_covered() -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return reference_run(tmp_path_factory.mktemp("recovery"))
 
 
 @pytest.mark.parametrize(("crash", "where"), MID_RUN, ids=[c for c, _ in MID_RUN])
 def test_killed_at_a_named_point_resumes_to_the_same_model(
-    tmp_path: Path, reference, crash: str, where: str
+    tmp_path: Path, reference: Reference, crash: str, where: str
 ) -> None:
     server, pool = run_with_restarts(tmp_path, [crash])
     weights, state, rounds = final_checkpoint(tmp_path / "state")
@@ -55,7 +56,9 @@ def test_killed_at_a_named_point_resumes_to_the_same_model(
     assert all(s.run_finished for s in pool.stats.values()), pool.stats
 
 
-def test_killed_before_the_run_committed_round_0_starts_it_again(tmp_path: Path, reference) -> None:
+def test_killed_before_the_run_committed_round_0_starts_it_again(
+    tmp_path: Path, reference: Reference
+) -> None:
     # Three deaths in a row, each before round 0 is recorded, then one after it.
     run_with_restarts(
         tmp_path,

@@ -13,6 +13,7 @@ import pytest
 from recovery_support import (
     NUM_ROUNDS,
     ClientPool,
+    Reference,
     ServerProcess,
     assert_bitwise_equal,
     assert_same_state,
@@ -28,11 +29,11 @@ ROUND_S = 0.2  # each client "trains" this long, so rounds last about as long
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return reference_run(tmp_path_factory.mktemp("recovery"))
 
 
-def test_random_sigkills_leave_the_final_model_intact(tmp_path: Path, reference) -> None:
+def test_random_sigkills_leave_the_final_model_intact(tmp_path: Path, reference: Reference) -> None:
     rng = random.Random(int(os.environ.get("FEDLOOM_RANDOM_KILLS_SEED", "6")))
     port = free_port()
     state_dir = tmp_path / "state"

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from recovery_support import DeterministicClient, free_port, initial_weights, insecure
+from recovery_support import DeterministicClient, free_port, initial_weights
 
 from fedloom import ServerConfig
 from fedloom.client_sdk import ClientStats, start_client
@@ -33,7 +33,7 @@ def _config(tmp_path: Path, port: int, **overrides: object) -> ServerConfig:
         long_poll_s=5.0,
         heartbeat_interval_s=0.5,
         client_timeout_s=10.0,
-        **insecure(ServerConfig),
+        insecure=True,
     )
     settings.update(overrides)
     return ServerConfig(**settings)
@@ -48,7 +48,7 @@ def test_a_client_long_polling_through_a_stop_reconnects_and_finishes(tmp_path: 
         server_address=first.address,
         reconnect_initial_s=0.05,
         reconnect_max_s=0.3,
-        **insecure(ClientConfig),
+        insecure=True,
     )
 
     def run() -> None:

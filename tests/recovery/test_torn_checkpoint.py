@@ -11,6 +11,7 @@ from recovery_support import (
     CRASH_EXIT,
     NUM_ROUNDS,
     ClientPool,
+    Reference,
     ServerProcess,
     assert_bitwise_equal,
     assert_same_state,
@@ -24,7 +25,7 @@ from fedloom.server.store import RunStore
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return reference_run(tmp_path_factory.mktemp("recovery"))
 
 
@@ -39,7 +40,7 @@ def _damage(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["torn", "flipped"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_round(
-    tmp_path: Path, reference, how: str
+    tmp_path: Path, reference: Reference, how: str
 ) -> None:
     port = free_port()
     state_dir = tmp_path / "state"
