@@ -236,7 +236,8 @@ def main() -> int:
         # Codec targets are many and cheap: they share one budget slot each, scaled.
         for target in targets:
             budget = args.seconds / 4 if target.name.startswith("codec") else args.seconds
-            target.run(budget, args.batch)
+            slow = "sessions" in target.name  # a session is several RPCs: smaller batches
+            target.run(budget, max(10, args.batch // 8) if slow else args.batch)
             status = "FAIL" if target.failures else "ok"
             print(f"{target.name:40s} {target.inputs:9d} inputs  {status}", flush=True)
         extra = finish_server()
