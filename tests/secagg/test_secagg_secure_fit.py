@@ -1,0 +1,112 @@
+"""The client's stage runner (`SecureFit`) checks what the server sends before it acts.
+
+Each refusal comes back as a task failure (the server then treats the client as a
+dropout) and the application's `fit` is not run for a task that does not add up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+from e2e_harness import RecordingClient
+from helpers import small_weights
+
+from fedloom.client_sdk.secure_fit import SecureFit, clip_delta
+from fedloom.messages import MaskedInputHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo, serialize
+from fedloom.secagg import (
+    AdvertisedKeys,
+    AdvertiseKeysRequest,
+    MaskedInputRequest,
+    RoundId,
+    RoundSetup,
+    SecAggConfig,
+)
+from fedloom.types import TaskKind
+from fedloom.weights import Weights
+
+CONFIG = SecAggConfig(enabled=True, neighbours=4, threshold=3, max_weight=100.0,
+                      max_participants=16, bits=24)
+IDS = [f"c{i}" for i in range(6)]
+SESSION = Session("c0", b"s" * 32)
+
+
+def _task(request: Any, run_id: str = "run", server_round: int = 1,
+          config: dict[str, Any] | None = None) -> TaskHeader:
+    weights = small_weights()
+    payload = serialize(weights)
+    return TaskHeader("t" * 32, run_id, server_round, TaskKind.SECAGG,
+                      config or {"server_round": server_round}, 30.0,
+                      PayloadInfo.describe(weights.specs(), payload), secagg=request)
+
+
+def _advertise(length: int = 15, participants: list[str] | None = None,
+               round_id: RoundId | None = None) -> AdvertiseKeysRequest:
+    return AdvertiseKeysRequest(RoundSetup.create(CONFIG, round_id or RoundId("run", 1, 0),
+                                                  participants or IDS, length))
+
+
+def _run(request: Any, **task: Any) -> tuple[RecordingClient, Any]:
+    client = RecordingClient(seed=0, num_examples=10)
+    result, payload = SecureFit(client, "c0").execute(SESSION, _task(request, **task),
+                                                      small_weights())
+    return client, (result, payload)
+
+
+def test_stage_one_trains_then_advertises_fresh_keys() -> None:
+    client, (result, payload) = _run(_advertise())
+    assert isinstance(result.secagg, AdvertisedKeys) and payload is None
+    assert result.kind is TaskKind.SECAGG and dict(result.metrics) == {}  # no fit metrics
+    assert len(client.sent) == 1
+
+
+def test_a_request_for_another_round_or_run_is_refused_before_training() -> None:
+    for task in ({"server_round": 2}, {"run_id": "other"}):
+        client, (result, _payload) = _run(_advertise(), **task)
+        assert result.kind is None and "its task is" in result.failure
+        assert client.sent == []
+
+
+def test_a_round_that_does_not_match_the_model_is_refused() -> None:
+    client, (result, _) = _run(_advertise(length=16))
+    assert result.kind is None and "the model has 15" in result.failure
+    assert client.sent == []
+
+
+def test_a_round_without_this_client_is_refused() -> None:
+    client, (result, _) = _run(_advertise(participants=[*IDS[1:], "c9"]))
+    assert result.kind is None and "not among the round's participants" in result.failure
+    assert client.sent == []
+
+
+def test_a_client_with_more_examples_than_max_weight_refuses() -> None:
+    client = RecordingClient(seed=0, num_examples=101)
+    result, _ = SecureFit(client, "c0").execute(SESSION, _task(_advertise()), small_weights())
+    assert result.kind is None and "max_weight" in result.failure
+
+
+def test_a_masked_input_request_without_a_trained_update_is_refused() -> None:
+    _client, (result, _) = _run(MaskedInputRequest(RoundId("run", 1, 0), ()))
+    assert result.kind is None and "no trained update" in result.failure
+
+
+def test_the_norm_bound_clips_floating_tensors_only() -> None:
+    delta = Weights({"w": np.array([3.0, 4.0], np.float32), "n": np.array([7], np.int64)})
+    clipped = clip_delta(delta, 1.0)
+    assert np.allclose(clipped["w"], [0.6, 0.8]) and clipped["n"].tolist() == [7]
+    assert clip_delta(delta, 10.0) is delta
+
+
+def test_the_masked_payload_is_one_uint32_vector() -> None:
+    from fedloom.secagg import MaskedInputReply
+
+    fit = SecureFit(RecordingClient(seed=0, num_examples=10), "c0")
+    masked = np.arange(16, dtype=np.uint32)
+    header, payload, info = fit._masked_payload(
+        MaskedInputReply(RoundId("run", 1, 0), "c0", masked))
+    assert header == MaskedInputHeader(RoundId("run", 1, 0), "c0")
+    assert bytes(payload) == masked.astype("<u4").tobytes()
+    assert info.specs[0].dtype == "uint32" and info.specs[0].shape == (16,)
+    assert info.sha256 == hashlib.sha256(masked.tobytes()).digest()
