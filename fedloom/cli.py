@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedloom import security_cli
@@ -102,7 +102,9 @@ def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("secure aggregation ([secure_aggregation] table)")
     for field in dataclasses.fields(SecAggConfig):
         flag = "--secure-aggregation" if field.name == "enabled" else _flag(f"secagg_{field.name}")
-        kind = {"int": int, "float": float, "bool": _parse_bool}[str(field.type)]
+        parsers: dict[str, Callable[[str], Any]] = {"int": int, "float": float,
+                                                     "bool": _parse_bool}
+        kind = parsers[str(field.type)]
         group.add_argument(flag, dest=f"secagg_{field.name}", type=kind, default=None,
                            metavar=str(field.type).upper(),
                            help=f"{SECAGG_HELP[field.name]} (default: {field.default})")
