@@ -42,6 +42,7 @@ from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, Secu
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, Stage, unflatten
+from fedloom.server.crashpoints import crashpoint
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.secagg import SecAggResult, SecAggStatus
 from fedloom.server.secure_attempt import EMPTY_PAYLOAD, SecureAttempt, StageTask
@@ -230,6 +231,7 @@ class SecureRounds:
                 attempt.close_stage()
                 await attempt.call(attempt.machine.advance)  # the last one unmasks
                 self.last_stage_s[str(stage)] = time.monotonic() - started
+                crashpoint("mid_secure_aggregation")  # recovery tests: a kill between stages
                 log.info("secure round %d: %s closed after %.2f s (%d/%d answered)",
                          setup.round_id.server_round, stage, time.monotonic() - started,
                          answered, issued)
