@@ -8,6 +8,10 @@ with the payload's total size and SHA-256 digest. Chunks carry an offset and byt
 incremental digest and (for floating tensors) finite values — and writes them to a
 sink: a `bytearray` for a client receiving a model, a spool file for a server receiving
 an update, so that a server's memory does not grow with the number of uploads.
+
+`BlockSource` is what a payload held outside memory (the server's spool files) offers
+to aggregators: tensors read piecewise into the caller's buffer, so an update is never
+loaded whole.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -85,6 +89,29 @@ def iter_chunks(payload: bytes | memoryview, chunk_size: int) -> Iterator[tuple[
 
 class Sink(Protocol):
     def write(self, data: bytes, /) -> object: ...
+
+
+class BlockReader(Protocol):
+    """An open payload whose tensors are read piecewise (see `BlockSource`)."""
+
+    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+        """Fill ``out`` (1-d, the tensor's dtype) with elements ``start ..
+        start + len(out)`` of tensor ``name``, flattened in C order."""
+
+    def close(self) -> None:
+        """Release the reader (its file)."""
+
+
+@runtime_checkable
+class BlockSource(Protocol):
+    """`Weights` whose bytes live outside memory (e.g. a verified spool file).
+
+    Aggregators that find this on an update read it block by block through
+    `open_blocks` instead of loading whole tensors with ``weights[name]``.
+    """
+
+    def open_blocks(self) -> BlockReader:
+        """Open for piecewise reads; the caller closes the reader."""
 
 
 class PayloadReceiver:
@@ -159,8 +186,9 @@ class PayloadReceiver:
         if self._hash.digest() != self._expected_digest:
             raise MessageRejectedError(RejectReason.INVALID, "payload SHA-256 digest mismatch")
 
-    def _check_chunk_finite(self, offset: int, data: bytes) -> None:
-        end = offset + len(data)
+    def _check_chunk_finite(self, offset: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        end = offset + len(view)
         # First tensor that ends after `offset`.
         index = int(np.searchsorted(self._ends, offset, side="right"))
         pos = offset
@@ -169,16 +197,33 @@ class PayloadReceiver:
             t_end = int(self._ends[index])
             seg_end = min(end, t_end)
             if spec.numpy_dtype.kind == "f":
-                segment = self._carry + data[pos - offset : seg_end - offset]
-                item = spec.numpy_dtype.itemsize
-                whole = len(segment) - len(segment) % item
-                values = np.frombuffer(segment, dtype=spec.numpy_dtype, count=whole // item)
-                if not np.isfinite(values).all():
-                    raise MessageRejectedError(
-                        RejectReason.INVALID, f"tensor {spec.name!r} holds NaN or Inf"
-                    )
-                self._carry = segment[whole:]
+                self._check_segment(spec, view[pos - offset : seg_end - offset])
             pos = seg_end
             if pos == t_end:
                 index += 1
                 self._carry = b""
+
+    def _check_segment(self, spec: TensorSpec, segment: memoryview) -> None:
+        """Check the whole elements of one tensor's bytes in a chunk (no copy); an
+        element split across chunks is carried over and checked when complete."""
+        item = spec.numpy_dtype.itemsize
+        if self._carry:
+            need = item - len(self._carry)
+            self._carry += bytes(segment[:need])
+            segment = segment[need:]
+            if len(self._carry) < item:
+                return
+            self._require_finite(spec, self._carry)
+            self._carry = b""
+        whole = len(segment) - len(segment) % item
+        if whole:
+            self._require_finite(spec, segment[:whole])
+        self._carry = bytes(segment[whole:])
+
+    @staticmethod
+    def _require_finite(spec: TensorSpec, data: bytes | memoryview) -> None:
+        values = np.frombuffer(data, dtype=spec.numpy_dtype)
+        if not np.isfinite(values).all():
+            raise MessageRejectedError(
+                RejectReason.INVALID, f"tensor {spec.name!r} holds NaN or Inf"
+            )

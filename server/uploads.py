@@ -3,7 +3,8 @@
 `Spool` receives one upload's chunks into a file under the server's spool folder via
 the kernel's `PayloadReceiver` (order, sizes, digest, finite values checked as bytes
 arrive). Once whole and verified it becomes `SpooledWeights`: a `Weights` that reads
-each tensor from the file only when an aggregator asks for it.
+each tensor from the file only when asked, and that aggregators read block by block
+(`fedloom.payload.BlockSource`) so an update is never loaded whole.
 """
 
 from __future__ import annotations
@@ -17,6 +18,63 @@ import numpy as np
 
 from fedloom.payload import PayloadInfo, PayloadReceiver
 from fedloom.weights import TensorSpec, Weights
+
+
+class SpoolReader:
+    """Piecewise reads of a spool file (`fedloom.payload.BlockReader`): ``pread`` into
+    the caller's buffer, no intermediate copy."""
+
+    def __init__(self, path: Path, offsets: dict[str, tuple[int, TensorSpec]]) -> None:
+        self._path = path
+        self._offsets = offsets
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+        offset, spec = self._offsets[name]
+        if out.dtype != spec.numpy_dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous {spec.numpy_dtype} array")
+        if start < 0 or start + out.size > spec.size:
+            raise ValueError(f"elements {start}..{start + out.size} are outside {name!r}")
+        view = out.data.cast("B")
+        position = offset + start * spec.numpy_dtype.itemsize
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], position + done)
+            if n == 0:
+                raise OSError(f"spool file {self._path} is shorter than its layout")
+            done += n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SpoolReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _FileSink:
+    """Writes whole chunks straight to a file descriptor (no buffer, no extra copy)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
 
 
 class SpooledWeights(Weights):
@@ -35,12 +93,10 @@ class SpooledWeights(Weights):
         self._offsets = offsets
 
     def __getitem__(self, name: str) -> np.ndarray:
-        offset, spec = self._offsets[name]
-        with open(self._path, "rb") as fh:
-            fh.seek(offset)
-            arr = np.fromfile(fh, dtype=spec.numpy_dtype, count=spec.size)
-        if arr.size != spec.size:
-            raise OSError(f"spool file {self._path} is shorter than its layout")
+        spec = self._offsets[name][1]
+        arr = np.empty(spec.size, spec.numpy_dtype)
+        with self.open_blocks() as reader:
+            reader.read_into(name, 0, arr)
         arr = arr.reshape(spec.shape)
         arr.flags.writeable = False
         return arr
@@ -54,6 +110,10 @@ class SpooledWeights(Weights):
     def specs(self) -> tuple[TensorSpec, ...]:
         return self._specs
 
+    def open_blocks(self) -> SpoolReader:
+        """Open the file for piecewise reads (`fedloom.payload.BlockSource`)."""
+        return SpoolReader(self._path, self._offsets)
+
 
 class Spool:
     """One upload in progress: chunks go to a temp file; `finish` verifies it."""
@@ -62,7 +122,7 @@ class Spool:
         folder.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="upload-", suffix=".bin", dir=folder)
         self.path = Path(name)
-        self._file = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._file = _FileSink(fd)  # chunks are large already: a buffer only adds a copy
         self._info = info
         self._receiver = PayloadReceiver(
             info.specs,

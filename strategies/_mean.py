@@ -3,17 +3,43 @@
 Keeps one float64 running sum per tensor, so memory is constant in the number of
 clients (FedJAX keeps "a running weighted mean of client updates ... to avoid loading
 all the client outputs into memory"; so do we). Each update is weighted by its
-``num_examples``.
+``num_examples``; integer means are rounded half to even.
+
+Speed and memory: updates are never materialised whole.
+
+- Updates the server holds as spool files (`fedloom.payload.BlockSource`) wait, as
+  file references, until ``group_size`` of them are in (or the round ends); the group
+  is then folded in one pass, a window of elements at a time: each file's window is
+  read (``pread``) into one cache-resident scratch buffer, scaled and summed there in
+  float32 (a group of at most ``group_size`` terms), and the window's sum is added to
+  the float64 running sum. The input is read once, at page-cache speed, and the
+  running sum is touched once per group instead of once per update.
+- In-memory updates are folded at once, a window at a time, exactly in float64.
+- ``finalize`` turns each float64 sum into the mean in the tensor's own dtype in place
+  (the float32 mean is written over the front of the sum's buffer) and returns the
+  rest of the buffer to the operating system, so producing the mean costs no memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+from collections.abc import Callable, Iterator
+
 import numpy as np
 
 from fedloom.errors import AggregationError
+from fedloom.payload import BlockReader, BlockSource
 from fedloom.strategies._base import Aggregator, MeanUpdate
 from fedloom.types import ClientUpdate
-from fedloom.weights import Weights
+from fedloom.weights import TensorSpec, Weights
+
+#: Spooled updates folded together in one pass over the running sum.
+GROUP_SIZE = 16
+#: Elements per window: a window's scratch buffers stay in a core's L2 cache.
+WINDOW = 1 << 16
+#: Sums at least this large live in their own mapping, released in part at finalize.
+OWN_MAPPING_BYTES = 1 << 20
 
 
 def check_aggregatable(current: Weights) -> None:
@@ -33,21 +59,77 @@ def cast_like(reference: np.ndarray, value64: np.ndarray) -> np.ndarray:
     return value64.astype(reference.dtype, copy=False)
 
 
+def _windows(size: int, width: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, size, width):
+        yield start, min(size, start + width)
+
+
+class _Sum:
+    """A float64 running sum; a large one lives in its own anonymous mapping, so that
+    `mean` can write the mean over its front and release the rest."""
+
+    def __init__(self, spec: TensorSpec) -> None:
+        self.spec = spec
+        nbytes = spec.size * 8
+        self.mapping: mmap.mmap | None = None
+        if nbytes >= OWN_MAPPING_BYTES:  # private (not shmem), huge pages where allowed
+            self.mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            with contextlib.suppress(AttributeError, OSError):
+                self.mapping.madvise(mmap.MADV_HUGEPAGE)
+            self.flat = np.frombuffer(self.mapping, np.float64)
+        else:
+            self.flat = np.empty(spec.size, np.float64)
+        self.fresh = True  # not written yet: the first fold writes instead of adding
+
+    def mean(self, total: float) -> np.ndarray:
+        """``sum / total`` in the tensor's dtype; the sum is unusable afterwards."""
+        spec, flat = self.spec, self.flat
+        if spec.numpy_dtype.kind != "f" or self.mapping is None:
+            value = np.divide(flat, total, out=flat).reshape(spec.shape)
+            if spec.numpy_dtype.kind in "iu":
+                return np.rint(value).astype(spec.numpy_dtype)
+            return value.astype(spec.numpy_dtype, copy=False)
+        buffer = self.mapping
+        out = np.frombuffer(buffer, spec.numpy_dtype, count=spec.size)
+        tmp = np.empty(min(spec.size, WINDOW), np.float64)
+        # Window by window: a window's bytes are read before anything overwrites them,
+        # and the output (half as wide or less) never reaches bytes not yet read.
+        for start, end in _windows(spec.size, WINDOW):
+            part = tmp[: end - start]
+            np.divide(flat[start:end], total, out=part)
+            out[start:end] = part
+        used = -(-out.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        if used < len(buffer):
+            buffer.madvise(mmap.MADV_DONTNEED, used, len(buffer) - used)
+        return out.reshape(spec.shape)
+
+
 class WeightedMeanAggregator(Aggregator):
-    """Weighted mean of deltas by ``num_examples``, as a stream (float64 sums)."""
+    """Weighted mean of deltas by ``num_examples``, as a stream.
+
+    Args:
+        group_size: spooled updates folded together (1 folds each on arrival).
+    """
 
     holds_all_updates = False
 
-    def __init__(self) -> None:
+    def __init__(self, group_size: int = GROUP_SIZE) -> None:
+        if group_size < 1:
+            raise ValueError("group_size must be at least 1")
+        self.group_size = group_size
         self._current: Weights | None = None
-        self._sums: dict[str, np.ndarray] = {}
+        self._specs: tuple[TensorSpec, ...] = ()
+        self._sums: dict[str, _Sum] = {}
+        self._waiting: list[tuple[BlockSource, float]] = []  # spool files, not arrays
         self._total = 0.0
         self._count = 0
 
     def start(self, current: Weights) -> None:
         check_aggregatable(current)
         self._current = current
+        self._specs = current.specs()
         self._sums = {}
+        self._waiting = []
         self._total = 0.0
         self._count = 0
 
@@ -56,24 +138,140 @@ class WeightedMeanAggregator(Aggregator):
             raise AggregationError("accumulate() called before start()")
         self._current.check_same_layout(update.delta, what=f"update from {update.client_id}")
         weight = float(update.num_examples)
-        for name, delta in update.delta.items():
-            acc = self._sums.get(name)
-            if acc is None:
-                acc = self._sums[name] = np.zeros(delta.shape, dtype=np.float64)
-            # One float64 temporary of this tensor at a time; the sum stays exact to f64.
-            acc += np.multiply(delta, weight, dtype=np.float64)
+        if isinstance(update.delta, BlockSource) and self.group_size > 1:
+            self._waiting.append((update.delta, weight))
+            if len(self._waiting) >= self.group_size:
+                self._fold_waiting()
+        else:
+            self._fold_in_memory(update.delta, weight)
         self._total += weight
         self._count += 1
 
     def finalize(self) -> MeanUpdate:
-        current, sums, total, count = self._current, self._sums, self._total, self._count
-        self._current, self._sums = None, {}
-        if current is None:
+        if self._current is None:
             raise AggregationError("finalize() called before start()")
+        total, count = self._total, self._count
+        direct: dict[str, np.ndarray] = {}
+        if self._waiting and not self._sums:
+            # Every update is in this one group: write the means, skip the sums.
+            direct = self._fold_waiting(mean_over=total)
+        else:
+            self._fold_waiting()
+        specs, sums = self._specs, self._sums
+        self._current, self._sums = None, {}
         if count == 0:
             return MeanUpdate(None, 0.0, 0, reason="no updates to aggregate")
-        mean = Weights(
-            (name, cast_like(ref, np.divide(sums[name], total, out=sums[name])))
-            for name, ref in current.items()
-        )
-        return MeanUpdate(mean, total, count)
+        mean = []
+        for spec in specs:  # each sum is dropped as soon as its mean exists
+            value = direct.pop(spec.name, None)
+            if value is None:
+                value = sums.pop(spec.name).mean(total)
+            mean.append((spec.name, value))
+        return MeanUpdate(Weights(mean), total, count)
+
+    # -- folding --------------------------------------------------------------------
+    def _sum_of(self, spec: TensorSpec) -> tuple[np.ndarray, bool]:
+        """The flattened running sum of a tensor, and whether it is fresh (unwritten:
+        the first fold writes it instead of adding to zeros)."""
+        entry = self._sums.get(spec.name)
+        if entry is None:
+            entry = self._sums[spec.name] = _Sum(spec)
+        fresh, entry.fresh = entry.fresh, False
+        return entry.flat, fresh
+
+    def _fold_in_memory(self, delta: Weights, weight: float) -> None:
+        """Exact float64 products and sums, a window of temporaries at a time."""
+        for spec in self._specs:
+            acc, fresh = self._sum_of(spec)
+            flat = np.asarray(delta[spec.name]).reshape(-1)
+            tmp = np.empty(min(acc.size, WINDOW), np.float64)
+            for start, end in _windows(acc.size, WINDOW):
+                if fresh:
+                    np.multiply(flat[start:end], weight, out=acc[start:end], dtype=np.float64)
+                    continue
+                part = tmp[: end - start]
+                np.multiply(flat[start:end], weight, out=part, dtype=np.float64)
+                np.add(acc[start:end], part, out=acc[start:end])
+
+    def _fold_waiting(self, mean_over: float | None = None) -> dict[str, np.ndarray]:
+        """Fold the waiting group into the sums or, given ``mean_over`` (the total
+        weight, when this group is every update), return the float means directly."""
+        group, self._waiting = self._waiting, []
+        means: dict[str, np.ndarray] = {}
+        if not group:
+            return means
+        with contextlib.ExitStack() as stack:
+            readers = []
+            for source, _ in group:
+                reader = source.open_blocks()
+                stack.callback(reader.close)
+                readers.append(reader)
+            weights = [w for _, w in group]
+            for spec in self._specs:
+                if spec.numpy_dtype.kind == "f" and spec.numpy_dtype.itemsize <= 4:
+                    mean = self._fold_group(spec, readers, weights, mean_over=mean_over)
+                    if mean is not None:
+                        means[spec.name] = mean
+                else:  # float64 and integer tensors: exact, one update at a time
+                    for reader, weight in zip(readers, weights, strict=True):
+                        self._fold_group(spec, [reader], [weight], np.dtype(np.float64))
+        return means
+
+    def _fold_group(
+        self,
+        spec: TensorSpec,
+        readers: list[BlockReader],
+        weights: list[float],
+        partial_dtype: np.dtype | None = None,
+        mean_over: float | None = None,
+    ) -> np.ndarray | None:
+        """One pass over the group's files, a window at a time: each file's window is
+        read into a scratch buffer, scaled and added to the window's partial sum
+        (float32 for float32/float16 tensors), which then goes into the running sum —
+        or, given ``mean_over``, is divided by it into the returned mean."""
+        size = spec.size
+        dtype = partial_dtype or np.dtype(np.float32)
+        width = max(1, min(size, WINDOW))
+        scales = [dtype.type(w) for w in weights]
+        scratch = np.empty(width, spec.numpy_dtype)
+        scaled = scratch if scratch.dtype == dtype else np.empty(width, dtype)
+        partial = np.empty(width, dtype)
+        out, emit = self._window_target(spec, width, mean_over)
+        for start, end in _windows(size, width):
+            n = end - start
+            window = partial[:n]
+            for row, (reader, scale) in enumerate(zip(readers, scales, strict=True)):
+                reader.read_into(spec.name, start, scratch[:n])
+                if row == 0:
+                    np.multiply(scratch[:n], scale, out=window, casting="unsafe")
+                else:
+                    np.multiply(scratch[:n], scale, out=scaled[:n], casting="unsafe")
+                    np.add(window, scaled[:n], out=window)
+            emit(start, end, window)
+        return out.reshape(spec.shape) if out is not None else None
+
+    def _window_target(
+        self, spec: TensorSpec, width: int, mean_over: float | None
+    ) -> tuple[np.ndarray | None, Callable[[int, int, np.ndarray], None]]:
+        """Where a window's group sum goes: the running sum (written when fresh, else
+        added) or, given ``mean_over``, divided by it into a new mean array."""
+        if mean_over is None:
+            acc, fresh = self._sum_of(spec)
+
+            def into_sum(start: int, end: int, window: np.ndarray) -> None:
+                if fresh:
+                    acc[start:end] = window
+                else:
+                    np.add(acc[start:end], window, out=acc[start:end])
+
+            return None, into_sum
+        total = mean_over
+        out = np.empty(spec.size, spec.numpy_dtype)
+        quotient = np.empty(width, np.float64)
+
+        def into_mean(start: int, end: int, window: np.ndarray) -> None:
+            q = quotient[: end - start]
+            np.divide(window, total, out=q, dtype=np.float64)
+            out[start:end] = q
+
+        return out, into_mean
