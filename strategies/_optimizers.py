@@ -18,7 +18,11 @@ def add_delta(current: Weights, delta: Weights, scale: float = 1.0) -> Weights:
             step = np.rint(d.astype(np.float64) * scale) if scale != 1.0 else d
             out.append((name, (arr + step.astype(arr.dtype)).astype(arr.dtype)))
         else:
-            out.append((name, (arr + d * np.asarray(scale, dtype=arr.dtype)).astype(arr.dtype)))
+            step = d if scale == 1.0 else d * np.asarray(scale, dtype=arr.dtype)
+            if step.dtype == arr.dtype:  # one new array: no temporary, no astype copy
+                out.append((name, np.add(arr, step)))
+            else:
+                out.append((name, (arr + step).astype(arr.dtype)))
     return Weights(out)
 
 

@@ -101,15 +101,23 @@ def test_aborted_stream_leaves_strategy_state_unchanged() -> None:
 
 
 def test_streaming_aggregate_holds_no_update() -> None:
-    """The streaming mean keeps sums, not updates: memory is flat in the client count."""
+    """The streaming mean keeps sums, not updates: memory is flat in the client count.
+
+    No in-memory update outlives its ``accumulate`` call. (Spooled updates wait, as file
+    references, until a group of them is folded: tests/transfer covers that path.)
+    """
+    import weakref
+
     current, updates = _updates(2, 4)
+    arrays = [weakref.ref(u.delta[name]) for u in updates for name in u.delta]
     strategy = FedAvg()
     strategy.aggregator.start(current)
-    for u in updates:
-        strategy.aggregator.accumulate(u)
+    while updates:
+        strategy.aggregator.accumulate(updates.pop())
+    assert all(ref() is None for ref in arrays)
     held = vars(strategy.aggregator)
-    assert not any(isinstance(v, list) for v in held.values())
     assert set(held["_sums"]) == {"a", "b", "steps"}
+    assert held["_waiting"] == []
 
 
 def test_layout_mismatch_is_refused() -> None:
