@@ -11,7 +11,8 @@ update, to the strategy's own ``aggregate_fit``, so FedAvg, FedAvgM, FedProx and
 FedOpt family apply their ServerOptimizer to it as usual (their weighted-mean
 aggregator of one update returns it unchanged). Strategies whose aggregator needs the
 individual updates (median, trimmed mean, Krum, Bulyan) are refused when the server is
-built (`check_secure_strategy`); a norm bound becomes clipping on the client.
+built (`check_secure_strategy`); a norm bound becomes clipping on the client. Both steps
+live in `fedloom.server.secure_mean`, which the local simulation engine shares.
 
 Dropouts: a client that leaves, stops its heartbeats, or whose long-poll stream breaks
 is dropped from the attempt at once (`drop`), not only at the stage's deadline. A round
@@ -35,61 +36,32 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
-from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, Stage, unflatten
+from fedloom.secagg import RoundId, RoundSetup, Stage
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.secagg import SecAggResult, SecAggStatus
 from fedloom.server.secure_attempt import EMPTY_PAYLOAD, SecureAttempt, StageTask
+from fedloom.server.secure_mean import (
+    AGGREGATE_ID,
+    MEAN_STRATEGIES,
+    aggregate_secure_mean,
+    check_secure_strategy,
+)
 from fedloom.server.uploads import Spool, SpooledWeights
-from fedloom.strategies import NormBoundedStrategy, Strategy, WeightedMeanAggregator
-from fedloom.types import AggregateResult, ClientUpdate
+from fedloom.strategies import Strategy
+from fedloom.types import AggregateResult
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.server")
 
 #: The capability a client sends in Join when it can run SecAgg+ stages.
 SECAGG_CAPABILITY = "secagg"
-#: The client id of the one update a secure round hands to the strategy.
-AGGREGATE_ID = "secure-aggregate"
-MEAN_STRATEGIES = "fedavg, fedavgm, fedprox, fedadagrad, fedadam or fedyogi"
-
-
-def check_secure_strategy(strategy: Strategy, config: SecAggConfig) -> None:
-    """Refuse a strategy that cannot aggregate under secure aggregation (if enabled).
-
-    Raises:
-        ConfigError: the strategy needs the individual updates (a robust rule), or a
-            norm bound that rejects updates (the server cannot see one to reject).
-    """
-    if not config.enabled:
-        return
-    inner: Any = strategy
-    if isinstance(strategy, NormBoundedStrategy):
-        if strategy.norm_bound_mode == "reject":
-            raise ConfigError(
-                "strategy.norm_bound_mode",
-                '"reject" cannot work under secure aggregation: the server never sees one '
-                'client\'s update to reject it. Use "clip" (each client then clips its own '
-                "delta to max_update_norm before masking)",
-            )
-        inner = strategy.inner
-    aggregator = getattr(inner, "aggregator", None)
-    if not isinstance(aggregator, WeightedMeanAggregator) or aggregator.holds_all_updates:
-        what = type(aggregator).__name__ if aggregator is not None else "its own aggregation"
-        raise ConfigError(
-            "strategy.name",
-            f"{type(inner).__name__} aggregates with {what}, which needs each client's "
-            "update (robust rules hold them all to choose among them), but under secure "
-            "aggregation the server only ever holds the sum of masked updates. Use a "
-            f"mean-based strategy ({MEAN_STRATEGIES}) or set secure_aggregation.enabled = "
-            "false",
-        )
+__all__ = ["AGGREGATE_ID", "MEAN_STRATEGIES", "SECAGG_CAPABILITY", "SecureRounds",
+           "check_secure_strategy"]
 
 
 class SecureRounds:
@@ -209,7 +181,7 @@ class SecureRounds:
         record.update(num_updates=survivors, num_failures=len(participants) - survivors)
         info.update(survivors=survivors, dropped=len(outcome.dropped),
                     total_examples=total_examples)
-        result = await self._apply(strategy, server_round, current, outcome, total_examples)
+        result = await self._apply(strategy, server_round, current, outcome)
         return result, record
 
     async def _run_attempt(self, setup: RoundSetup, payload: memoryview,
@@ -250,22 +222,8 @@ class SecureRounds:
             client.wakeup.set()
 
     async def _apply(self, strategy: Strategy, server_round: int, current: Weights,
-                     outcome: SecAggResult, total_examples: int) -> AggregateResult:
-        """The strategy's step with the secure mean as the round's one update."""
-        # In each tensor's dtype, as any client's delta (integers round half to even,
-        # the rule the plain mean applies at its end).
-        mean = Weights(
-            (name, np.rint(arr).astype(ref.dtype) if ref.dtype.kind in "iu"
-             else arr.astype(ref.dtype))
-            for (name, arr), ref in zip(unflatten(outcome.mean, current.specs()).items(),
-                                        current.values(), strict=True))
-        update = ClientUpdate(AGGREGATE_ID, mean, max(1, total_examples), server_round - 1)
-        inner = strategy.inner if isinstance(strategy, NormBoundedStrategy) else strategy
+                     outcome: SecAggResult) -> AggregateResult:
+        """The strategy's step with the secure mean (`aggregate_secure_mean`), off the loop."""
         loop = asyncio.get_running_loop()
-        result: AggregateResult = await loop.run_in_executor(
-            self._executor, inner.aggregate_fit, server_round, current, [update])
-        metrics = {k: v for k, v in result.metrics.items()
-                   if k not in ("num_updates", "num_examples")}
-        metrics.update(num_updates=len(outcome.survivors), num_examples=total_examples)
-        return AggregateResult(result.weights, metrics, num_updates=len(outcome.survivors),
-                               reason=result.reason)
+        return await loop.run_in_executor(self._executor, aggregate_secure_mean, strategy,
+                                          server_round, current, outcome)
