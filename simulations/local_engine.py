@@ -13,6 +13,11 @@ Same calls in the same order with the same configs give the same model as the Fl
 engine, round for round (tests/simulations check it). A client that raises, or returns
 unusable weights, is counted in ``num_failures`` and left out of the round.
 
+With ``secure_aggregation`` (a `fedloom.simulations.local_secure.LocalSecureAggregation`)
+each fit round runs under SecAgg+ instead: the sampled clients train as above, then
+the real SecAgg+ state machines run in-process and the strategy gets only the secure
+mean (as `fedloom.server` hands it over).
+
 Example::
 
     from fedloom.strategies import FedAvg
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from fedloom.client_sdk._client import Client
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
@@ -34,6 +40,9 @@ from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
 from fedloom.weights import Weights
+
+if TYPE_CHECKING:
+    from fedloom.simulations.local_secure import LocalSecureAggregation
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,7 @@ def run_local(
     fit_defaults: Mapping[str, Scalar] | None = None,
     evaluate_fn: EvaluateFn | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    secure_aggregation: LocalSecureAggregation | None = None,
 ) -> History:
     """Run ``num_rounds`` rounds of ``strategy`` over clients ``0 .. num_clients - 1``.
 
@@ -65,6 +75,7 @@ def run_local(
         fit_defaults: client settings sent with every fit (``local_epochs``, ``lr``...).
         evaluate_fn: central evaluation, ``(round, weights) -> metrics``.
         on_round: called with each finished `RoundRecord` (progress displays).
+        secure_aggregation: run the fit rounds under SecAgg+ (see the module docstring).
 
     Returns:
         The `History`: round 0 (initial evaluation) and one record per round, and the
@@ -72,6 +83,8 @@ def run_local(
     """
     if num_clients < 1 or num_rounds < 1:
         raise ValueError("num_clients and num_rounds must be at least 1")
+    if secure_aggregation is not None:
+        secure_aggregation.check(strategy)
     started = time.perf_counter()
     infos = client_infos(num_clients)
     recorder = RoundRecorder(on_round)
@@ -79,11 +92,17 @@ def run_local(
     recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None)
     for server_round in range(1, num_rounds + 1):
         plan = strategy.configure_fit(server_round, current, infos)
+        if secure_aggregation is not None:
+            plan = secure_aggregation.limit(plan)
         failures: list[str] = []
         updates = _fit_updates(
             client_fn, plan, current, server_round, base_seed, fit_defaults, failures
         )
-        result = strategy.aggregate_fit(server_round, current, updates)
+        if secure_aggregation is None:
+            result = strategy.aggregate_fit(server_round, current, updates)
+        else:
+            result = secure_aggregation.aggregate_fit(
+                strategy, server_round, current, plan, updates, failures)
         recorder.fit(result, len(failures))
         if result.weights is not None:
             current = result.weights

@@ -82,6 +82,12 @@ def _run_local(
             clients[index] = job.make_client(index, model=shared)
         return clients[index]
 
+    secure = None
+    if scenario.secure_aggregation.enabled:  # SecAgg+ in-process
+        from fedloom.simulations.local_secure import LocalSecureAggregation
+
+        secure = LocalSecureAggregation(scenario.secure_aggregation, scenario.secure_dropout,
+                                        run_id=scenario.name, seed=scenario.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as Ray's actors run (OMP_NUM_THREADS=1): same kernels
     try:
@@ -89,7 +95,7 @@ def _run_local(
             strategy, client_fn, initial,
             num_clients=scenario.num_clients, num_rounds=scenario.rounds,
             base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
-            evaluate_fn=evaluate, on_round=on_round,
+            evaluate_fn=evaluate, on_round=on_round, secure_aggregation=secure,
         )
     finally:
         torch.set_num_threads(threads)

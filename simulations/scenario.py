@@ -35,6 +35,15 @@
     [strategy]
     name = "fedavg"             # any name in fedloom.strategies.STRATEGIES, with its settings
 
+    [secure_aggregation]        # SecAgg+ on the local engine (same keys as the server's)
+    enabled = false
+    neighbours = 6              # k; clients_per_round >= threshold + 1
+    threshold = 4
+
+    [secure_dropout]            # clients that vanish mid-protocol (secure rounds only)
+    fraction = 0.0
+    after = "share_keys"        # or "advertise_keys", "masked_input"
+
     [flower]                    # engine = "flower" only
     num_cpus = 1.0              # per client (Ray resources)
     num_gpus = 0.0
@@ -61,6 +70,8 @@ from typing import Any
 
 from fedloom.config import StrategyConfig, from_mapping, load_toml
 from fedloom.errors import ConfigError
+from fedloom.secagg import SecAggConfig
+from fedloom.simulations.secure_dropout import SecureDropout
 
 DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
@@ -187,6 +198,8 @@ class Scenario:
     client: ClientSpec = dataclasses.field(default_factory=ClientSpec)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     flower: FlowerSpec = dataclasses.field(default_factory=FlowerSpec)
+    secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
+    secure_dropout: SecureDropout = dataclasses.field(default_factory=SecureDropout)
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "name", "must be a plain file name")
@@ -205,6 +218,14 @@ class Scenario:
             "evaluate_clients_per_round",
             f"must be in 0..num_clients ({self.num_clients})",
         )
+        if self.secure_aggregation.enabled:  # fedloom.simulations.local_secure
+            secure = self.secure_aggregation
+            _check(self.engine == "local", "engine",
+                   "secure aggregation runs on the local engine only")
+            _check(secure.threshold + 1 <= self.clients_per_round <= secure.max_participants,
+                   "clients_per_round", f"must be in threshold + 1 .. max_participants "
+                   f"({secure.threshold + 1}..{secure.max_participants}) under secure "
+                   "aggregation: every survivor needs threshold surviving neighbours")
         synthetic = self.dataset.name == "synthetic"
         if synthetic:
             _check(self.partition.name in ("auto", "natural"), "partition.name",
