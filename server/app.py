@@ -98,6 +98,9 @@ class Server:
     async def serve(self) -> list[dict[str, Any]]:
         """Run the whole federated run; returns the per-round history."""
         persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)
+        # Round 0 is committed (or the run resumed): the initial model is on disk now,
+        # and holding it would cost one model of memory for the whole run.
+        self.initial_weights = None
         reporter = RoundReporter(enabled=self.config.progress)
         coordinator = Coordinator(
             self.config, self.strategy, persistence, evaluate_fn=self.evaluate_fn, reporter=reporter

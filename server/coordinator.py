@@ -38,6 +38,7 @@ from fedloom.messages import (
     TaskHeader,
 )
 from fedloom.payload import PayloadInfo, deserialize, serialize
+from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
@@ -109,11 +110,16 @@ class Coordinator:
 
     # -- global model ---------------------------------------------------------------
     def _set_global(self, weights: Weights) -> None:
+        # Let go of the old model before building the new payload: two copies at once,
+        # not three (nothing else runs on the loop until this returns).
+        self._payload = memoryview(b"")
+        self.global_weights = self.persistence.weights = weights
         payload = serialize(weights)
         # Keep one copy: the global weights are views into the broadcast payload.
         self.global_weights = deserialize(weights.specs(), payload)
         self._payload = payload
         self._payload_info = PayloadInfo.describe(weights.specs(), payload)
+        self.persistence.weights = self.global_weights  # not a second copy of the model
 
     @property
     def model_bytes(self) -> int:
@@ -444,6 +450,7 @@ class Coordinator:
         except BaseException:  # cancelled (server stopping): release the aggregation thread
             phase.abort("the server is stopping")
             raise
+        release_free_heap()  # uploads are in: drop their buffers' pages before the peak
         result: AggregateResult | None
         try:
             result = await aggregate
@@ -453,6 +460,7 @@ class Coordinator:
         finally:
             self._close_phase(phase)
             self._clean_spool()
+        del current  # the old model; the round's tasks let go of it in _close_phase
         record: dict[str, Any] = {
             "round": server_round,
             "num_sampled": len(phase.tasks),
@@ -498,6 +506,8 @@ class Coordinator:
 
     def _close_phase(self, phase: RoundTasks) -> None:
         self._phase = None
+        for task in phase.tasks.values():
+            task.payload = memoryview(b"")  # a closed task is never sent: drop the model
         self._closed_tasks.remember(phase)
         self._recently_accepted = {
             t.task_id: (t.client_id, t.result_fingerprint)

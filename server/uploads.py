@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fedloom.payload import PayloadInfo, PayloadReceiver
+from fedloom.server.memory import release_free_heap
 from fedloom.weights import TensorSpec, Weights
 
 
@@ -26,19 +27,22 @@ class SpoolReader:
 
     def __init__(self, path: Path, offsets: dict[str, tuple[int, TensorSpec]]) -> None:
         self._path = path
-        self._offsets = offsets
+        # name -> (byte offset, dtype, element count): no per-read recomputation.
+        self._layout = {
+            name: (offset, spec.numpy_dtype, spec.size) for name, (offset, spec) in offsets.items()
+        }
         self._fd = os.open(path, os.O_RDONLY)
 
     def read_into(self, name: str, start: int, out: np.ndarray) -> None:
-        offset, spec = self._offsets[name]
-        if out.dtype != spec.numpy_dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a contiguous {spec.numpy_dtype} array")
-        if start < 0 or start + out.size > spec.size:
+        offset, dtype, size = self._layout[name]
+        if out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous {dtype} array")
+        if start < 0 or start + out.size > size:
             raise ValueError(f"elements {start}..{start + out.size} are outside {name!r}")
         view = out.data.cast("B")
-        position = offset + start * spec.numpy_dtype.itemsize
-        done = 0
-        while done < len(view):
+        position = offset + start * dtype.itemsize
+        done = os.preadv(self._fd, [view], position)
+        while done < len(view):  # a short read: only near the end of a file, or on error
             n = os.preadv(self._fd, [view[done:]], position + done)
             if n == 0:
                 raise OSError(f"spool file {self._path} is shorter than its layout")
@@ -139,6 +143,7 @@ class Spool:
         """Verify size and digest; the file then backs a `SpooledWeights`."""
         self._file.close()
         self._receiver.finish()
+        release_free_heap()  # the upload's chunk buffers are free now: return their pages
         return SpooledWeights(self.path, self._info.specs)
 
     def discard(self) -> None:

@@ -10,11 +10,16 @@ Speed and memory: updates are never materialised whole.
 - Updates the server holds as spool files (`fedloom.payload.BlockSource`) wait, as
   file references, until ``group_size`` of them are in (or the round ends); the group
   is then folded in one pass, a window of elements at a time: each file's window is
-  read (``pread``) into one cache-resident scratch buffer, scaled and summed there in
-  float32 (a group of at most ``group_size`` terms), and the window's sum is added to
-  the float64 running sum. The input is read once, at page-cache speed, and the
-  running sum is touched once per group instead of once per update.
-- In-memory updates are folded at once, a window at a time, exactly in float64.
+  read (``pread``) into a row of a cache-resident block, and the rows' weighted sum is
+  formed there in float64 (``einsum``) and added to the running sum. The input is read
+  once, at page-cache speed, and the running sum is touched once per group instead of
+  once per update. When one group holds every update of the round, the means are
+  written directly and no running sum exists at all.
+- In-memory updates are folded at once, a window at a time.
+
+Every product and sum is float64 on both paths (products of float32 values and
+integer weights are exact), so the result does not depend on which path an update
+took, and, rounded to float32, practically not on arrival order either.
 - ``finalize`` turns each float64 sum into the mean in the tensor's own dtype in place
   (the float32 mean is written over the front of the sum's buffer) and returns the
   rest of the buffer to the operating system, so producing the mean costs no memory.
@@ -36,8 +41,8 @@ from fedloom.weights import TensorSpec, Weights
 
 #: Spooled updates folded together in one pass over the running sum.
 GROUP_SIZE = 16
-#: Elements per window: a window's scratch buffers stay in a core's L2 cache.
-WINDOW = 1 << 16
+#: Elements per window (a group's block of windows stays in cache).
+WINDOW = 1 << 15
 #: Sums at least this large live in their own mapping, released in part at finalize.
 OWN_MAPPING_BYTES = 1 << 20
 
@@ -195,7 +200,7 @@ class WeightedMeanAggregator(Aggregator):
 
     def _fold_waiting(self, mean_over: float | None = None) -> dict[str, np.ndarray]:
         """Fold the waiting group into the sums or, given ``mean_over`` (the total
-        weight, when this group is every update), return the float means directly."""
+        weight, when this group is every update), return the means directly."""
         group, self._waiting = self._waiting, []
         means: dict[str, np.ndarray] = {}
         if not group:
@@ -206,48 +211,39 @@ class WeightedMeanAggregator(Aggregator):
                 reader = source.open_blocks()
                 stack.callback(reader.close)
                 readers.append(reader)
-            weights = [w for _, w in group]
+            scales = np.array([w for _, w in group], np.float64)
             for spec in self._specs:
-                if spec.numpy_dtype.kind == "f" and spec.numpy_dtype.itemsize <= 4:
-                    mean = self._fold_group(spec, readers, weights, mean_over=mean_over)
-                    if mean is not None:
-                        means[spec.name] = mean
-                else:  # float64 and integer tensors: exact, one update at a time
-                    for reader, weight in zip(readers, weights, strict=True):
-                        self._fold_group(spec, [reader], [weight], np.dtype(np.float64))
+                mean = self._fold_group(spec, readers, scales, mean_over)
+                if mean is not None:
+                    means[spec.name] = mean
         return means
 
     def _fold_group(
         self,
         spec: TensorSpec,
         readers: list[BlockReader],
-        weights: list[float],
-        partial_dtype: np.dtype | None = None,
-        mean_over: float | None = None,
+        scales: np.ndarray,
+        mean_over: float | None,
     ) -> np.ndarray | None:
         """One pass over the group's files, a window at a time: each file's window is
-        read into a scratch buffer, scaled and added to the window's partial sum
-        (float32 for float32/float16 tensors), which then goes into the running sum —
-        or, given ``mean_over``, is divided by it into the returned mean."""
-        size = spec.size
-        dtype = partial_dtype or np.dtype(np.float32)
+        read into a row of a cache-resident block, the block is widened to float64 and
+        its rows' weighted sum formed there (``einsum``; products of float32 values and
+        integer weights are exact in float64), and the window's sum goes into the
+        running sum — or, given ``mean_over``, is divided by it into the returned mean."""
+        size, rows = spec.size, len(readers)
         width = max(1, min(size, WINDOW))
-        scales = [dtype.type(w) for w in weights]
-        scratch = np.empty(width, spec.numpy_dtype)
-        scaled = scratch if scratch.dtype == dtype else np.empty(width, dtype)
-        partial = np.empty(width, dtype)
+        block = np.empty((rows, width), spec.numpy_dtype)
+        wide = block if block.dtype == np.float64 else np.empty((rows, width), np.float64)
+        window_sum = np.empty(width, np.float64)
         out, emit = self._window_target(spec, width, mean_over)
         for start, end in _windows(size, width):
             n = end - start
-            window = partial[:n]
-            for row, (reader, scale) in enumerate(zip(readers, scales, strict=True)):
-                reader.read_into(spec.name, start, scratch[:n])
-                if row == 0:
-                    np.multiply(scratch[:n], scale, out=window, casting="unsafe")
-                else:
-                    np.multiply(scratch[:n], scale, out=scaled[:n], casting="unsafe")
-                    np.add(window, scaled[:n], out=window)
-            emit(start, end, window)
+            for row, reader in enumerate(readers):
+                reader.read_into(spec.name, start, block[row, :n])
+            if wide is not block:
+                np.copyto(wide[:, :n], block[:, :n])
+            np.einsum("k,kb->b", scales, wide[:, :n], out=window_sum[:n])
+            emit(start, end, window_sum[:n])
         return out.reshape(spec.shape) if out is not None else None
 
     def _window_target(
@@ -267,11 +263,10 @@ class WeightedMeanAggregator(Aggregator):
             return None, into_sum
         total = mean_over
         out = np.empty(spec.size, spec.numpy_dtype)
-        quotient = np.empty(width, np.float64)
+        integer = spec.numpy_dtype.kind in "iu"
 
         def into_mean(start: int, end: int, window: np.ndarray) -> None:
-            q = quotient[: end - start]
-            np.divide(window, total, out=q, dtype=np.float64)
-            out[start:end] = q
+            np.divide(window, total, out=window)
+            out[start:end] = np.rint(window) if integer else window
 
         return out, into_mean
