@@ -150,6 +150,8 @@ class Coordinator:
             record.client_id,
             record.info.name,
             len(self.registry),
+            extra={"client": record.client_id, "client_name": record.info.name,
+                   "connected": len(self.registry)},
         )
         ServerMetrics.clients.set(len(self.registry))
         t = self.config.transfer
@@ -358,7 +360,10 @@ class Coordinator:
         if self.registry.remove(client_id) is None:
             return
         self.secure.drop(client_id, reason)
-        log.info("client %s removed (%s); %d connected", client_id, reason, len(self.registry))
+        log.info(
+            "client %s removed (%s); %d connected", client_id, reason, len(self.registry),
+            extra={"client": client_id, "reason": reason, "connected": len(self.registry)},
+        )
         ServerMetrics.clients.set(len(self.registry))
         phase = self._phase
         task = phase.by_client.get(client_id) if phase else None
@@ -501,7 +506,7 @@ class Coordinator:
             started,
         )
         self.history.append(record)
-        ServerMetrics.round_done(record["status"], record["duration_s"])
+        ServerMetrics.round_done(record["status"], record["duration_s"], server_round)
         self.reporter.round_finished(record)
 
     def _close_phase(self, phase: RoundTasks) -> None:
@@ -509,6 +514,7 @@ class Coordinator:
         for task in phase.tasks.values():
             task.payload = memoryview(b"")  # a closed task is never sent: drop the model
         self._closed_tasks.remember(phase)
+        ServerMetrics.tasks_closed(str(phase.kind), phase.outcomes())
         self._recently_accepted = {
             t.task_id: (t.client_id, t.result_fingerprint)
             for t in phase.tasks.values()
