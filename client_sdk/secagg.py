@@ -261,15 +261,12 @@ class SecAggClient:
                          f"({setup.vector_length},)")
         masked = quantize(values, weight, setup.clip_range, setup.bits, self._rng)
         assert attempt.mask_key is not None and attempt.self_mask_seed is not None
-        expander = MaskExpander(setup.masked_length)
-        expander.add_to(masked, attempt.self_mask_seed)
+        masks = [(attempt.self_mask_seed, 1)]
         for v in sorted(held):
             shared = agree(attempt.mask_key, attempt.roster[v].mask_public_key)
             seed = derive_mask_seed(shared, setup, self.client_id, v)
-            if self.client_id < v:
-                expander.add_to(masked, seed)
-            else:
-                expander.subtract_from(masked, seed)
+            masks.append((seed, 1 if self.client_id < v else -1))
+        MaskExpander(setup.masked_length).apply(masked, masks)  # one pass, block by block
         # no longer needed: the shares are open, the masks are applied
         attempt.mask_key = attempt.self_mask_seed = attempt.cipher_key = None
         masked.flags.writeable = False

@@ -160,7 +160,7 @@ class SecureFit:
         bound = task.config.get(MAX_NORM_KEY)
         if isinstance(bound, int | float) and not isinstance(bound, bool):
             delta = clip_delta(delta, float(bound))
-        return flatten(delta), fit.num_examples
+        return flatten(delta, dtype=None), fit.num_examples  # quantize widens per block
 
     def _masked_payload(self, reply: MaskedInputReply
                         ) -> tuple[MaskedInputHeader, memoryview, PayloadInfo]:

@@ -66,7 +66,7 @@ from fedloom.secagg import (
     dequantize,
     neighbour_graph,
 )
-from fedloom.server.secagg_unmask import unmask_sum
+from fedloom.server.secagg_unmask import MapFn, unmask_sum
 
 
 class SecAggStatus(enum.StrEnum):
@@ -104,8 +104,9 @@ def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
 class SecAggServer:
     """One SecAgg+ round attempt on the server (see the module docstring)."""
 
-    def __init__(self, setup: RoundSetup) -> None:
+    def __init__(self, setup: RoundSetup, *, map_fn: MapFn = map) -> None:
         self.setup = setup
+        self._map_fn = map_fn  # runs the unmasking's ranges (a thread pool's map: parallel)
         self.graph = neighbour_graph(setup)
         self.status = SecAggStatus.RUNNING
         self.failure = ""
@@ -195,8 +196,11 @@ class SecAggServer:
         if client_id in self.setup.participants:
             self._gone.add(client_id)
 
-    def receive(self, client_id: str, reply: SecAggReply) -> None:
+    def receive(self, client_id: str, reply: SecAggReply, *, digest: bytes | None = None) -> None:
         """Validate and take one reply from the (authenticated) client ``client_id``.
+
+        ``digest``: the SHA-256 of a masked input's bytes when the transport has already
+        verified it (to recognise a retry); otherwise it is computed here.
 
         Raises:
             MessageRejectedError: the reply is refused; the round is unchanged.
@@ -227,7 +231,7 @@ class SecAggServer:
         elif isinstance(reply, ShareKeysReply):
             self._take_shares(reply)
         elif isinstance(reply, MaskedInputReply):
-            self._take_masked_input(reply)
+            self._take_masked_input(reply, digest)
         else:
             assert isinstance(reply, UnmaskReply)
             self._take_unmask(reply)
@@ -280,14 +284,14 @@ class SecAggServer:
                 raise _reject(RejectReason.INVALID, "a share has the wrong sender or size")
         self._sealed[reply.client_id] = reply
 
-    def _take_masked_input(self, reply: MaskedInputReply) -> None:
+    def _take_masked_input(self, reply: MaskedInputReply, digest: bytes | None) -> None:
         masked = reply.masked
         if masked.dtype != np.dtype("<u4") or masked.shape != (self.setup.masked_length,):
             raise _reject(RejectReason.INVALID,
                           f"a masked input is uint32[{self.setup.masked_length}], got "
                           f"{masked.dtype}{list(masked.shape)}")
         np.add(self._total, masked, out=self._total)
-        self._digests[reply.client_id] = _digest(masked)
+        self._digests[reply.client_id] = digest or _digest(masked)
 
     def _take_unmask(self, reply: UnmaskReply) -> None:
         request = self.request_for(reply.client_id)
@@ -306,7 +310,8 @@ class SecAggServer:
         self._total = np.zeros(0, dtype=np.uint32)
         try:
             unmask_sum(self.setup, self.graph, total, self._survivors, self._dropped,
-                       self._advertised, self._self_mask_shares, self._mask_key_shares)
+                       self._advertised, self._self_mask_shares, self._mask_key_shares,
+                       self._map_fn)
             weighted, weight = dequantize(total, len(self._survivors), self.setup.clip_range,
                                           self.setup.bits)
         except SecureAggregationError as exc:

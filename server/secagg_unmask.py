@@ -11,13 +11,14 @@ survivors revealed:
   public key): recompute ``s_uv`` with every surviving neighbour ``v`` and take back the
   mask ``v`` added against ``u``.
 
-Each seed is expanded once, into one reused buffer.
+Each seed is expanded once, block by block into the sum, over ranges that may run in
+parallel.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -72,6 +73,13 @@ def matches_public_key(public_key: bytes) -> Callable[[bytes], bool]:
     return lambda secret: public_bytes(private_key_from_bytes(secret)) == public_key
 
 
+#: Words per range when the unmasking is split among workers (a multiple of 16).
+RANGE_WORDS = 1 << 18
+
+#: ``map``-like: applies a function to every item (e.g. a thread pool's ``map``).
+MapFn = Callable[[Callable[[tuple[int, int]], None], Iterable[tuple[int, int]]], Iterable[None]]
+
+
 def unmask_sum(
     setup: RoundSetup,
     graph: Mapping[str, frozenset[str]],
@@ -81,16 +89,23 @@ def unmask_sum(
     advertised: Mapping[str, AdvertisedKeys],
     self_mask_shares: Mapping[str, Mapping[int, bytes]],
     mask_key_shares: Mapping[str, Mapping[int, bytes]],
+    map_fn: MapFn = map,
 ) -> np.ndarray:
-    """Remove every mask from ``total`` (modified in place and returned)."""
-    expander = MaskExpander(setup.masked_length)
+    """Remove every mask from ``total`` (modified in place and returned).
+
+    The secrets are reconstructed first; then every mask is removed in one blocked pass
+    (`MaskExpander.apply`) over ranges of the vector, which ``map_fn`` may run in
+    parallel threads (each range has its own expander; OpenSSL and numpy release the
+    GIL).
+    """
     t = setup.threshold
+    masks: list[tuple[bytes, int]] = []
     for v in sorted(survivors):
         commitment = advertised[v].self_mask_commitment
         seed = reconstruct_checked(self_mask_shares.get(v, {}), t,
                                    matches_commitment(setup, v, commitment),
                                    f"self-mask seed of {v!r}")
-        expander.subtract_from(total, seed)
+        masks.append((seed, -1))
     for u in sorted(dropped):
         partners = sorted(graph[u] & survivors)
         if not partners:
@@ -101,8 +116,14 @@ def unmask_sum(
         key = private_key_from_bytes(secret)
         for v in partners:
             seed = derive_mask_seed(agree(key, advertised[v].mask_public_key), setup, u, v)
-            if v < u:  # v added +PRG(s_vu): take it back
-                expander.subtract_from(total, seed)
-            else:  # v added -PRG(s_vu)
-                expander.add_to(total, seed)
+            # v added +PRG(s_vu) if v < u (take it back), else -PRG(s_vu) (add it back)
+            masks.append((seed, -1 if v < u else 1))
+    length = setup.masked_length
+    ranges = [(a, min(length, a + RANGE_WORDS)) for a in range(0, length, RANGE_WORDS)]
+
+    def remove(span: tuple[int, int]) -> None:
+        MaskExpander(length).apply(total, masks, *span)
+
+    for _ in map_fn(remove, ranges):
+        pass
     return total

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import secrets
@@ -44,6 +45,7 @@ from fedloom.secagg import (
 )
 from fedloom.server.rounds import IssuedTask, TaskStatus
 from fedloom.server.secagg import SecAggServer, SecAggStatus
+from fedloom.server.secagg_unmask import MapFn
 from fedloom.server.uploads import Spool, SpooledWeights
 from fedloom.types import Config, TaskKind
 
@@ -84,6 +86,7 @@ class SecureAttempt:
         executor: a single-thread executor; every state-machine call runs there.
         wake: wakes a client's long-poll (it has a new task).
         spool_dir: where masked inputs are spooled while they arrive.
+        unmask_map: runs the final unmasking's ranges (a thread pool's ``map``).
     """
 
     def __init__(
@@ -96,9 +99,10 @@ class SecureAttempt:
         executor: concurrent.futures.ThreadPoolExecutor,
         wake: Callable[[str], None],
         spool_dir: Any,
+        unmask_map: MapFn = map,
     ) -> None:
         self.setup = setup
-        self.machine = SecAggServer(setup)
+        self.machine = SecAggServer(setup, map_fn=unmask_map)
         self.complete = asyncio.Event()
         self.tasks: dict[str, StageTask] = {}  # task id -> task, every stage
         self._config = config
@@ -268,8 +272,10 @@ class SecureAttempt:
             masked = np.memmap(spool.path, dtype="<u4", mode="r",
                                shape=(self.setup.masked_length,))
             reply = MaskedInputReply(self.setup.round_id, task.client_id, masked)
+            assert header.update is not None  # its SHA-256 was verified chunk by chunk
+            receive = functools.partial(self.machine.receive, digest=header.update.sha256)
             try:
-                await self.call(self.machine.receive, task.client_id, reply)
+                await self.call(receive, task.client_id, reply)
             finally:
                 del reply, masked
         except MessageRejectedError as exc:

@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,10 @@ class SecureRounds:
         self.registry = registry
         self._executor = executor
         self._spool_dir = spool_dir
+        # The final unmasking runs over ranges of the vector in parallel (threads are
+        # made when first needed).
+        self._unmask_pool = concurrent.futures.ThreadPoolExecutor(
+            min(4, os.cpu_count() or 1), thread_name_prefix="unmask")
         self._attempt: SecureAttempt | None = None
         self._previous: SecureAttempt | None = None  # answers late results of the last one
         self._last_attempt = 0
@@ -188,7 +193,8 @@ class SecureRounds:
                            payload_info: PayloadInfo, fit_config: Any) -> SecAggResult | str:
         """Run the stages of one attempt; its result, or why it failed."""
         attempt = SecureAttempt(setup, self.config, payload, payload_info, fit_config,
-                                self._executor, self._wake, self._spool_dir)
+                                self._executor, self._wake, self._spool_dir,
+                                self._unmask_pool.map)
         self._attempt = attempt
         self.last_stage_s = {}
         try:

@@ -270,7 +270,7 @@ class LocalSecureAggregation:
             try:
                 if stage is Stage.MASKED_INPUT:
                     delta, num_examples = inputs.pop(cid)
-                    reply = clients[cid].handle(request, vector=flatten(delta),
+                    reply = clients[cid].handle(request, vector=flatten(delta, dtype=None),
                                                 num_examples=num_examples)
                 else:
                     reply = clients[cid].handle(request)

@@ -8,7 +8,7 @@ machine is `fedloom.server.secagg.SecAggServer`, the client half
 defined here, so any transport can carry them.
 
 This package holds no state machine and does no I/O: X25519 + HKDF-SHA256 +
-ChaCha20-Poly1305 (`_crypto`), the ChaCha20 mask PRG (`_prg`), Shamir sharing over
+ChaCha20-Poly1305 (`_crypto`), the AES-256-CTR mask PRG (`_prg`), Shamir sharing over
 GF(2**521 - 1) (`_shamir`), quantization (`_quantize`), the neighbour graph (`_graph`),
 the configuration (`_config`) and the messages (`_messages`).
 
@@ -65,7 +65,7 @@ from fedloom.secagg._messages import (
     UnmaskReply,
     UnmaskRequest,
 )
-from fedloom.secagg._prg import MASK_NONCE, MaskExpander, chacha20_keystream, expand_mask
+from fedloom.secagg._prg import MASK_NONCE, MaskExpander, aes_ctr_keystream, expand_mask
 from fedloom.secagg._quantize import dequantize, flatten, quantize, unflatten
 from fedloom.secagg._shamir import PRIME, SHARE_BYTES, reconstruct, split
 
@@ -95,9 +95,9 @@ __all__ = [
     "Stage",
     "UnmaskReply",
     "UnmaskRequest",
+    "aes_ctr_keystream",
     "agree",
     "ceil_log2",
-    "chacha20_keystream",
     "commit_self_mask",
     "dequantize",
     "derive_mask_seed",

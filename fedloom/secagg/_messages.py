@@ -37,7 +37,7 @@ COMMITMENT_BYTES = 32
 NONCE_BYTES = 12
 SEED_BYTES = 32
 MAX_ID_LENGTH = 256
-#: Masks are ChaCha20 keystreams with a 32-bit block counter: 2**32 blocks of 16 words.
+#: Masks are AES-CTR keystreams with a 32-bit block counter: 2**32 blocks of 4 words.
 MAX_VECTOR_LENGTH = 1 << 34
 
 

@@ -14,41 +14,53 @@ ICML 2017.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from fedloom.errors import SecureAggregationError
 from fedloom.weights import TensorSpec, Weights
 
+#: Values quantized per block (512 KiB of float64 scratch: the passes stay in cache).
+_BLOCK = 1 << 16
+
 
 def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
              rng: np.random.Generator) -> np.ndarray:
     """Clip, weight and quantize ``vector``; returns uint32 of ``len(vector) + 1``.
 
-    The last element is the quantized weight. ``vector`` is not modified.
+    The last element is the quantized weight. ``vector`` (any float dtype) is not
+    modified. Works block by block, in cache; the noise is drawn in order (the vector's,
+    then the weight's), so the result does not depend on the block size.
     """
     if not 0.0 < weight <= 1.0:
         raise SecureAggregationError(f"a masked weight must be in (0, 1], got {weight}")
     values = np.asarray(vector)
     if values.ndim != 1:
         raise SecureAggregationError("the vector to quantize must be one-dimensional")
-    if not np.isfinite(values).all():
-        raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
     levels = float((1 << bits) - 1)
     n = values.shape[0]
-    # (w * z + c) * L / (2c) = z * (w * L / (2c)) + L / 2, then + U and floor
-    scaled = np.empty(n + 1, dtype=np.float64)
-    noise = rng.random(n + 1)
-    body = scaled[:n]
-    np.clip(values, -clip_range, clip_range, out=body)
-    body *= weight * levels / (2.0 * clip_range)
-    body += levels / 2.0
-    scaled[n] = weight * levels
-    scaled += noise
-    np.floor(scaled, out=scaled)
-    np.minimum(scaled, levels, out=scaled)  # float rounding at the top edge
-    return scaled.astype(np.uint32)
+    out = np.empty(n + 1, dtype=np.uint32)
+    # (w * z + c) * L / (2c) = z * (w * L / (2c)) + L / 2, then + U and floor; the sum
+    # is >= 0 (w <= 1, U >= 0), so the cast to uint32 (truncation) is the floor.
+    scale, offset = weight * levels / (2.0 * clip_range), levels / 2.0
+    scratch, noise = np.empty(min(n, _BLOCK)), np.empty(min(n, _BLOCK))
+    for a in range(0, n, _BLOCK):
+        b = min(n, a + _BLOCK)
+        part, body, extra = values[a:b], scratch[: b - a], noise[: b - a]
+        if not np.isfinite(part).all():
+            raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
+        np.clip(part, -clip_range, clip_range, out=body)
+        body *= scale
+        body += offset
+        rng.random(out=extra)
+        body += extra
+        np.minimum(body, levels, out=body)  # float rounding at the top edge
+        np.copyto(out[a:b], body, casting="unsafe")
+    out[n] = min(math.floor(weight * levels + rng.random()), int(levels))
+    return out
 
 
 def dequantize(total: np.ndarray, count: int, clip_range: float,
@@ -69,10 +81,20 @@ def dequantize(total: np.ndarray, count: int, clip_range: float,
     return weighted, float(total[-1]) / levels
 
 
-def flatten(weights: Weights) -> np.ndarray:
-    """All tensors of ``weights`` concatenated in order, as one float64 vector."""
-    parts = [np.asarray(a, dtype=np.float64).reshape(-1) for a in weights.values()]
-    return np.concatenate(parts) if parts else np.zeros(0, np.float64)
+def flatten(weights: Weights, dtype: np.dtype[Any] | type | None = np.float64) -> np.ndarray:
+    """All tensors of ``weights`` concatenated in order, as one vector.
+
+    ``dtype`` float64 by default; ``None`` keeps the tensors' common dtype (no copy of a
+    single one-dimensional tensor): `quantize` takes any float dtype, so a client need not
+    widen a float32 update to float64 first.
+    """
+    arrays = [np.asarray(a).reshape(-1) for a in weights.values()]
+    if not arrays:
+        return np.zeros(0, np.float64 if dtype is None else dtype)
+    target = np.result_type(*arrays) if dtype is None else np.dtype(dtype)
+    if len(arrays) == 1:
+        return arrays[0].astype(target, copy=False)
+    return np.concatenate(arrays, dtype=target)
 
 
 def unflatten(vector: np.ndarray, specs: Sequence[TensorSpec]) -> Weights:

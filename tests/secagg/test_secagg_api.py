@@ -21,7 +21,7 @@ EXPORTED = {
     "AdvertiseKeysRequest", "AdvertisedKeys", "EncryptedShare", "MaskExpander",
     "MaskedInputReply", "MaskedInputRequest", "RevealedShare", "RoundId", "RoundSetup",
     "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareKeysReply", "ShareKeysRequest",
-    "Stage", "UnmaskReply", "UnmaskRequest", "agree", "ceil_log2", "chacha20_keystream",
+    "Stage", "UnmaskReply", "UnmaskRequest", "aes_ctr_keystream", "agree", "ceil_log2",
     "commit_self_mask", "dequantize", "derive_mask_seed", "derive_share_key",
     "dropout_failure_bound", "expand_mask",
     "flatten", "generate_private_key", "neighbour_graph", "new_seed", "open_share",

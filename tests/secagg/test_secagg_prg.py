@@ -1,69 +1,111 @@
-"""The mask PRG: RFC 8439 known answers, an independent implementation, seed sensitivity."""
+"""The mask PRG: NIST SP 800-38A known answers, an independent implementation, seed
+sensitivity, and the blocked `MaskExpander.apply` against one mask at a time."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedloom.secagg import MASK_NONCE, MaskExpander, chacha20_keystream, expand_mask
+from fedloom.secagg import MASK_NONCE, MaskExpander, aes_ctr_keystream, expand_mask
+from fedloom.secagg._prg import BLOCK_WORDS
 
-KEY_00_1F = bytes(range(32))
-
-# RFC 8439 section 2.3.2 (block function): key 00..1f, nonce 00:00:00:09:00:00:00:4a:
-# 00:00:00:00, block count 1 -> the serialized block below.
-RFC_2_3_2 = bytes.fromhex(
-    "10f1e7e4d13b5915500fdd1fa32071c4c7d1f4c733c068030422aa9ac3d46c4e"
-    "d2826446079faa0914c2d705d98b02a2b5129cd1de164eb9cbd083e8a2503c4e"
-)
-# RFC 8439 appendix A.1, test vectors #1 and #2: zero key, zero nonce, block 0 and 1.
-RFC_A1_1 = bytes.fromhex(
-    "76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7"
-    "da41597c5157488d7724e03fb8d84a376a43b8f41518a11cc387b669b2ee6586"
-)
-RFC_A1_2 = bytes.fromhex(
-    "9f07e7be5551387a98ba977c732d080dcb0f29a048e3656912c6533e32ee7aed"
-    "29b721769ce64e43d57133b074d839d531ed1f28510afb45ace10a1f4b794d6f"
-)
-# RFC 8439 section 2.4.2: the keystream (plaintext XOR ciphertext) starts at block 1
-# with nonce 00:00:00:00:00:00:00:4a:00:00:00:00; the first 64 bytes of the example.
-RFC_2_4_2_PLAIN = b"Ladies and Gentlemen of the class of '99: If I could offer you o"
-RFC_2_4_2_CIPHER = bytes.fromhex(
-    "6e2e359a2568f98041ba0728dd0d6981e97e7aec1d4360c20a27afccfd9fae0b"
-    "f91b65c5524733ab8f593dabcd62b3571639d624e65152ab8f530c359f0861d8"
-)
+# NIST SP 800-38A, F.5.5 CTR-AES256.Encrypt: key, initial counter block, the four
+# plaintext blocks and the ciphertext blocks (ciphertext = plaintext XOR keystream).
+SP800_38A_KEY = bytes.fromhex(
+    "603deb1015ca71be2b73aef0857d77811f352c073b6108d72d9810a30914dff4")
+SP800_38A_COUNTER = bytes.fromhex("f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff")
+SP800_38A_PLAIN = bytes.fromhex(
+    "6bc1bee22e409f96e93d7e117393172aae2d8a571e03ac9c9eb76fac45af8e51"
+    "30c81c46a35ce411e5fbc1191a0a52eff69f2445df4f9b17ad2b417be66c3710")
+SP800_38A_CIPHER = bytes.fromhex(
+    "601ec313775789a5b7a7f504bbf3d228f443e3ca4d62b59aca84e990cacaf5c5"
+    "2b0930daa23de94ce87017ba2d84988ddfc9c58db67aada613c2dd08457941a6")
+# F.5.5, block #1: the output block (the keystream itself).
+SP800_38A_OUTPUT_1 = bytes.fromhex("0bdf7df1591716335e9a8b15c860c502")
 
 
-def test_rfc8439_block_function() -> None:
-    nonce = bytes.fromhex("000000090000004a00000000")
-    assert chacha20_keystream(KEY_00_1F, nonce, 1, 64) == RFC_2_3_2
+def _nist_stream(nbytes: int) -> bytes:
+    nonce, counter = SP800_38A_COUNTER[:12], int.from_bytes(SP800_38A_COUNTER[12:], "big")
+    return aes_ctr_keystream(SP800_38A_KEY, nonce, counter, nbytes)
 
 
-def test_rfc8439_appendix_a1() -> None:
-    assert chacha20_keystream(bytes(32), bytes(12), 0, 64) == RFC_A1_1
-    assert chacha20_keystream(bytes(32), bytes(12), 1, 64) == RFC_A1_2
-    # the counter is the first 4 bytes, little-endian: block 1 is bytes 64..128 of block 0's
-    assert chacha20_keystream(bytes(32), bytes(12), 0, 128)[64:] == RFC_A1_2
+def test_sp800_38a_ctr_aes256() -> None:
+    stream = _nist_stream(64)
+    assert stream[:16] == SP800_38A_OUTPUT_1
+    assert bytes(a ^ b for a, b in zip(SP800_38A_PLAIN, stream, strict=True)) == SP800_38A_CIPHER
 
 
-def test_rfc8439_encryption_example() -> None:
-    nonce = bytes.fromhex("000000000000004a00000000")
-    stream = chacha20_keystream(KEY_00_1F, nonce, 1, 64)
-    assert bytes(a ^ b for a, b in zip(RFC_2_4_2_PLAIN, stream, strict=True)) == RFC_2_4_2_CIPHER
+def test_the_counter_is_the_low_32_bits_big_endian() -> None:
+    # block 2 of F.5.5 is counter ...fcfdff00: the stream from counter + 1 is block 2 on
+    nonce, counter = SP800_38A_COUNTER[:12], int.from_bytes(SP800_38A_COUNTER[12:], "big")
+    assert aes_ctr_keystream(SP800_38A_KEY, nonce, counter + 1, 48) == _nist_stream(64)[16:]
+    with pytest.raises(ValueError):  # would carry into the nonce
+        aes_ctr_keystream(SP800_38A_KEY, nonce, (1 << 32) - 1, 32)
 
 
 def test_mask_is_the_little_endian_keystream_of_the_seed() -> None:
     seed = bytes(range(100, 132))
     mask = expand_mask(seed, 1000)
-    stream = chacha20_keystream(seed, MASK_NONCE, 0, 4000)
+    stream = aes_ctr_keystream(seed, MASK_NONCE, 0, 4000)
     assert mask.dtype == np.uint32
     assert np.array_equal(mask, np.frombuffer(stream, "<u4"))
 
 
-def test_mask_matches_an_independent_chacha20() -> None:
-    chacha = pytest.importorskip("Crypto.Cipher.ChaCha20")  # PyCryptodome, via flwr
+def test_mask_matches_an_independent_aes_ctr() -> None:
+    aes = pytest.importorskip("Crypto.Cipher.AES")  # PyCryptodome, via flwr
     seed = bytes(range(7, 39))
-    reference = chacha.new(key=seed, nonce=MASK_NONCE).encrypt(bytes(4 * 4099))
+    cipher = aes.new(seed, aes.MODE_CTR, nonce=MASK_NONCE, initial_value=0)
+    reference = cipher.encrypt(bytes(4 * 4099))
     assert np.array_equal(expand_mask(seed, 4099), np.frombuffer(reference, "<u4"))
+    # a mask longer than one block of apply (the streams continue across blocks)
+    long = BLOCK_WORDS * 2 + 13
+    cipher = aes.new(seed, aes.MODE_CTR, nonce=MASK_NONCE, initial_value=0)
+    reference = np.frombuffer(cipher.encrypt(bytes(4 * long)), "<u4")
+    assert np.array_equal(expand_mask(seed, long), reference)
+    acc = np.zeros(long, np.uint32)
+    MaskExpander(long).apply(acc, [(seed, 1)])
+    assert np.array_equal(acc, reference)
+
+
+def test_apply_equals_one_mask_at_a_time() -> None:
+    length = BLOCK_WORDS + 1001  # two blocks, the second partial
+    rng = np.random.default_rng(0)
+    seeds = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(5)]
+    signs = [1, -1, 1, 1, -1]
+    start = rng.integers(0, 2**32, length, dtype=np.uint32)
+    reference = start.copy()
+    expander = MaskExpander(length)
+    for seed, sign in zip(seeds, signs, strict=True):
+        (expander.add_to if sign > 0 else expander.subtract_from)(reference, seed)
+        mask = expand_mask(seed, length).astype(np.int64)
+    got = start.copy()
+    MaskExpander(length).apply(got, list(zip(seeds, signs, strict=True)))
+    assert np.array_equal(got, reference)
+    # in ranges (as threads would fill them): the same, whatever the split
+    parts = start.copy()
+    for a, b in ((0, 4), (4, 1000), (1000, BLOCK_WORDS + 8), (BLOCK_WORDS + 8, length)):
+        MaskExpander(length).apply(parts, list(zip(seeds, signs, strict=True)), a, b)
+    assert np.array_equal(parts, reference)
+    # modular: the last mask added by hand, in int64, matches too
+    manual = (start.astype(np.int64) - mask) % 2**32
+    single = start.copy()
+    MaskExpander(length).apply(single, [(seeds[-1], -1)])
+    assert np.array_equal(single, manual.astype(np.uint32))
+
+
+def test_apply_refuses_bad_arguments() -> None:
+    expander = MaskExpander(100)
+    acc = np.zeros(100, np.uint32)
+    with pytest.raises(ValueError):
+        expander.apply(acc, [(bytes(32), 2)])  # sign
+    with pytest.raises(ValueError):
+        expander.apply(acc, [(bytes(31), 1)])  # seed
+    with pytest.raises(ValueError):
+        expander.apply(acc, [(bytes(32), 1)], 3, 50)  # not block-aligned
+    with pytest.raises(ValueError):
+        expander.apply(np.zeros(100, np.int64), [(bytes(32), 1)])  # dtype
+    with pytest.raises(ValueError):
+        expander.apply(np.zeros(99, np.uint32), [(bytes(32), 1)])  # length
 
 
 def test_expander_reuses_buffers_without_mixing_seeds() -> None:

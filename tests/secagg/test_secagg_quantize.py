@@ -76,3 +76,43 @@ def test_flatten_and_unflatten_round_trip() -> None:
     assert back["b"].shape == () and back["n"].dtype == np.float64
     with pytest.raises(SecureAggregationError):
         unflatten(flat[:-1], weights.specs())
+
+
+def _reference_quantize(values: np.ndarray, weight: float, clip: float, bits: int,
+                        rng: np.random.Generator) -> np.ndarray:
+    """The formula of `fedloom.secagg._quantize` in one piece: floor((w clip(z) + c) L /
+    (2c) + U) with U drawn for every coordinate in order, then for the weight."""
+    levels = float(2**bits - 1)
+    noise = rng.random(values.shape[0] + 1)
+    body = (weight * np.clip(values.astype(np.float64), -clip, clip) + clip) * levels / (2 * clip)
+    scaled = np.append(body, weight * levels) + noise
+    return np.minimum(np.floor(scaled), levels).astype(np.uint32)
+
+
+@pytest.mark.parametrize("n", [1, 7, 65_536, 65_537, 200_003])
+def test_blocked_quantization_equals_the_formula(n: int) -> None:
+    # quantize works block by block (65 536 values): across block edges, and for float32
+    # input (widened per block), it gives exactly the one-piece formula's integers, up to
+    # a rare off-by-one where float64 rounds the two algebraic forms differently.
+    values = np.random.default_rng(n).normal(0.0, 3.0, n)
+    for vec in (values, values.astype(np.float32)):
+        got = quantize(vec, 0.37, 8.0, 22, np.random.default_rng(1)).astype(np.int64)
+        want = _reference_quantize(vec, 0.37, 8.0, 22, np.random.default_rng(1))
+        diff = np.abs(got - want.astype(np.int64))
+        assert diff.max() <= 1 and (diff > 0).mean() < 1e-4
+
+
+def test_non_finite_values_in_a_later_block_are_refused() -> None:
+    values = np.zeros(70_000)
+    values[69_999] = np.inf
+    with pytest.raises(SecureAggregationError, match="non-finite"):
+        quantize(values, 1.0, 1.0, 8, np.random.default_rng(0))
+
+
+def test_flatten_can_keep_the_tensors_dtype() -> None:
+    one = Weights({"a": np.arange(6, dtype=np.float32)})
+    kept = flatten(one, dtype=None)
+    assert kept.dtype == np.float32 and kept.tolist() == list(range(6))
+    mixed = Weights({"a": np.zeros(2, np.float32), "n": np.array([4], dtype=np.int64)})
+    assert flatten(mixed, dtype=None).dtype == np.float64  # int64 needs float64
+    assert flatten(Weights({}), dtype=None).shape == (0,)
