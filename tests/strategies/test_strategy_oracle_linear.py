@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("flwr")
@@ -91,6 +91,12 @@ def test_linear_strategy_equals_flower(
     name: str, seed: int, num_clients: int, num_rounds: int,
     shapes: list[tuple[int, ...]], p: dict[str, Any],
 ) -> None:
+    # Yogi with beta_2 = 0 sets v to v - delta^2 * sign(v - delta^2): where v and delta^2
+    # are close, that is a difference of near-equal numbers, and float32 (Flower) against
+    # float64 (ours) cancellation decides the last digits of v and then of the step
+    # (seen: v = 4e-7 from values of 1e-2, a 1% step difference). beta_2 > 0 keeps
+    # v_t >= beta_2 * v_{t-1}: no cancellation.
+    assume(not (name == "fedyogi" and p["beta_2"] == 0.0))
     make_ours, make_flower = CASES[name]
     ours, theirs = make_ours(p), make_flower(p)
     rng = np.random.default_rng(seed)
