@@ -58,6 +58,10 @@ def grpc_server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.max_ping_strikes", 3),
         # Never share a port with another process silently.
         ("grpc.so_reuseport", 0),
+        # Fixed 64 KiB stream windows (a stream being read still takes whole chunks): with
+        # BDP probing, every upload waiting for its turn (server/transfer_slots.py) filled
+        # a window of megabytes in gRPC's buffers, so memory grew with the clients.
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 

@@ -11,12 +11,14 @@ import asyncio
 import contextvars
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
 
 from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.messages import NoTask
 from fedloom.payload import iter_chunks
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
@@ -24,6 +26,7 @@ from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, PendingUpload
 from fedloom.server.metrics import ServerMetrics
+from fedloom.server.transfer_slots import TransferSlots
 
 log = logging.getLogger("fedloom.server")
 
@@ -70,6 +73,7 @@ class FleetServicer(pb_grpc.FleetServicer):
         self.auth = auth or Authenticator()  # default: no identities (anonymous)
         self.transfer = coordinator.config.transfer
         self.stream_timeout_s = coordinator.config.stream_timeout_s
+        self.slots = TransferSlots()  # a few models stream at a time: memory stays flat
 
     def _client(self, session: pb.Session):  # type: ignore[no-untyped-def]
         record = self.coordinator.registry.authenticate(codec.session_from_proto(session))
@@ -111,12 +115,18 @@ class FleetServicer(pb_grpc.FleetServicer):
         # Messages are written, not yielded, so that the stream's time limit covers every
         # write: a client that stops reading (HTTP/2 flow control) cannot hold the stream.
         try:
+            polled = time.monotonic()
             outcome = await self.coordinator.pull(self._client(request.session))
             if not isinstance(outcome, tuple):
                 await context.write(codec.no_task_to_proto(outcome))
                 return
             header, payload = outcome
-            async with asyncio.timeout(self.stream_timeout_s):
+            # Wait for a turn only as long as the long-poll has left: the client's deadline.
+            wait_s = max(0.0, self.coordinator.config.long_poll_s - (time.monotonic() - polled))
+            async with asyncio.timeout(self.stream_timeout_s), self.slots.download(wait_s) as turn:
+                if not turn:  # others are downloading: ask again (this task stays pending)
+                    await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+                    return
                 await context.write(codec.task_to_proto(header))
                 chunks = iter_chunks(payload, self.transfer.chunk_size)
                 for message in codec.chunks_for_pull(chunks):
@@ -148,14 +158,15 @@ class FleetServicer(pb_grpc.FleetServicer):
                 if not isinstance(outcome, PendingUpload):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome
-                async for message in request_iterator:
-                    if message.WhichOneof("part") != "chunk":
-                        raise MessageRejectedError(
-                            RejectReason.INVALID, "only chunks may follow the result header"
-                        )
-                    upload.spool.feed(*codec.chunk_from_proto(message.chunk))
-                    ServerMetrics.bytes_in(len(message.chunk.data))
-                delta = upload.spool.finish()
+                async with self.slots.upload():
+                    async for message in request_iterator:
+                        if message.WhichOneof("part") != "chunk":
+                            raise MessageRejectedError(
+                                RejectReason.INVALID, "only chunks may follow the result header"
+                            )
+                        upload.spool.feed(*codec.chunk_from_proto(message.chunk))
+                        ServerMetrics.bytes_in(len(message.chunk.data))
+                    delta = upload.spool.finish()
             await self.coordinator.finish_upload(upload, delta)
             upload = None
             return pb.PushResponse(duplicate=False)

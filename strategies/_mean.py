@@ -8,13 +8,14 @@ all the client outputs into memory"; so do we). Each update is weighted by its
 Speed and memory: updates are never materialised whole.
 
 - Updates the server holds as spool files (`fedloom.payload.BlockSource`) wait, as
-  file references, until ``group_size`` of them are in (or the round ends); the group
-  is then folded in one pass, a window of elements at a time: each file's window is
-  read (``pread``) into a row of a cache-resident block, and the rows' weighted sum is
-  formed there in float64 (``einsum``) and added to the running sum. The input is read
-  once, at page-cache speed, and the running sum is touched once per group instead of
-  once per update. When one group holds every update of the round, the means are
-  written directly and no running sum exists at all.
+  file references (no memory), until the round ends or ``group_size`` of them are in;
+  the group is then folded in one pass, a window of elements at a time: the windows of
+  up to `BLOCK_ROWS` files are read (``pread``) into the rows of a cache-resident
+  block, whose weighted sum is formed there in float64 (``einsum``). The input is
+  read once, at page-cache speed. When one group holds every update of the round (up
+  to ``group_size`` clients), the means are written directly and no running sum ever
+  exists: memory is the mean plus a few cache-sized buffers, whatever the number of
+  clients. Larger rounds fold a group into float64 running sums each time one fills.
 - In-memory updates are folded at once, a window at a time.
 
 Every product and sum is float64 on both paths (products of float32 values and
@@ -39,9 +40,11 @@ from fedloom.strategies._base import Aggregator, MeanUpdate
 from fedloom.types import ClientUpdate
 from fedloom.weights import TensorSpec, Weights
 
-#: Spooled updates folded together in one pass over the running sum.
-GROUP_SIZE = 16
-#: Elements per window (a group's block of windows stays in cache).
+#: Spooled updates that wait (as files) before they are folded into running sums.
+GROUP_SIZE = 128
+#: Files read into one cache-resident block (a window of each) per ``einsum``.
+BLOCK_ROWS = 16
+#: Elements per window (a block of windows, widened to float64, stays in cache).
 WINDOW = 1 << 15
 #: Sums at least this large live in their own mapping, released in part at finalize.
 OWN_MAPPING_BYTES = 1 << 20
@@ -230,19 +233,27 @@ class WeightedMeanAggregator(Aggregator):
         its rows' weighted sum formed there (``einsum``; products of float32 values and
         integer weights are exact in float64), and the window's sum goes into the
         running sum — or, given ``mean_over``, is divided by it into the returned mean."""
-        size, rows = spec.size, len(readers)
+        size = spec.size
         width = max(1, min(size, WINDOW))
-        block = np.empty((rows, width), spec.numpy_dtype)
-        wide = block if block.dtype == np.float64 else np.empty((rows, width), np.float64)
+        height = min(len(readers), BLOCK_ROWS)
+        block = np.empty((height, width), spec.numpy_dtype)
+        wide = block if block.dtype == np.float64 else np.empty((height, width), np.float64)
         window_sum = np.empty(width, np.float64)
+        block_sum = np.empty(width, np.float64)
         out, emit = self._window_target(spec, width, mean_over)
         for start, end in _windows(size, width):
             n = end - start
-            for row, reader in enumerate(readers):
-                reader.read_into(spec.name, start, block[row, :n])
-            if wide is not block:
-                np.copyto(wide[:, :n], block[:, :n])
-            np.einsum("k,kb->b", scales, wide[:, :n], out=window_sum[:n])
+            for first in range(0, len(readers), height):
+                rows = readers[first : first + height]
+                for row, reader in enumerate(rows):
+                    reader.read_into(spec.name, start, block[row, :n])
+                k = len(rows)
+                if wide is not block:
+                    np.copyto(wide[:k, :n], block[:k, :n])
+                into = window_sum[:n] if first == 0 else block_sum[:n]
+                np.einsum("k,kb->b", scales[first : first + k], wide[:k, :n], out=into)
+                if first:
+                    np.add(window_sum[:n], into, out=window_sum[:n])
             emit(start, end, window_sum[:n])
         return out.reshape(spec.shape) if out is not None else None
 

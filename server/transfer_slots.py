@@ -1,0 +1,59 @@
+"""Turns for moving models, so the server's memory stays flat in the number of clients.
+
+Every model download (Pull) and upload (Push) that is streaming holds gRPC and protobuf
+buffers of a few chunks; with 50 clients pulling or pushing at once that was hundreds
+of MB on the server. `TransferSlots` lets at most ``limit`` downloads and ``limit``
+uploads stream at a time; a few streams already keep the server's cores busy, so the
+round is no slower.
+
+- A download that finds no free turn within the long-poll time is answered "no task
+  yet, ask again" (the client re-polls at once and gets the same task): a client never
+  waits silently past its own long-poll deadline.
+- An upload waits for its turn with its stream open and idle before its first chunk
+  (HTTP/2 flow control holds the client's data back); its stream time limit
+  (``stream_timeout_s``) and the client's deadline count the wait. Uploads are served
+  first come, first served, so when a round's uploads cannot all finish within the
+  clients' deadlines, the first ones still do (sharing the bandwidth among all of them
+  would have made every one late).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
+#: Downloads and uploads streaming at once (each); more wait for a turn.
+DEFAULT_LIMIT = max(2, (os.cpu_count() or 2) // 2)
+
+
+class TransferSlots:
+    """Two FIFO semaphores: one for downloads, one for uploads."""
+
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self.limit = limit
+        self._downloads = asyncio.Semaphore(limit)
+        self._uploads = asyncio.Semaphore(limit)
+
+    @contextlib.asynccontextmanager
+    async def download(self, wait_s: float) -> AsyncIterator[bool]:
+        """Hold a download turn (yields True), or yield False if none came in time."""
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._downloads.acquire()
+        except TimeoutError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._downloads.release()
+
+    @contextlib.asynccontextmanager
+    async def upload(self) -> AsyncIterator[None]:
+        """Hold an upload turn, waiting as long as it takes (the caller's time limit)."""
+        async with self._uploads:
+            yield
