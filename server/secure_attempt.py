@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import hashlib
 import logging
 import secrets
@@ -40,6 +39,7 @@ from fedloom.secagg import (
     AdvertiseKeysRequest,
     MaskedInputReply,
     RoundSetup,
+    SecAggReply,
     SecAggRequest,
     Stage,
 )
@@ -240,9 +240,10 @@ class SecureAttempt:
             raise _reject(RejectReason.INVALID, f"a {stage} reply to a {task.stage} task")
         if isinstance(reply, MaskedInputHeader):
             return task, self._begin_masked_input(task, reply, header.update)
-        await self.call(self.machine.receive, task.client_id, reply)
+        complete = await self.call(self._receive, task.client_id, reply, None)
         self._accept(task, fingerprint)
-        await self.check_complete()
+        if complete:
+            self.complete.set()
         return False
 
     def _begin_masked_input(self, task: StageTask, reply: MaskedInputHeader,
@@ -273,9 +274,9 @@ class SecureAttempt:
                                shape=(self.setup.masked_length,))
             reply = MaskedInputReply(self.setup.round_id, task.client_id, masked)
             assert header.update is not None  # its SHA-256 was verified chunk by chunk
-            receive = functools.partial(self.machine.receive, digest=header.update.sha256)
             try:
-                await self.call(receive, task.client_id, reply)
+                complete = await self.call(self._receive, task.client_id, reply,
+                                           header.update.sha256)
             finally:
                 del reply, masked
         except MessageRejectedError as exc:
@@ -284,7 +285,14 @@ class SecureAttempt:
         finally:
             spool.discard()
         self._accept(task, result_fingerprint(header))
-        await self.check_complete()
+        if complete:
+            self.complete.set()
+
+    def _receive(self, client_id: str, reply: SecAggReply, digest: bytes | None) -> bool:
+        """(In the machine's thread.) Take a reply; whether the stage is now complete
+        (one hop to the thread instead of two)."""
+        self.machine.receive(client_id, reply, digest=digest)
+        return self._is_complete()
 
     def _accept(self, task: StageTask, fingerprint: bytes) -> None:
         task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint

@@ -36,7 +36,7 @@ the key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -140,6 +140,26 @@ class MaskExpander:
             for encryptor, fold in streams:
                 encryptor.update_into(zeros, self._block)
                 fold(part, key, out=part)
+
+
+def keystream_words(seed: bytes, length: int, block: int = BLOCK_WORDS) -> Iterator[np.ndarray]:
+    """The mask of ``seed`` (``length`` words) in successive blocks of at most ``block``
+    words: read-only views into one reused buffer, each valid until the next is made.
+
+    Also a fast source of uniform noise (e.g. stochastic rounding in `quantize`).
+    """
+    _check_seed(seed)
+    if not 0 < length <= MAX_VECTOR_LENGTH or block <= 0:
+        raise ValueError(f"mask length must be in 1..{MAX_VECTOR_LENGTH}, got {length}")
+    size = min(length, block)
+    buffer, zeros = bytearray(4 * size + _BLOCK), memoryview(bytes(4 * size))
+    words = np.frombuffer(buffer, dtype="<u4", count=size)
+    words.flags.writeable = False
+    encryptor = _keystream(seed, 0)
+    for start in range(0, length, size):
+        count = min(size, length - start)
+        encryptor.update_into(zeros[: 4 * count], buffer)
+        yield words[:count]
 
 
 def _check_seed(seed: bytes) -> None:

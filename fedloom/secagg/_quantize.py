@@ -14,17 +14,19 @@ ICML 2017.)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from fedloom.errors import SecureAggregationError
+from fedloom.secagg._messages import SEED_BYTES
+from fedloom.secagg._prg import keystream_words
 from fedloom.weights import TensorSpec, Weights
 
 #: Values quantized per block (512 KiB of float64 scratch: the passes stay in cache).
 _BLOCK = 1 << 16
+_WORD = 2.0**-32
 
 
 def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
@@ -32,8 +34,10 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
     """Clip, weight and quantize ``vector``; returns uint32 of ``len(vector) + 1``.
 
     The last element is the quantized weight. ``vector`` (any float dtype) is not
-    modified. Works block by block, in cache; the noise is drawn in order (the vector's,
-    then the weight's), so the result does not depend on the block size.
+    modified. The rounding noise ``U`` is ``word / 2**32`` for successive words of the
+    mask PRG (`keystream_words`, AES-256-CTR) keyed by 32 bytes drawn from ``rng``:
+    uniform on [0, 1) to 2**-32, so the rounding is unbiased to 2**-32 of a quantum, and
+    three times cheaper to draw than numpy's doubles. Works block by block, in cache.
     """
     if not 0.0 < weight <= 1.0:
         raise SecureAggregationError(f"a masked weight must be in (0, 1], got {weight}")
@@ -46,20 +50,23 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
     # (w * z + c) * L / (2c) = z * (w * L / (2c)) + L / 2, then + U and floor; the sum
     # is >= 0 (w <= 1, U >= 0), so the cast to uint32 (truncation) is the floor.
     scale, offset = weight * levels / (2.0 * clip_range), levels / 2.0
-    scratch, noise = np.empty(min(n, _BLOCK)), np.empty(min(n, _BLOCK))
-    for a in range(0, n, _BLOCK):
-        b = min(n, a + _BLOCK)
-        part, body, extra = values[a:b], scratch[: b - a], noise[: b - a]
+    scratch, noise = np.empty(min(n + 1, _BLOCK)), np.empty(min(n + 1, _BLOCK))
+    words = keystream_words(rng.bytes(SEED_BYTES), n + 1, _BLOCK)
+    for a, word in zip(range(0, n + 1, _BLOCK), words, strict=True):
+        b = min(n + 1, a + _BLOCK)
+        body, part = scratch[: b - a], values[a : min(b, n)]
+        k = part.shape[0]
         if not np.isfinite(part).all():
             raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
-        np.clip(part, -clip_range, clip_range, out=body)
-        body *= scale
-        body += offset
-        rng.random(out=extra)
-        body += extra
+        np.clip(part, -clip_range, clip_range, out=body[:k])
+        body[:k] *= scale
+        body[:k] += offset
+        if k < b - a:
+            body[k] = weight * levels  # the weight, last
+        np.multiply(word, _WORD, out=noise[: b - a])
+        body += noise[: b - a]
         np.minimum(body, levels, out=body)  # float rounding at the top edge
         np.copyto(out[a:b], body, casting="unsafe")
-    out[n] = min(math.floor(weight * levels + rng.random()), int(levels))
     return out
 
 

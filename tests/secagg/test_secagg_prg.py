@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedloom.secagg import MASK_NONCE, MaskExpander, aes_ctr_keystream, expand_mask
-from fedloom.secagg._prg import BLOCK_WORDS
+from fedloom.secagg._prg import BLOCK_WORDS, keystream_words
 
 # NIST SP 800-38A, F.5.5 CTR-AES256.Encrypt: key, initial counter block, the four
 # plaintext blocks and the ciphertext blocks (ciphertext = plaintext XOR keystream).
@@ -145,3 +145,11 @@ def test_mask_words_look_uniform() -> None:
 def test_bad_seed_length_is_refused() -> None:
     with pytest.raises(ValueError):
         expand_mask(bytes(16), 10)
+
+
+@pytest.mark.parametrize("length, block", [(1, 4), (10, 4), (4099, 1000), (8, 8)])
+def test_keystream_words_are_the_mask_in_blocks(length: int, block: int) -> None:
+    seed = bytes(range(50, 82))
+    blocks = [b.copy() for b in keystream_words(seed, length, block)]
+    assert all(len(b) <= block for b in blocks)
+    assert np.array_equal(np.concatenate(blocks), expand_mask(seed, length))

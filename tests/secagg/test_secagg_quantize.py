@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fedloom import Weights
 from fedloom.errors import SecureAggregationError
-from fedloom.secagg import dequantize, flatten, quantize, unflatten
+from fedloom.secagg import dequantize, expand_mask, flatten, quantize, unflatten
 
 
 @settings(max_examples=40, deadline=None)
@@ -81,15 +81,16 @@ def test_flatten_and_unflatten_round_trip() -> None:
 def _reference_quantize(values: np.ndarray, weight: float, clip: float, bits: int,
                         rng: np.random.Generator) -> np.ndarray:
     """The formula of `fedloom.secagg._quantize` in one piece: floor((w clip(z) + c) L /
-    (2c) + U) with U drawn for every coordinate in order, then for the weight."""
+    (2c) + U), the weight floor(w L + U) last, with U the mask PRG's words / 2**32 for a
+    32-byte seed drawn from ``rng`` (the documented noise)."""
     levels = float(2**bits - 1)
-    noise = rng.random(values.shape[0] + 1)
+    noise = expand_mask(rng.bytes(32), values.shape[0] + 1) / 2.0**32
     body = (weight * np.clip(values.astype(np.float64), -clip, clip) + clip) * levels / (2 * clip)
     scaled = np.append(body, weight * levels) + noise
     return np.minimum(np.floor(scaled), levels).astype(np.uint32)
 
 
-@pytest.mark.parametrize("n", [1, 7, 65_536, 65_537, 200_003])
+@pytest.mark.parametrize("n", [0, 1, 7, 65_535, 65_536, 65_537, 200_003])
 def test_blocked_quantization_equals_the_formula(n: int) -> None:
     # quantize works block by block (65 536 values): across block edges, and for float32
     # input (widened per block), it gives exactly the one-piece formula's integers, up to
@@ -100,6 +101,14 @@ def test_blocked_quantization_equals_the_formula(n: int) -> None:
         want = _reference_quantize(vec, 0.37, 8.0, 22, np.random.default_rng(1))
         diff = np.abs(got - want.astype(np.int64))
         assert diff.max() <= 1 and (diff > 0).mean() < 1e-4
+
+
+def test_rounding_noise_depends_on_the_rng() -> None:
+    values = np.full(1000, 0.123456)
+    a = quantize(values, 1.0, 1.0, 8, np.random.default_rng(1))
+    b = quantize(values, 1.0, 1.0, 8, np.random.default_rng(1))
+    c = quantize(values, 1.0, 1.0, 8, np.random.default_rng(2))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
 def test_non_finite_values_in_a_later_block_are_refused() -> None:
