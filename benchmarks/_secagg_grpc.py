@@ -1,0 +1,262 @@
+"""fedloom over loopback gRPC for benchmarks/secagg.py: a pool of spawned client processes.
+
+The server runs in the benchmark's process (`fedloom.server.Server`); the clients run
+in a pool of worker processes started once with ``spawn`` and reused for every setting
+(starting 50 Python processes per setting would cost more than the rounds). A setting
+with more clients than workers puts several clients (threads, each a full
+`ClientRunner` with its own channel) in one process.
+
+Each client is a `BenchRunner`: an ordinary `ClientRunner` that also
+
+- counts the protobuf bytes of every request it sends and every response it receives
+  (a gRPC client interceptor on its channel: what goes on the wire, less HTTP/2 framing);
+- times its CPU per step: ``train`` (the client's fit), ``update`` (delta and
+  serialisation of a plain update), each SecAgg+ stage (`ClientRunner.secagg_cpu_s`)
+  and ``push`` (sending the result);
+- drops out when told: in a plain round a fifth of the clients (by index and round)
+  train and then report a failure instead of their update; in a secure round the
+  clients `spread_dropouts` picks on the round's neighbour graph answer advertise keys
+  and share keys, then report a failure to their masked-input task (they drop after
+  sharing their keys: the server removes their masks with their neighbours' shares).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+import numpy as np
+
+from fedloom.client_sdk import Client, ClientRunner, EvaluateOutput, FitOutput
+from fedloom.config import ClientConfig
+from fedloom.messages import ResultHeader, Session, TaskHeader
+from fedloom.secagg import AdvertiseKeysRequest, MaskedInputRequest, RoundSetup
+from fedloom.simulations.local_secure import spread_dropouts
+from fedloom.types import TaskKind
+from fedloom.weights import Weights
+
+NUM_EXAMPLES = 100
+STEP = 0.01
+_local = threading.local()
+
+
+class Traffic:
+    """Bytes one client sent and received."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+
+
+class _CountingStream:
+    """A response stream that counts what it yields (and passes everything else on)."""
+
+    def __init__(self, call: Any, traffic: Traffic) -> None:
+        self._call, self._traffic = call, traffic
+
+    def __iter__(self) -> _CountingStream:
+        return self
+
+    def __next__(self) -> Any:
+        message = next(self._call)
+        self._traffic.received += message.ByteSize()
+        return message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+class _Counter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+               grpc.StreamUnaryClientInterceptor):
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+
+    def _requests(self, requests: Iterator[Any]) -> Iterator[Any]:
+        for request in requests:
+            self.traffic.sent += request.ByteSize()
+            yield request
+
+    def _answered(self, outcome: Any) -> Any:
+        with contextlib.suppress(Exception):  # the caller sees the error itself
+            self.traffic.received += outcome.result().ByteSize()
+        return outcome
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.traffic.sent += request.ByteSize()
+        return self._answered(continuation(details, request))
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.traffic.sent += request.ByteSize()
+        return _CountingStream(continuation(details, request), self.traffic)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return self._answered(continuation(details, self._requests(requests)))
+
+
+def install_counter() -> None:
+    """Make every insecure channel count its traffic into the creating thread's
+    `Traffic` (a `BenchRunner` creates its channels in its own thread)."""
+    original = grpc.insecure_channel
+
+    def counting_channel(target: str, options: Any = None, compression: Any = None) -> Any:
+        channel = original(target, options=options, compression=compression)
+        traffic = getattr(_local, "traffic", None)
+        return channel if traffic is None else grpc.intercept_channel(channel, _Counter(traffic))
+
+    grpc.insecure_channel = counting_channel
+
+
+def fixed_step(index: int, size: int) -> np.ndarray:
+    """Client ``index``'s "training": a fixed step, uniform in +-STEP (float32)."""
+    rng = np.random.default_rng(index)
+    return (rng.random(size, dtype=np.float32) - np.float32(0.5)) * np.float32(2 * STEP)
+
+
+class BenchClient(Client):
+    """Adds a fixed random step (seeded by its index) to the weights; times its fit."""
+
+    def __init__(self, index: int, cpu: dict[str, float]) -> None:
+        self.index, self.cpu = index, cpu
+        self.steps: dict[int, np.ndarray] = {}
+
+    def fit(self, weights: Weights, config: Any) -> FitOutput:
+        (name, arr), = weights.items()
+        step = self.steps.get(arr.size)
+        if step is None:  # made once per size, not counted as training
+            step = self.steps[arr.size] = fixed_step(self.index, arr.size)
+        started = time.thread_time()
+        out = FitOutput(Weights({name: arr + step}), NUM_EXAMPLES)
+        self.cpu["train"] += time.thread_time() - started
+        return out
+
+    def evaluate(self, weights: Weights, config: Any) -> EvaluateOutput:
+        return EvaluateOutput(0.0, NUM_EXAMPLES)
+
+
+class BenchRunner(ClientRunner):
+    """A `ClientRunner` that counts bytes, times its steps and drops out on cue."""
+
+    def __init__(self, index: int, address: str, dropout: float) -> None:
+        self.cpu: dict[str, float] = defaultdict(float)
+        config = ClientConfig(server_address=address, name=f"bench-{index}", insecure=True,
+                              rpc_timeout_s=120.0)
+        super().__init__(BenchClient(index, self.cpu), config)
+        self.index, self.dropout = index, dropout
+        self.traffic = Traffic()
+        self.dropped = 0
+        self._setup: RoundSetup | None = None
+
+    def run(self) -> Any:
+        _local.traffic = self.traffic
+        return super().run()
+
+    def _failure(self, session: Session, task: TaskHeader) -> tuple[ResultHeader, None]:
+        self.dropped += 1
+        return ResultHeader(session, task.task_id, task.round, None,
+                            failure="benchmark dropout"), None
+
+    def _execute(self, session: Session, task: TaskHeader, weights: Weights
+                 ) -> tuple[ResultHeader, memoryview | None]:
+        request = task.secagg
+        if isinstance(request, AdvertiseKeysRequest):
+            self._setup = request.setup
+        if isinstance(request, MaskedInputRequest) and self.dropout and self._setup:
+            setup = self._setup
+            count = round(self.dropout * len(setup.participants))
+            if session.client_id in spread_dropouts(setup, setup.participants, count):
+                return self._failure(session, task)
+        if task.kind is not TaskKind.FIT:
+            return super()._execute(session, task, weights)
+        if self.dropout and (self.index + task.round) % round(1 / self.dropout) == 0:
+            self.client.fit(weights, task.config)  # it trains, then vanishes
+            return self._failure(session, task)
+        started, trained = time.thread_time(), self.cpu["train"]
+        result = super()._execute(session, task, weights)
+        self.cpu["update"] += time.thread_time() - started - (self.cpu["train"] - trained)
+        return result
+
+    def _push(self, connection: Any, result: ResultHeader, payload: memoryview | None) -> None:
+        started = time.thread_time()
+        try:
+            super()._push(connection, result, payload)
+        finally:
+            self.cpu["push"] += time.thread_time() - started
+
+
+def _serve_command(command: dict[str, Any]) -> list[dict[str, Any]]:
+    runners = [BenchRunner(i, command["address"], command["dropout"])
+               for i in command["indices"]]
+    threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
+    started = time.process_time()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(command["timeout_s"])
+    process_cpu = time.process_time() - started
+    return [{"index": r.index, "sent": r.traffic.sent, "received": r.traffic.received,
+             "cpu_s": {**r.cpu, **r.secagg_cpu_s}, "dropped": r.dropped,
+             "finished": r.stats.run_finished,
+             "process_cpu_s": process_cpu / len(runners)} for r in runners]
+
+
+def worker_main(conn: Connection) -> None:
+    """A pool worker: run the clients each command names, report, wait for the next."""
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    install_counter()
+    while True:
+        command = conn.recv()
+        if command is None:
+            return
+        conn.send(_serve_command(command))
+
+
+class ClientPool:
+    """``size`` spawned worker processes that run benchmark clients on command."""
+
+    def __init__(self, size: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipes: list[Connection] = []
+        self.processes = []
+        for _ in range(size):
+            parent, child = context.Pipe()
+            process = context.Process(target=worker_main, args=(child,), daemon=True)
+            process.start()
+            self.pipes.append(parent)
+            self.processes.append(process)
+
+    def run(self, address: str, clients: int, dropout: float, timeout_s: float
+            ) -> list[tuple[int, Connection]]:
+        """Start ``clients`` clients spread over the workers; returns what to collect."""
+        used = min(clients, len(self.pipes))
+        pending = []
+        for w in range(used):
+            indices = list(range(w, clients, used))
+            self.pipes[w].send({"address": address, "indices": indices, "dropout": dropout,
+                                "timeout_s": timeout_s})
+            pending.append((w, self.pipes[w]))
+        return pending
+
+    @staticmethod
+    def collect(pending: list[tuple[int, Connection]], timeout_s: float) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for w, pipe in pending:
+            if not pipe.poll(timeout_s):
+                raise TimeoutError(f"client worker {w} did not report")
+            for row in pipe.recv():
+                out.append({**row, "worker": w})
+        return out
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.processes:
+            process.join(10)
