@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 
 from fedloom.client_sdk.tls import handshake_hint, open_channel
 from fedloom.config import ClientConfig
@@ -31,7 +32,7 @@ from fedloom.messages import (
     Session,
     TaskHeader,
 )
-from fedloom.payload import PayloadReceiver, deserialize, iter_chunks
+from fedloom.payload import PayloadReceiver, deserialize, iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
@@ -84,8 +85,8 @@ def _translate(exc: grpc.RpcError, what: str) -> TransportError:
 
 class _BufferSink:
     def __init__(self, size: int) -> None:
-        self.buffer = bytearray(size)
-        self._view = memoryview(self.buffer)
+        self.buffer = np.empty(size, np.uint8)  # every byte is written: no zero-fill pass
+        self._view = self.buffer.data
         self._pos = 0
 
     def write(self, data: bytes) -> None:
@@ -143,6 +144,12 @@ class Connection:
             ],
         )
         self._stub = pb_grpc.FleetStub(self._channel)
+        # Push sends the codec's ready-made chunk frames (bytes) after its header.
+        self._push = self._channel.stream_unary(
+            "/fedloom.v1.Fleet/Push",
+            request_serializer=codec.serialize_message,
+            response_deserializer=pb.PushResponse.FromString,
+        )
         self.session: Session | None = None
         self.grant: JoinReply | None = None
         self._active: Any = None
@@ -276,22 +283,23 @@ class Connection:
             receiver.finish()
         except MessageRejectedError as exc:
             raise TransportError(f"the task's weights failed verification: {exc}") from exc
-        weights = deserialize(info.specs, memoryview(sink.buffer).toreadonly())
+        weights = deserialize(info.specs, sink.buffer.data.toreadonly())
         return task, weights
 
     def push(self, result: ResultHeader, payload: memoryview | None) -> bool:
         """Send a result (and its payload); returns True if the server had it already."""
         chunk_size = self.grant.chunk_size if self.grant else self.config.transfer.chunk_size
 
-        def messages() -> Iterator[pb.PushRequest]:
+        def messages() -> Iterator[pb.PushRequest | bytes]:
             yield codec.result_to_proto(result)
             if payload is not None:
-                yield from codec.chunks_for_push(iter_chunks(payload, chunk_size))
+                for offset, data in iter_chunk_views(payload, chunk_size):
+                    yield codec.chunk_frame(offset, data)
 
         size = len(payload) if payload is not None else 0
         timeout = self.config.rpc_timeout_s + size / (1 << 20)  # >= 1 MiB/s
         try:
-            response = self._stub.Push(messages(), timeout=timeout)
+            response = self._push(messages(), timeout=timeout)
         except grpc.RpcError as exc:
             raise _translate(exc, "push") from exc
         return bool(response.duplicate)

@@ -32,7 +32,7 @@ from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.config import ClientConfig
 from fedloom.errors import FedloomError, TransportError
 from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
-from fedloom.payload import PayloadInfo, serialize
+from fedloom.payload import PayloadInfo, serialize_difference
 from fedloom.secagg import SecAggConfig
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
@@ -228,7 +228,7 @@ class ClientRunner:
                 problem = _check_output(weights, fit.weights)
                 if problem:
                     raise ValueError(problem)
-                payload = serialize(fit.weights.subtract(weights))
+                payload = serialize_difference(fit.weights, weights)
                 self.stats.fits += 1
                 return ResultHeader(
                     session,

@@ -48,14 +48,27 @@ def payload_size(specs: Sequence[TensorSpec]) -> int:
 
 def serialize(weights: Weights) -> memoryview:
     """Concatenate the tensors' bytes in order: one copy of the model, read-only."""
-    out = bytearray(weights.nbytes)
-    flat = np.frombuffer(out, dtype=np.uint8)
+    flat = np.empty(weights.nbytes, dtype=np.uint8)  # every byte is written below
     pos = 0
     for arr in weights.values():
         n = arr.nbytes
         flat[pos : pos + n] = arr.reshape(-1).view(np.uint8)
         pos += n
-    return memoryview(out).toreadonly()
+    return flat.data.toreadonly()
+
+
+def serialize_difference(new: Weights, old: Weights) -> memoryview:
+    """``serialize(new.subtract(old))`` in one pass: each tensor's difference is
+    written straight into the payload (no intermediate model copy)."""
+    new.check_same_layout(old)
+    flat = np.empty(new.nbytes, dtype=np.uint8)
+    pos = 0
+    for name, arr in new.items():
+        n = arr.nbytes
+        out = flat[pos : pos + n].view(arr.dtype).reshape(arr.shape)
+        np.subtract(arr, old[name], out=out, dtype=arr.dtype)
+        pos += n
+    return flat.data.toreadonly()
 
 
 def digest(payload: bytes | memoryview) -> bytes:
@@ -85,6 +98,17 @@ def iter_chunks(payload: bytes | memoryview, chunk_size: int) -> Iterator[tuple[
     view = memoryview(payload)
     for offset in range(0, len(view), chunk_size):
         yield offset, bytes(view[offset : offset + chunk_size])
+
+
+def iter_chunk_views(
+    payload: bytes | memoryview, chunk_size: int
+) -> Iterator[tuple[int, memoryview]]:
+    """Like `iter_chunks`, but the pieces are views into ``payload`` (no copy)."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    view = memoryview(payload).cast("B")
+    for offset in range(0, len(view), chunk_size):
+        yield offset, view[offset : offset + chunk_size]
 
 
 class Sink(Protocol):

@@ -19,7 +19,7 @@ import grpc
 
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import NoTask
-from fedloom.payload import iter_chunks
+from fedloom.payload import iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
@@ -128,10 +128,9 @@ class FleetServicer(pb_grpc.FleetServicer):
                     await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
                     return
                 await context.write(codec.task_to_proto(header))
-                chunks = iter_chunks(payload, self.transfer.chunk_size)
-                for message in codec.chunks_for_pull(chunks):
-                    await context.write(message)
-                    ServerMetrics.bytes_out(len(message.chunk.data))
+                for offset, data in iter_chunk_views(payload, self.transfer.chunk_size):
+                    await context.write(codec.chunk_frame(offset, data))  # ready-made bytes
+                    ServerMetrics.bytes_out(len(data))
         except TimeoutError:
             exc = MessageRejectedError(
                 RejectReason.TIMEOUT,

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from fedloom.payload import PayloadInfo, PayloadReceiver
-from fedloom.server.memory import release_free_heap
 from fedloom.weights import TensorSpec, Weights
 
 
@@ -143,7 +142,6 @@ class Spool:
         """Verify size and digest; the file then backs a `SpooledWeights`."""
         self._file.close()
         self._receiver.finish()
-        release_free_heap()  # the upload's chunk buffers are free now: return their pages
         return SpooledWeights(self.path, self._info.specs)
 
     def discard(self) -> None:

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.server.metrics import ServerMetrics
 
@@ -85,9 +86,8 @@ def add_fleet_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     handlers = {}
     for method in SERVICE.methods:
         request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
         behaviour = getattr(servicer, method.name)
-        serialize = response_cls.SerializeToString
+        serialize = codec.serialize_message  # protobuf objects, or frames made by the codec
         if method.client_streaming and not method.server_streaming:
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
                 _stream_request(request_cls, behaviour), response_serializer=serialize
