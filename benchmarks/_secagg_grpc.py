@@ -55,6 +55,13 @@ class Traffic:
         self.received = 0
 
 
+def _size(message: Any) -> int:
+    """Serialized bytes of a protobuf message, or of a frame already serialized."""
+    if isinstance(message, bytes | bytearray | memoryview):
+        return len(message)
+    return int(message.ByteSize())
+
+
 class _CountingStream:
     """A response stream that counts what it yields (and passes everything else on)."""
 
@@ -66,7 +73,7 @@ class _CountingStream:
 
     def __next__(self) -> Any:
         message = next(self._call)
-        self._traffic.received += message.ByteSize()
+        self._traffic.received += _size(message)
         return message
 
     def __getattr__(self, name: str) -> Any:
@@ -79,21 +86,21 @@ class _Counter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercept
         self.traffic = traffic
 
     def _requests(self, requests: Iterator[Any]) -> Iterator[Any]:
-        for request in requests:
-            self.traffic.sent += request.ByteSize()
+        for request in requests:  # a message, or a frame the codec built (bytes)
+            self.traffic.sent += _size(request)
             yield request
 
     def _answered(self, outcome: Any) -> Any:
         with contextlib.suppress(Exception):  # the caller sees the error itself
-            self.traffic.received += outcome.result().ByteSize()
+            self.traffic.received += _size(outcome.result())
         return outcome
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self.traffic.sent += request.ByteSize()
+        self.traffic.sent += _size(request)
         return self._answered(continuation(details, request))
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        self.traffic.sent += request.ByteSize()
+        self.traffic.sent += _size(request)
         return _CountingStream(continuation(details, request), self.traffic)
 
     def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
