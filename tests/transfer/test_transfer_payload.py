@@ -10,16 +10,15 @@ from fedloom.payload import deserialize, serialize, serialize_difference
 
 
 def _weights(rng: np.random.Generator) -> Weights:
-    return Weights(
-        {
-            "w": rng.normal(size=(3, 4)).astype(np.float32),
-            "h": rng.normal(size=5).astype(np.float16),
-            "d": rng.normal(size=2),
-            "steps": np.array(int(rng.integers(0, 100)), np.int64),
-            "u": rng.integers(0, 200, size=3).astype(np.uint8),
-            "empty": np.zeros((0, 2), np.float32),
-        }
-    )
+    tensors: dict[str, np.ndarray] = {
+        "w": rng.normal(size=(3, 4)).astype(np.float32),
+        "h": rng.normal(size=5).astype(np.float16),
+        "d": rng.normal(size=2),
+        "steps": np.array(int(rng.integers(0, 100)), np.int64),
+        "u": rng.integers(0, 200, size=3).astype(np.uint8),
+        "empty": np.zeros((0, 2), np.float32),
+    }
+    return Weights(tensors)
 
 
 def test_serialize_difference_is_serialize_of_subtract() -> None:
