@@ -23,6 +23,7 @@ import random
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 import numpy as np
 
@@ -300,7 +301,7 @@ def start_client(
     base = config or ClientConfig(server_address=server_address)
     settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)
     runner = ClientRunner(client, settings, token, stop, secure_aggregation)
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, Any] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -313,4 +314,4 @@ def start_client(
         return runner.run()
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)

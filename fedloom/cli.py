@@ -73,7 +73,10 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: st
     for field in dataclasses.fields(cls):
         if field.name in ("transfer", "strategy", "tls", "auth", "insecure", "secure_aggregation"):
             continue
-        kind = {"int": int, "float": float, "bool": _parse_bool}.get(str(field.type), str)
+        parsers: dict[str, Callable[[str], Any]] = {
+            "int": int, "float": float, "bool": _parse_bool
+        }
+        kind = parsers.get(str(field.type), str)
         default = field.default if field.default is not dataclasses.MISSING else None
         parser.add_argument(
             _flag(field.name),
