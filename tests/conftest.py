@@ -1,13 +1,23 @@
-"""Shared fixtures: server configurations for loopback tests."""
+"""Shared fixtures: server configurations for loopback tests; Hypothesis profiles.
+
+``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) derandomizes every property test, so a
+CI run checks the same examples each time; locally the default profile explores new
+ones on every run (and keeps failures in ``.hypothesis/``).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from fedloom import ServerConfig
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture
