@@ -8,7 +8,14 @@ grpc, protobuf, torch or flwr. The wings live in ``fedloom.server``,
 ``fedloom.simulations``.
 """
 
-from fedloom.config import ClientConfig, ServerConfig, StrategyConfig, TransferConfig
+from fedloom.config import (
+    AuthConfig,
+    ClientConfig,
+    ServerConfig,
+    StrategyConfig,
+    TLSConfig,
+    TransferConfig,
+)
 from fedloom.errors import (
     AggregationError,
     CheckpointError,
@@ -20,6 +27,7 @@ from fedloom.errors import (
     SecureAggregationError,
     TransportError,
 )
+from fedloom.secagg import SecAggConfig
 from fedloom.types import (
     AggregateResult,
     ClientInfo,
@@ -40,6 +48,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "AggregateResult",
     "AggregationError",
+    "AuthConfig",
     "CheckpointError",
     "ClientConfig",
     "ClientInfo",
@@ -55,9 +64,11 @@ __all__ = [
     "RejectReason",
     "RoundAbortedError",
     "Scalar",
+    "SecAggConfig",
     "SecureAggregationError",
     "ServerConfig",
     "StrategyConfig",
+    "TLSConfig",
     "TaskKind",
     "TensorSpec",
     "TransferConfig",

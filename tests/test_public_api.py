@@ -1,0 +1,40 @@
+"""The public names of the kernel, the server and the client SDK are pinned.
+
+A name added or removed here is an API change: update the list on purpose. (The
+strategies, simulation and secure-aggregation packages pin theirs in their own suites.)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PINNED = {
+    "fedloom": [
+        "SUPPORTED_DTYPES", "AggregateResult", "AggregationError", "AuthConfig",
+        "CheckpointError", "ClientConfig", "ClientInfo", "ClientUpdate", "Config",
+        "ConfigError", "EvaluatePlan", "EvaluateResult", "FedloomError", "FitPlan",
+        "MessageRejectedError", "Metrics", "RejectReason", "RoundAbortedError", "Scalar",
+        "SecAggConfig", "SecureAggregationError", "ServerConfig", "StrategyConfig",
+        "TLSConfig", "TaskKind", "TensorSpec", "TransferConfig", "TransportError",
+        "Weights", "__version__",
+    ],
+    "fedloom.server": [
+        "EvaluateFn", "SecAggResult", "SecAggServer", "SecAggStatus", "Server",
+        "ServerHandle", "aggregate_secure_mean", "check_secure_strategy", "load_weights",
+        "save_weights",
+    ],
+    "fedloom.client_sdk": [
+        "AccessDeniedError", "Backoff", "Client", "ClientRunner", "ClientStats",
+        "EvaluateOutput", "FitOutput", "TorchClient", "start_client",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", list(PINNED))
+def test_exported_names_are_pinned_and_importable(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PINNED[module])
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None, name
