@@ -40,10 +40,15 @@ reproducible, weight for weight.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import hashlib
 import logging
+import os
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -60,6 +65,8 @@ from fedloom.secagg import (
     RoundId,
     RoundSetup,
     SecAggConfig,
+    SecAggReply,
+    SecAggRequest,
     ShareKeysReply,
     ShareKeysRequest,
     Stage,
@@ -81,6 +88,9 @@ from fedloom.types import AggregateResult, ClientUpdate, FitPlan
 from fedloom.weights import Weights
 
 logger = logging.getLogger(__name__)
+
+#: ``map``, or a thread pool's ``map``.
+MapFn = Callable[..., Iterable[Any]]
 
 __all__ = ["LocalSecureAggregation", "SecureDropout", "SecureRoundReport", "payload_bytes",
            "spread_dropouts"]
@@ -166,10 +176,15 @@ class LocalSecureAggregation:
         dropout: clients that vanish mid-protocol (none by default).
         run_id: the run id bound into every key derivation and share.
         seed: seeds each client's stochastic rounding (per round and client id).
+        workers: threads that compute the clients' replies of a stage, and the server's
+            unmasking, in parallel (OpenSSL and numpy release the GIL; training stays
+            one client at a time). The result does not depend on it: each client's
+            rounding has its own generator, and the server takes replies in order.
     """
 
     def __init__(self, config: SecAggConfig, dropout: SecureDropout | None = None, *,
-                 run_id: str = "local", seed: int = 0) -> None:
+                 run_id: str = "local", seed: int = 0,
+                 workers: int = min(4, os.cpu_count() or 1)) -> None:
         if not config.enabled:
             raise ConfigError("secure_aggregation.enabled",
                               "is false; pass no secure aggregation to run plain rounds")
@@ -177,8 +192,10 @@ class LocalSecureAggregation:
         self.dropout = dropout or SecureDropout()
         self.run_id = run_id
         self.seed = seed
+        self.workers = max(1, workers)
         self.reports: list[SecureRoundReport] = []
         self._attempt = 0
+        self._lock = threading.Lock()  # the reports' CPU totals, from worker threads
 
     def check(self, strategy: Strategy) -> None:
         """Refuse a strategy that needs individual updates (as the server does)."""
@@ -210,18 +227,23 @@ class LocalSecureAggregation:
         except ConfigError as exc:
             return self._failed(report, f"the round cannot start: {exc}", plan, failures)
         report.participants = setup.participants
-        server = SecAggServer(setup)
-        for cid in set(setup.participants) - set(participants):
-            server.drop(cid)  # failed to train: never answers stage 1
-        clients = {cid: SecAggClient(cid, rng=self._rounding_rng(server_round, cid))
-                   for cid in participants}
-        vanishing = self._vanishing(setup, server_round, participants)
-        report.vanished = tuple(sorted(vanishing))
-        try:
-            while server.status is SecAggStatus.RUNNING:
-                self._run_stage(server, clients, inputs, vanishing, report)
-        except SecureAggregationError as exc:
-            return self._failed(report, str(exc), plan, failures)
+        with contextlib.ExitStack() as stack:
+            map_fn: MapFn = map  # lazy: one client at a time
+            if self.workers > 1:
+                map_fn = stack.enter_context(
+                    concurrent.futures.ThreadPoolExecutor(self.workers)).map
+            server = SecAggServer(setup, map_fn=map_fn)
+            for cid in set(setup.participants) - set(participants):
+                server.drop(cid)  # failed to train: never answers stage 1
+            clients = {cid: SecAggClient(cid, rng=self._rounding_rng(server_round, cid))
+                       for cid in participants}
+            vanishing = self._vanishing(setup, server_round, participants)
+            report.vanished = tuple(sorted(vanishing))
+            try:
+                while server.status is SecAggStatus.RUNNING:
+                    self._run_stage(server, clients, inputs, vanishing, report, map_fn)
+            except SecureAggregationError as exc:
+                return self._failed(report, str(exc), plan, failures)
         outcome = server.result
         report.survivors, report.dropped = outcome.survivors, outcome.dropped
         gone = set(setup.participants) - set(outcome.survivors) - set(failures)
@@ -256,33 +278,46 @@ class LocalSecureAggregation:
 
     def _run_stage(self, server: SecAggServer, clients: dict[str, SecAggClient],
                    inputs: dict[str, tuple[Weights, int]], vanishing: frozenset[str],
-                   report: SecureRoundReport) -> None:
-        """Every pending client answers the open stage; then the server closes it."""
+                   report: SecureRoundReport, map_fn: MapFn) -> None:
+        """Every pending client answers the open stage (``map_fn`` may compute the
+        replies in parallel); the server takes them in order, then closes the stage."""
         stage, started = server.stage, time.perf_counter()
         order = list(Stage)
         vanish_now = order.index(stage) == order.index(self.dropout.stage) + 1
+        asked: list[tuple[str, SecAggRequest]] = []
         for cid in sorted(server.pending()):
             if vanish_now and cid in vanishing:
                 server.drop(cid)  # answered the stage before, gone before this one
                 continue
-            request = server.request_for(cid)
+            asked.append((cid, server.request_for(cid)))
+
+        def answer(item: tuple[str, SecAggRequest]
+                   ) -> tuple[str, SecAggReply | None, bytes | None]:
+            cid, request = item
             cpu = time.thread_time()
             try:
-                if stage is Stage.MASKED_INPUT:
-                    delta, num_examples = inputs.pop(cid)
-                    reply = clients[cid].handle(request, vector=flatten(delta, dtype=None),
-                                                num_examples=num_examples)
-                else:
-                    reply = clients[cid].handle(request)
+                if stage is not Stage.MASKED_INPUT:
+                    return cid, clients[cid].handle(request), None
+                delta, num_examples = inputs.pop(cid)
+                reply = clients[cid].handle(request, vector=flatten(delta, dtype=None),
+                                            num_examples=num_examples)
             except SecureAggregationError as exc:  # a refusal is a dropout
                 logger.warning("secure round: %s", exc)
+                return cid, None, None
+            finally:
+                with self._lock:
+                    self._add(report.client_cpu_s, str(stage), time.thread_time() - cpu)
+            # the transport's digest of the upload (the server recognises retries by it)
+            assert isinstance(reply, MaskedInputReply)
+            return cid, reply, hashlib.sha256(reply.masked.data.cast("B")).digest()
+
+        for cid, reply, digest in map_fn(answer, asked):
+            if reply is None:
                 server.drop(cid)
                 continue
-            finally:
-                self._add(report.client_cpu_s, str(stage), time.thread_time() - cpu)
             report.bytes_sent[cid] = report.bytes_sent.get(cid, 0) + payload_bytes(reply)
             try:
-                server.receive(cid, reply)
+                server.receive(cid, reply, digest=digest)
             except MessageRejectedError as exc:
                 logger.warning("secure round: the reply of %s was refused: %s", cid, exc)
                 server.drop(cid)

@@ -141,6 +141,10 @@ def test_secure_runs_are_reproducible() -> None:
     assert a.weights is not None and b.weights is not None and c.weights is not None
     assert a.weights.allclose(b.weights, rtol=0, atol=0)  # fresh keys, same rounding
     assert not a.weights.allclose(c.weights, rtol=0, atol=0)
+    # one worker or several (replies computed in threads): the same model
+    for workers in (1, 3):
+        d, _ = run(secure=LocalSecureAggregation(SECURE, seed=5, workers=workers), rounds=2)
+        assert d.weights is not None and a.weights.allclose(d.weights, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("after", ["advertise_keys", "share_keys", "masked_input"])
