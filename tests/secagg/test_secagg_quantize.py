@@ -122,6 +122,6 @@ def test_flatten_can_keep_the_tensors_dtype() -> None:
     one = Weights({"a": np.arange(6, dtype=np.float32)})
     kept = flatten(one, dtype=None)
     assert kept.dtype == np.float32 and kept.tolist() == list(range(6))
-    mixed = Weights({"a": np.zeros(2, np.float32), "n": np.array([4], dtype=np.int64)})
+    mixed = Weights([("a", np.zeros(2, np.float32)), ("n", np.array([4], dtype=np.int64))])
     assert flatten(mixed, dtype=None).dtype == np.float64  # int64 needs float64
     assert flatten(Weights({}), dtype=None).shape == (0,)
