@@ -23,6 +23,7 @@ from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, neighbour_graph
 from fedloom.simulations.history import History
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.local_secure import (
+    PARALLEL_LENGTH,
     LocalSecureAggregation,
     SecureDropout,
     payload_bytes,
@@ -141,10 +142,22 @@ def test_secure_runs_are_reproducible() -> None:
     assert a.weights is not None and b.weights is not None and c.weights is not None
     assert a.weights.allclose(b.weights, rtol=0, atol=0)  # fresh keys, same rounding
     assert not a.weights.allclose(c.weights, rtol=0, atol=0)
-    # one worker or several (replies computed in threads): the same model
-    for workers in (1, 3):
-        d, _ = run(secure=LocalSecureAggregation(SECURE, seed=5, workers=workers), rounds=2)
-        assert d.weights is not None and a.weights.allclose(d.weights, rtol=0, atol=0)
+
+
+def test_masked_inputs_computed_in_threads_give_the_same_model() -> None:
+    # large enough (PARALLEL_LENGTH) for the masked inputs and the unmasking to run in
+    # threads: the same model as one client at a time, with and without dropouts
+    big = Weights({"w": np.zeros(PARALLEL_LENGTH + 5, np.float32)})
+    for dropout in (SecureDropout(), SecureDropout(fraction=0.2, after="share_keys")):
+        models = []
+        for workers in (1, 3):
+            clients = [StepClient(i, scale=0.01) for i in range(10)]
+            secure = LocalSecureAggregation(SECURE, dropout, seed=5, workers=workers)
+            history = run_local(FedAvg(seed=0), clients.__getitem__, big, num_clients=10,
+                                num_rounds=1, secure_aggregation=secure)
+            assert history.weights is not None and not secure.reports[0].failure
+            models.append(history.weights)
+        assert models[0].allclose(models[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("after", ["advertise_keys", "share_keys", "masked_input"])
