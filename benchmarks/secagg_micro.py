@@ -28,46 +28,15 @@ import numpy as np
 
 from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.secagg import (
-    AdvertisedKeys,
-    AdvertiseKeysRequest,
-    EncryptedShare,
-    MaskedInputReply,
-    MaskedInputRequest,
     RoundId,
     RoundSetup,
     SecAggConfig,
-    ShareKeysReply,
-    ShareKeysRequest,
     Stage,
-    UnmaskReply,
-    UnmaskRequest,
 )
 from fedloom.server.secagg import SecAggServer, SecAggStatus
+from fedloom.simulations.local_secure import payload_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def wire_bytes(message: Any) -> int:
-    """Bytes of a message's payload fields (ids as UTF-8; no envelope overhead)."""
-    if isinstance(message, AdvertiseKeysRequest):
-        s = message.setup
-        return sum(len(p) for p in s.participants) + 32 + 8 * 8
-    if isinstance(message, AdvertisedKeys):
-        return len(message.client_id) + 96
-    if isinstance(message, ShareKeysRequest):
-        return sum(len(k.client_id) + 96 for k in message.neighbours)
-    if isinstance(message, EncryptedShare):
-        return len(message.sender) + len(message.receiver) + 12 + len(message.ciphertext)
-    if isinstance(message, ShareKeysReply | MaskedInputRequest):
-        return sum(wire_bytes(s) for s in message.shares)
-    if isinstance(message, MaskedInputReply):
-        return len(message.client_id) + message.masked.nbytes
-    if isinstance(message, UnmaskRequest):
-        return sum(len(c) for c in (*message.survivors, *message.dropped))
-    if isinstance(message, UnmaskReply):
-        return sum(len(s.owner) + len(s.value)
-                   for s in (*message.self_mask_shares, *message.mask_key_shares))
-    raise TypeError(type(message))
 
 
 def run_round(config: SecAggConfig, params: int, n: int, drop_stage: Stage | None,
@@ -95,8 +64,8 @@ def run_round(config: SecAggConfig, params: int, n: int, drop_stage: Stage | Non
             t0 = time.process_time()
             reply = clients[cid].handle(request, vector=vector, num_examples=num_examples)
             cpu[stage].append(time.process_time() - t0)
-            size[f"{stage} request"].append(wire_bytes(request))
-            size[f"{stage} reply"].append(wire_bytes(reply))
+            size[f"{stage} request"].append(payload_bytes(request))
+            size[f"{stage} reply"].append(payload_bytes(reply))
             t0 = time.perf_counter()
             server.receive(cid, reply)
             server_s[f"receive {stage}"] += time.perf_counter() - t0
