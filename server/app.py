@@ -31,6 +31,7 @@ from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, EvaluateFn
+from fedloom.server.memory import tune_allocator
 from fedloom.server.observability import MetricsEndpoint, Probes
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
@@ -77,6 +78,7 @@ class Server:
         evaluate_fn: EvaluateFn | None = None,
     ) -> None:
         self.config = config
+        tune_allocator()  # the process's heap stays small through the rounds (memory.py)
         self.strategy = (
             strategy
             if strategy is not None
