@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing as mp
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from typing import Any
 
 import numpy as np
 from _procmem import peak_rss_bytes, reset_peak, rss_bytes
+from _report import print_targets, write_report
 from transfer import parse_size, size_label
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -265,22 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results))
     print()
-    for c in checks:
-        print(f"[{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['value']}")
+    print_targets(checks)
     for r in results:
         r.pop("fingerprint", None)
-    report = {
-        "benchmark": "aggregate",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "results": results,
-        "targets": checks,
-    }
     out = args.out or RESULTS / ("aggregate-quick.json" if args.quick else "aggregate.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_report("aggregate", args, results, checks, out)
     return 0
 
 

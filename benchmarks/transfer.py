@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import _transfer_fedloom
 import _transfer_flower
+from _report import print_targets, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1e6
@@ -263,20 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results))
     print()
-    for t in checks:
-        print(f"[{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']} {t['unit']}")
-    report = {
-        "benchmark": "transfer",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "results": results,
-        "targets": checks,
-    }
+    print_targets(checks)
     out = args.out or RESULTS / ("transfer-quick.json" if args.quick else "transfer.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_report("transfer", args, results, checks, out)
     return 0
 
 
