@@ -45,6 +45,8 @@ SERVER_HELP = {
     "heartbeat_interval_s": "seconds between client heartbeats",
     "client_timeout_s": "seconds of silence after which a client is dropped",
     "stream_timeout_s": "time limit of one upload or download stream, in seconds",
+    "chunk_timeout_s": "seconds a model stream holding a transfer turn may go without moving "
+    "a chunk",
     "quarantine_after": "refused messages within quarantine_s that quarantine a client (0: never)",
     "quarantine_s": "seconds a quarantined client is refused (and the window strikes count in)",
     "max_clients": "most clients connected at once",

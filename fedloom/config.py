@@ -147,6 +147,7 @@ class ServerConfig:
     heartbeat_interval_s: float = 5.0
     client_timeout_s: float = 30.0
     stream_timeout_s: float = 600.0
+    chunk_timeout_s: float = 30.0
     quarantine_after: int = 10
     quarantine_s: float = 60.0
     max_clients: int = 10_000
@@ -186,6 +187,7 @@ class ServerConfig:
             "heartbeat_interval_s",
             "client_timeout_s",
             "stream_timeout_s",
+            "chunk_timeout_s",
             "quarantine_s",
         ):
             value = getattr(self, name)

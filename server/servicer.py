@@ -8,6 +8,7 @@ line), and the server carries on; the reason decides the status code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
@@ -26,7 +27,7 @@ from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, PendingUpload
 from fedloom.server.metrics import ServerMetrics
-from fedloom.server.transfer_slots import TransferSlots
+from fedloom.server.transfer_slots import IdleLimit, TransferSlots
 
 log = logging.getLogger("fedloom.server")
 
@@ -73,7 +74,18 @@ class FleetServicer(pb_grpc.FleetServicer):
         self.auth = auth or Authenticator()  # default: no identities (anonymous)
         self.transfer = coordinator.config.transfer
         self.stream_timeout_s = coordinator.config.stream_timeout_s
+        self.chunk_timeout_s = coordinator.config.chunk_timeout_s
         self.slots = TransferSlots()  # a few models stream at a time: memory stays flat
+
+    def _timed_out(self, what: str, idle: bool) -> MessageRejectedError:
+        if idle:
+            return MessageRejectedError(
+                RejectReason.TIMEOUT,
+                f"{what} moved no chunk for {self.chunk_timeout_s:g} s (chunk_timeout_s)",
+            )
+        return MessageRejectedError(
+            RejectReason.TIMEOUT, f"{what} exceeded the {self.stream_timeout_s:.0f} s stream limit"
+        )
 
     def _client(self, session: pb.Session):  # type: ignore[no-untyped-def]
         record = self.coordinator.registry.authenticate(codec.session_from_proto(session))
@@ -114,6 +126,7 @@ class FleetServicer(pb_grpc.FleetServicer):
     ) -> None:
         # Messages are written, not yielded, so that the stream's time limit covers every
         # write: a client that stops reading (HTTP/2 flow control) cannot hold the stream.
+        idle = IdleLimit(self.chunk_timeout_s)
         try:
             polled = time.monotonic()
             outcome = await self.coordinator.pull(self._client(request.session))
@@ -123,20 +136,23 @@ class FleetServicer(pb_grpc.FleetServicer):
             header, payload = outcome
             # Wait for a turn only as long as the long-poll has left: the client's deadline.
             wait_s = max(0.0, self.coordinator.config.long_poll_s - (time.monotonic() - polled))
-            async with asyncio.timeout(self.stream_timeout_s), self.slots.download(wait_s) as turn:
+            turn_cm = (
+                self.slots.download(wait_s)
+                if len(payload) > self.transfer.chunk_size
+                else contextlib.nullcontext(True)  # one chunk: no turn needed
+            )
+            async with asyncio.timeout(self.stream_timeout_s), turn_cm as turn:
                 if not turn:  # others are downloading: ask again (this task stays pending)
                     await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
                     return
-                await context.write(codec.task_to_proto(header))
-                for offset, data in iter_chunk_views(payload, self.transfer.chunk_size):
-                    await context.write(codec.chunk_frame(offset, data))  # ready-made bytes
-                    ServerMetrics.bytes_out(len(data))
+                async with idle:
+                    await context.write(codec.task_to_proto(header))
+                    for offset, data in iter_chunk_views(payload, self.transfer.chunk_size):
+                        idle.moved()
+                        await context.write(codec.chunk_frame(offset, data))  # ready-made
+                        ServerMetrics.bytes_out(len(data))
         except TimeoutError:
-            exc = MessageRejectedError(
-                RejectReason.TIMEOUT,
-                f"download exceeded the {self.stream_timeout_s:.0f} s stream limit",
-            )
-            await _reject(context, "Pull", exc)
+            await _reject(context, "Pull", self._timed_out("download", idle.expired()))
         except MessageRejectedError as exc:
             await _reject(context, "Pull", exc)
 
@@ -144,6 +160,7 @@ class FleetServicer(pb_grpc.FleetServicer):
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
     ) -> pb.PushResponse:
         upload: PendingUpload | None = None
+        idle = IdleLimit(self.chunk_timeout_s)
         try:
             async with asyncio.timeout(self.stream_timeout_s):
                 first = await anext(aiter(request_iterator), None)
@@ -157,7 +174,14 @@ class FleetServicer(pb_grpc.FleetServicer):
                 if not isinstance(outcome, PendingUpload):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome
-                async with self.slots.upload():
+                size = header.update.total_bytes if header.update is not None else 0
+                # one chunk needs no turn (as for downloads)
+                turn_cm = (
+                    self.slots.upload()
+                    if size > self.transfer.chunk_size
+                    else contextlib.nullcontext()
+                )
+                async with turn_cm, idle:
                     async for message in request_iterator:
                         if message.WhichOneof("part") != "chunk":
                             raise MessageRejectedError(
@@ -165,16 +189,13 @@ class FleetServicer(pb_grpc.FleetServicer):
                             )
                         upload.spool.feed(*codec.chunk_from_proto(message.chunk))
                         ServerMetrics.bytes_in(len(message.chunk.data))
+                        idle.moved()
                     delta = upload.spool.finish()
             await self.coordinator.finish_upload(upload, delta)
             upload = None
             return pb.PushResponse(duplicate=False)
         except TimeoutError:
-            exc = MessageRejectedError(
-                RejectReason.TIMEOUT,
-                f"upload exceeded the {self.stream_timeout_s:.0f} s stream limit",
-            )
-            await _reject(context, "Push", exc)
+            await _reject(context, "Push", self._timed_out("upload", idle.expired()))
         except MessageRejectedError as exc:
             await _reject(context, "Push", exc)
         finally:

@@ -9,6 +9,12 @@ round is no slower.
 - A download that finds no free turn within the long-poll time is answered "no task
   yet, ask again" (the client re-polls at once and gets the same task): a client never
   waits silently past its own long-poll deadline.
+- A stream that holds a turn must keep moving: `IdleLimit` cuts it when no chunk has
+  gone out or come in for ``chunk_timeout_s``, so a client that stops reading its
+  model, or stops sending its update, cannot keep the turn from others for the whole
+  stream time limit.
+- A model small enough for one chunk (the secure-aggregation stages' tasks, tiny
+  models) needs no turn: it costs no more than any other message.
 - An upload waits for its turn with its stream open and idle before its first chunk
   (HTTP/2 flow control holds the client's data back); its stream time limit
   (``stream_timeout_s``) and the client's deadline count the wait. Uploads are served
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import types
 from collections.abc import AsyncIterator
 
 #: Downloads and uploads streaming at once (each); more wait for a turn.
@@ -57,3 +64,34 @@ class TransferSlots:
         """Hold an upload turn, waiting as long as it takes (the caller's time limit)."""
         async with self._uploads:
             yield
+
+
+class IdleLimit:
+    """An async time limit that starts again whenever the stream moves (`moved`)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> IdleLimit:
+        self._timeout = asyncio.timeout(self.limit_s)
+        await self._timeout.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        assert self._timeout is not None
+        await self._timeout.__aexit__(exc_type, exc, tb)  # raises TimeoutError when it cut
+
+    def moved(self) -> None:
+        """A chunk went out or came in: the limit counts from now."""
+        assert self._timeout is not None
+        self._timeout.reschedule(asyncio.get_running_loop().time() + self.limit_s)
+
+    def expired(self) -> bool:
+        """True when this limit (not an outer one) cut the stream."""
+        return self._timeout is not None and self._timeout.expired()

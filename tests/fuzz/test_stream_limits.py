@@ -3,8 +3,11 @@ sides agree, so idle long-polls are never punished."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -21,7 +24,9 @@ from fedloom.payload import PayloadInfo, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.server import Server
+from fedloom.server import servicer as servicer_module
 from fedloom.server.app import grpc_server_options
+from fedloom.server.transfer_slots import TransferSlots
 
 ServerConfigFactory = Callable[..., ServerConfig]
 
@@ -132,3 +137,108 @@ def test_keepalive_policies_let_idle_long_polls_live(
     assert server["grpc.keepalive_time_ms"] <= 60_000
     # Messages: the client accepts what the server may send, and vice versa.
     assert client["grpc.max_receive_message_length"] >= server["grpc.max_send_message_length"]
+
+
+# ---- streams that hold a transfer turn must keep moving (chunk_timeout_s) ------------
+
+
+class _SlowClient(ScriptedClient):
+    def fit(self, weights, config):  # type: ignore[no-untyped-def]
+        time.sleep(1.5)
+        return super().fit(weights, config)
+
+
+def test_an_upload_that_stalls_while_holding_the_only_turn_is_cut_and_others_go_on(
+    server_config: ServerConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(servicer_module, "TransferSlots", functools.partial(TransferSlots, 1))
+    transfer = TransferConfig(chunk_size=1024, max_message_bytes=20 * 1024)
+    config = server_config(
+        num_rounds=1, min_clients=3, min_fit_clients=2, stream_timeout_s=60.0,
+        chunk_timeout_s=1.0, transfer=transfer,
+    )  # fmt: skip
+    handle = Server(config, initial_weights=_weights(2048)).start()
+    raw = RawClient(handle.address)
+    # Honest clients that train for a while: they upload after the stall took the turn.
+    threads = run_clients(handle.address, [_SlowClient(seed=i, num_examples=2) for i in range(2)])
+    task = raw.pull_task()
+    delta = Weights({n: np.zeros_like(a) for n, a in _weights(2048).items()})
+    payload = bytes(serialize(delta))  # 8 chunks: it needs a turn
+    header = ResultHeader(
+        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
+        base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
+    )  # fmt: skip
+
+    def stall():  # type: ignore[no-untyped-def]
+        yield codec.result_to_proto(header)
+        offset, data = chunked(payload, 1024)[0]
+        yield pb.PushRequest(chunk=pb.Chunk(offset=offset, data=data))
+        time.sleep(5.0)  # holds the only upload turn, sends nothing more
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        raw.stub.Push(stall(), timeout=20)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "chunk_timeout_s" in (info.value.details() or "")
+    assert time.monotonic() - started < 4.0  # the idle limit, not the 60 s stream limit
+    # The two honest clients then upload through the freed turn.
+    history = handle.wait(60)
+    for t in threads:
+        t.join(10)
+    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
+
+
+def test_a_download_that_stops_reading_is_cut_by_the_idle_limit(
+    server_config: ServerConfigFactory,
+) -> None:
+    transfer = TransferConfig(chunk_size=64 * 1024, max_message_bytes=160 * 1024)
+    big = _weights(8 << 20)  # 32 MB: far beyond what HTTP/2 flow control buffers
+    config = server_config(
+        num_rounds=1, min_clients=1, min_fit_clients=1, stream_timeout_s=60.0,
+        chunk_timeout_s=1.0, transfer=transfer, round_timeout_s=20.0,
+    )  # fmt: skip
+    handle = Server(config, initial_weights=big).start()
+    raw = RawClient(handle.address)
+    started = time.monotonic()
+    stream = raw.stub.Pull(pb.PullRequest(session=raw.session_proto), timeout=30)
+    assert next(stream).WhichOneof("part") == "task"
+    time.sleep(3.0)  # read nothing more
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "chunk_timeout_s" in (info.value.details() or "")
+    assert time.monotonic() - started < 10.0
+    handle.stop()
+    handle.wait(10)
+
+
+class _NoTurns(TransferSlots):
+    """Slots whose turns never come: only transfers that need no turn can happen."""
+
+    @contextlib.asynccontextmanager
+    async def download(self, wait_s: float) -> AsyncIterator[bool]:
+        yield False
+
+    @contextlib.asynccontextmanager
+    async def upload(self) -> AsyncIterator[None]:
+        await asyncio.sleep(3600)
+        yield
+
+
+def test_models_of_one_chunk_need_no_transfer_turn(
+    server_config: ServerConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tasks and results that fit in one chunk (secure-aggregation stages, tiny models)
+    never queue behind model transfers: with no turn ever free, a round of them runs."""
+    monkeypatch.setattr(servicer_module, "TransferSlots", _NoTurns)
+    config = server_config(num_rounds=2, min_clients=2, min_fit_clients=2, round_timeout_s=20.0)
+    handle = Server(config, initial_weights=_weights()).start()  # 60 bytes: one chunk
+    threads = run_clients(
+        handle.address, [ScriptedClient(seed=i, num_examples=2) for i in range(2)]
+    )
+    history = handle.wait(60)
+    for t in threads:
+        t.join(10)
+    assert [r["status"] for r in history] == ["ok", "ok"]
+    assert [r["num_updates"] for r in history] == [2, 2]
