@@ -56,6 +56,8 @@ SERVER_HELP = {
     "chunk_size": "bytes per weights chunk on the wire",
     "max_message_bytes": "largest gRPC message accepted (keep near 2x chunk_size)",
     "max_model_bytes": "largest model or update accepted, in bytes",
+    "stream_window_bytes": "server's HTTP/2 receive window per upload stream (0: gRPC's "
+    "default); raise it (e.g. 4194304) for clients on high-latency links",
 }
 
 

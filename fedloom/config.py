@@ -62,9 +62,15 @@ class TransferConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_message_bytes: int = 2 * DEFAULT_CHUNK_SIZE + 64 * 1024
     max_model_bytes: int = 8 * 1024 * _MiB
+    stream_window_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check(self.chunk_size >= 1024, "chunk_size", "must be at least 1024 bytes")
+        _check(
+            self.stream_window_bytes == 0 or 64 * 1024 <= self.stream_window_bytes < 2**31,
+            "stream_window_bytes",
+            "must be 0 (gRPC's default) or from 65536 to 2147483647 bytes",
+        )
         _check(
             self.max_message_bytes >= self.chunk_size + 16 * 1024,
             "max_message_bytes",

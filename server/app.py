@@ -59,10 +59,12 @@ def grpc_server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.max_ping_strikes", 3),
         # Never share a port with another process silently.
         ("grpc.so_reuseport", 0),
-        # Fixed 64 KiB stream windows (a stream being read still takes whole chunks): with
-        # BDP probing, every upload waiting for its turn (server/transfer_slots.py) filled
-        # a window of megabytes in gRPC's buffers, so memory grew with the clients.
+        # Fixed stream windows (gRPC's initial size, or `stream_window_bytes`): with BDP
+        # probing, every upload waiting for its turn (server/transfer_slots.py) filled a
+        # window of megabytes in gRPC's buffers, so memory grew with the clients. Larger
+        # windows speed uploads over high-latency links at that cost (benchmarks/wan.py).
         ("grpc.http2.bdp_probe", 0),
+        *([("grpc.http2.lookahead_bytes", t.stream_window_bytes)] if t.stream_window_bytes else []),
     ]
 
 

@@ -7,6 +7,7 @@ import pytest
 from fedloom import ConfigError, ServerConfig, StrategyConfig
 from fedloom.cli import build_parser, server_config_from_args
 from fedloom.config import from_mapping
+from fedloom.server.app import grpc_server_options
 from fedloom.strategies import build_strategy
 
 
@@ -20,12 +21,28 @@ from fedloom.strategies import build_strategy
         ({"min_fit_clients": 5, "min_clients": 2}, "min_fit_clients"),
         ({"round_timeout_s": -1.0}, "round_timeout_s"),
         ({"client_timeout_s": 1.0, "heartbeat_interval_s": 2.0}, "client_timeout_s"),
+        ({"chunk_timeout_s": 0.0}, "chunk_timeout_s"),
+        ({"transfer": {"stream_window_bytes": 1000}}, "stream_window_bytes"),
+        ({"transfer": {"stream_window_bytes": 2**31}}, "stream_window_bytes"),
     ],
 )
 def test_bad_server_settings_name_the_setting(overrides, setting) -> None:
     with pytest.raises(ConfigError) as info:
-        ServerConfig(**overrides)
+        from_mapping(ServerConfig, overrides)
     assert info.value.setting == setting
+
+
+def test_stream_window_reaches_the_grpc_server_only_when_set() -> None:
+    default = dict(grpc_server_options(ServerConfig(insecure=True)))
+    assert "grpc.http2.lookahead_bytes" not in default  # gRPC's own window
+    config = from_mapping(
+        ServerConfig, {"insecure": True, "transfer": {"stream_window_bytes": 4 << 20}}
+    )
+    assert dict(grpc_server_options(config))["grpc.http2.lookahead_bytes"] == 4 << 20
+    args = build_parser().parse_args(
+        ["server", "--insecure", "--stream-window-bytes", "2097152"]
+    )
+    assert server_config_from_args(args).transfer.stream_window_bytes == 2 << 20
 
 
 def test_unknown_key_suggests_the_right_one() -> None:
