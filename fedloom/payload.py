@@ -93,11 +93,8 @@ def deserialize(specs: Sequence[TensorSpec], payload: bytes | bytearray | memory
 
 def iter_chunks(payload: bytes | memoryview, chunk_size: int) -> Iterator[tuple[int, bytes]]:
     """Yield ``(offset, bytes)`` pieces of at most ``chunk_size`` bytes (none for empty)."""
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be positive")
-    view = memoryview(payload)
-    for offset in range(0, len(view), chunk_size):
-        yield offset, bytes(view[offset : offset + chunk_size])
+    for offset, view in iter_chunk_views(payload, chunk_size):
+        yield offset, bytes(view)
 
 
 def iter_chunk_views(

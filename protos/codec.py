@@ -146,11 +146,6 @@ def payload_from_proto(header: ProtoPayloadHeader) -> PayloadInfo:
     return PayloadInfo(specs, int(header.total_bytes), bytes(header.sha256))
 
 
-def chunks_for_pull(pieces: Iterable[tuple[int, bytes]]) -> Iterable[ProtoPullResponse]:
-    for offset, data in pieces:
-        yield ProtoPullResponse(chunk=ProtoChunk(offset=offset, data=data))
-
-
 def chunks_for_push(pieces: Iterable[tuple[int, bytes]]) -> Iterable[ProtoPushRequest]:
     for offset, data in pieces:
         yield ProtoPushRequest(chunk=ProtoChunk(offset=offset, data=data))

@@ -149,8 +149,10 @@ def keystream_words(seed: bytes, length: int, block: int = BLOCK_WORDS) -> Itera
     Also a fast source of uniform noise (e.g. stochastic rounding in `quantize`).
     """
     _check_seed(seed)
-    if not 0 < length <= MAX_VECTOR_LENGTH or block <= 0:
+    if not 0 < length <= MAX_VECTOR_LENGTH:
         raise ValueError(f"mask length must be in 1..{MAX_VECTOR_LENGTH}, got {length}")
+    if block <= 0:
+        raise ValueError(f"block must be a positive number of words, got {block}")
     size = min(length, block)
     buffer, zeros = bytearray(4 * size + _BLOCK), memoryview(bytes(4 * size))
     words = np.frombuffer(buffer, dtype="<u4", count=size)

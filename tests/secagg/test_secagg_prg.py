@@ -153,3 +153,10 @@ def test_keystream_words_are_the_mask_in_blocks(length: int, block: int) -> None
     blocks = [b.copy() for b in keystream_words(seed, length, block)]
     assert all(len(b) <= block for b in blocks)
     assert np.array_equal(np.concatenate(blocks), expand_mask(seed, length))
+
+
+def test_keystream_words_names_the_bad_argument() -> None:
+    with pytest.raises(ValueError, match="mask length"):
+        next(keystream_words(bytes(32), 0))
+    with pytest.raises(ValueError, match="block"):
+        next(keystream_words(bytes(32), 10, block=0))
