@@ -19,13 +19,13 @@ from helpers import ScriptedClient, run_clients
 from fedloom import ServerConfig, TaskKind, Weights
 from fedloom.client_sdk.connection import Connection
 from fedloom.config import ClientConfig, TransferConfig
-from fedloom.messages import ResultHeader
+from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.server import Server
 from fedloom.server import servicer as servicer_module
-from fedloom.server.app import grpc_server_options
+from fedloom.server.app import ServerHandle, grpc_server_options
 from fedloom.server.transfer_slots import TransferSlots
 
 ServerConfigFactory = Callable[..., ServerConfig]
@@ -33,6 +33,47 @@ ServerConfigFactory = Callable[..., ServerConfig]
 
 def _weights(n: int = 12) -> Weights:
     return Weights({"w": np.zeros(n, np.float32), "b": np.zeros(3, np.float32)})
+
+
+def _zero_update(raw: RawClient, task: TaskHeader, n: int = 12) -> tuple[ResultHeader, bytes]:
+    """A fit result for ``task``: a zero delta of `_weights` (n) and its header."""
+    delta = Weights({name: np.zeros_like(a) for name, a in _weights(n).items()})
+    payload = bytes(serialize(delta))
+    header = ResultHeader(
+        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
+        base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
+    )  # fmt: skip
+    return header, payload
+
+
+def _round_completes_with(handle: ServerHandle, threads: list[Any], updates: int) -> None:
+    history = handle.wait(60)
+    for t in threads:
+        t.join(10)
+    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == updates
+
+
+def _stop_reading_download(
+    server_config: ServerConfigFactory, **limits: float
+) -> tuple[ServerHandle, RawClient, Weights, pytest.ExceptionInfo[grpc.RpcError], float]:
+    """A 32 MB model whose download is read up to its header, then not at all: the
+    server's writes block on flow control until a limit cuts the stream."""
+    transfer = TransferConfig(chunk_size=64 * 1024, max_message_bytes=160 * 1024)
+    big = _weights(8 << 20)  # 32 MB: far beyond what HTTP/2 flow control buffers
+    config = server_config(
+        num_rounds=1, min_clients=1, min_fit_clients=1, transfer=transfer,
+        round_timeout_s=20.0, **limits,
+    )  # fmt: skip
+    handle = Server(config, initial_weights=big).start()
+    raw = RawClient(handle.address)
+    started = time.monotonic()
+    stream = raw.stub.Pull(pb.PullRequest(session=raw.session_proto), timeout=30)
+    assert next(stream).WhichOneof("part") == "task"
+    time.sleep(3.0)  # read nothing more
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    return handle, raw, big, info, time.monotonic() - started
 
 
 def test_a_trickling_upload_is_cut_at_the_stream_limit_and_the_round_goes_on(
@@ -44,13 +85,7 @@ def test_a_trickling_upload_is_cut_at_the_stream_limit_and_the_round_goes_on(
     threads = run_clients(
         handle.address, [ScriptedClient(seed=i, num_examples=2) for i in range(2)]
     )
-    task = raw.pull_task()
-    delta = Weights({n: np.zeros_like(a) for n, a in _weights().items()})
-    payload = bytes(serialize(delta))
-    header = ResultHeader(
-        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
-        base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
-    )  # fmt: skip
+    header, payload = _zero_update(raw, raw.pull_task())
 
     def trickle():  # type: ignore[no-untyped-def]
         yield codec.result_to_proto(header)
@@ -73,30 +108,13 @@ def test_a_trickling_upload_is_cut_at_the_stream_limit_and_the_round_goes_on(
     with pytest.raises(grpc.RpcError) as info:
         raw.stub.Push(silent(), timeout=20)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    history = handle.wait(60)
-    for t in threads:
-        t.join(10)
-    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
+    _round_completes_with(handle, threads, 2)
 
 
 def test_a_client_that_stops_reading_its_download_cannot_hold_the_stream(
     server_config: ServerConfigFactory,
 ) -> None:
-    transfer = TransferConfig(chunk_size=64 * 1024, max_message_bytes=160 * 1024)
-    big = _weights(8 << 20)  # 32 MB: far beyond what HTTP/2 flow control buffers
-    config = server_config(
-        num_rounds=1, min_clients=1, min_fit_clients=1, stream_timeout_s=1.0,
-        transfer=transfer, round_timeout_s=20.0,
-    )  # fmt: skip
-    handle = Server(config, initial_weights=big).start()
-    raw = RawClient(handle.address)
-    stream = raw.stub.Pull(pb.PullRequest(session=raw.session_proto), timeout=30)
-    first = next(stream)
-    assert first.WhichOneof("part") == "task"
-    time.sleep(3.0)  # read nothing more: the server's writes block on flow control
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in stream:
-            pass
+    handle, raw, big, info, _ = _stop_reading_download(server_config, stream_timeout_s=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "stream limit" in (info.value.details() or "")
     # The task is delivered again to a client that reads; the server is fine.
@@ -161,13 +179,7 @@ def test_an_upload_that_stalls_while_holding_the_only_turn_is_cut_and_others_go_
     raw = RawClient(handle.address)
     # Honest clients that train for a while: they upload after the stall took the turn.
     threads = run_clients(handle.address, [_SlowClient(seed=i, num_examples=2) for i in range(2)])
-    task = raw.pull_task()
-    delta = Weights({n: np.zeros_like(a) for n, a in _weights(2048).items()})
-    payload = bytes(serialize(delta))  # 8 chunks: it needs a turn
-    header = ResultHeader(
-        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
-        base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
-    )  # fmt: skip
+    header, payload = _zero_update(raw, raw.pull_task(), 2048)  # 8 chunks: it needs a turn
 
     def stall():  # type: ignore[no-untyped-def]
         yield codec.result_to_proto(header)
@@ -182,33 +194,18 @@ def test_an_upload_that_stalls_while_holding_the_only_turn_is_cut_and_others_go_
     assert "chunk_timeout_s" in (info.value.details() or "")
     assert time.monotonic() - started < 4.0  # the idle limit, not the 60 s stream limit
     # The two honest clients then upload through the freed turn.
-    history = handle.wait(60)
-    for t in threads:
-        t.join(10)
-    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
+    _round_completes_with(handle, threads, 2)
 
 
 def test_a_download_that_stops_reading_is_cut_by_the_idle_limit(
     server_config: ServerConfigFactory,
 ) -> None:
-    transfer = TransferConfig(chunk_size=64 * 1024, max_message_bytes=160 * 1024)
-    big = _weights(8 << 20)  # 32 MB: far beyond what HTTP/2 flow control buffers
-    config = server_config(
-        num_rounds=1, min_clients=1, min_fit_clients=1, stream_timeout_s=60.0,
-        chunk_timeout_s=1.0, transfer=transfer, round_timeout_s=20.0,
-    )  # fmt: skip
-    handle = Server(config, initial_weights=big).start()
-    raw = RawClient(handle.address)
-    started = time.monotonic()
-    stream = raw.stub.Pull(pb.PullRequest(session=raw.session_proto), timeout=30)
-    assert next(stream).WhichOneof("part") == "task"
-    time.sleep(3.0)  # read nothing more
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in stream:
-            pass
+    handle, _, _, info, elapsed = _stop_reading_download(
+        server_config, stream_timeout_s=60.0, chunk_timeout_s=1.0
+    )
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "chunk_timeout_s" in (info.value.details() or "")
-    assert time.monotonic() - started < 10.0
+    assert elapsed < 10.0
     handle.stop()
     handle.wait(10)
 
