@@ -8,7 +8,6 @@ line), and the server carries on; the reason decides the status code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import logging
@@ -75,7 +74,8 @@ class FleetServicer(pb_grpc.FleetServicer):
         self.transfer = coordinator.config.transfer
         self.stream_timeout_s = coordinator.config.stream_timeout_s
         self.chunk_timeout_s = coordinator.config.chunk_timeout_s
-        self.slots = TransferSlots()  # a few models stream at a time: memory stays flat
+        # A few models stream at a time (memory stays flat); one chunk needs no turn.
+        self.slots = TransferSlots(free_bytes=self.transfer.chunk_size)
 
     def _timed_out(self, what: str, idle: bool) -> MessageRejectedError:
         if idle:
@@ -136,12 +136,10 @@ class FleetServicer(pb_grpc.FleetServicer):
             header, payload = outcome
             # Wait for a turn only as long as the long-poll has left: the client's deadline.
             wait_s = max(0.0, self.coordinator.config.long_poll_s - (time.monotonic() - polled))
-            turn_cm = (
-                self.slots.download(wait_s)
-                if len(payload) > self.transfer.chunk_size
-                else contextlib.nullcontext(True)  # one chunk: no turn needed
-            )
-            async with asyncio.timeout(self.stream_timeout_s), turn_cm as turn:
+            async with (
+                asyncio.timeout(self.stream_timeout_s),
+                self.slots.download(wait_s, len(payload)) as turn,
+            ):
                 if not turn:  # others are downloading: ask again (this task stays pending)
                     await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
                     return
@@ -175,13 +173,7 @@ class FleetServicer(pb_grpc.FleetServicer):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome
                 size = header.update.total_bytes if header.update is not None else 0
-                # one chunk needs no turn (as for downloads)
-                turn_cm = (
-                    self.slots.upload()
-                    if size > self.transfer.chunk_size
-                    else contextlib.nullcontext()
-                )
-                async with turn_cm, idle:
+                async with self.slots.upload(size), idle:
                     async for message in request_iterator:
                         if message.WhichOneof("part") != "chunk":
                             raise MessageRejectedError(

@@ -36,18 +36,23 @@ DEFAULT_LIMIT = max(2, (os.cpu_count() or 2) // 2)
 
 
 class TransferSlots:
-    """Two FIFO semaphores: one for downloads, one for uploads."""
+    """Two FIFO semaphores: one for downloads, one for uploads. Transfers of at most
+    ``free_bytes`` (one chunk) take no turn."""
 
-    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(self, limit: int = DEFAULT_LIMIT, *, free_bytes: int = 0) -> None:
         if limit < 1:
             raise ValueError("limit must be at least 1")
         self.limit = limit
+        self.free_bytes = free_bytes
         self._downloads = asyncio.Semaphore(limit)
         self._uploads = asyncio.Semaphore(limit)
 
     @contextlib.asynccontextmanager
-    async def download(self, wait_s: float) -> AsyncIterator[bool]:
+    async def download(self, wait_s: float, nbytes: int) -> AsyncIterator[bool]:
         """Hold a download turn (yields True), or yield False if none came in time."""
+        if nbytes <= self.free_bytes:
+            yield True
+            return
         try:
             async with asyncio.timeout(wait_s):
                 await self._downloads.acquire()
@@ -60,8 +65,11 @@ class TransferSlots:
             self._downloads.release()
 
     @contextlib.asynccontextmanager
-    async def upload(self) -> AsyncIterator[None]:
+    async def upload(self, nbytes: int) -> AsyncIterator[None]:
         """Hold an upload turn, waiting as long as it takes (the caller's time limit)."""
+        if nbytes <= self.free_bytes:
+            yield
+            return
         async with self._uploads:
             yield
 

@@ -4,10 +4,9 @@ sides agree, so idle long-polls are never punished."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -213,14 +212,10 @@ def test_a_download_that_stops_reading_is_cut_by_the_idle_limit(
 class _NoTurns(TransferSlots):
     """Slots whose turns never come: only transfers that need no turn can happen."""
 
-    @contextlib.asynccontextmanager
-    async def download(self, wait_s: float) -> AsyncIterator[bool]:
-        yield False
-
-    @contextlib.asynccontextmanager
-    async def upload(self) -> AsyncIterator[None]:
-        await asyncio.sleep(3600)
-        yield
+    def __init__(self, *, free_bytes: int) -> None:
+        super().__init__(free_bytes=free_bytes)
+        self._downloads = asyncio.Semaphore(0)
+        self._uploads = asyncio.Semaphore(0)
 
 
 def test_models_of_one_chunk_need_no_transfer_turn(

@@ -23,7 +23,7 @@ def test_no_more_than_limit_stream_at_once_and_uploads_go_in_order() -> None:
 
         async def upload(i: int) -> None:
             nonlocal active, peak
-            async with slots.upload():
+            async with slots.upload(1):
                 active += 1
                 peak = max(peak, active)
                 await asyncio.sleep(0.01)
@@ -45,9 +45,9 @@ def test_no_more_than_limit_stream_at_once_and_uploads_go_in_order() -> None:
 def test_a_download_without_a_turn_in_time_is_told_to_ask_again() -> None:
     async def scenario() -> tuple[bool, bool, bool]:
         slots = TransferSlots(limit=1)
-        async with slots.download(1.0) as first, slots.download(0.05) as second:
+        async with slots.download(1.0, 1) as first, slots.download(0.05, 1) as second:
             pass
-        async with slots.download(0.05) as third:  # the turn was given back
+        async with slots.download(0.05, 1) as third:  # the turn was given back
             pass
         return first, second, third
 
