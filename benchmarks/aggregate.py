@@ -64,9 +64,13 @@ def num_examples(index: int) -> int:
 
 
 def _measure(run_once: Any, repeats: int) -> dict[str, Any]:
-    """Time ``run_once()`` ``repeats`` times; peak RSS above the RSS before each call."""
+    """Time ``run_once()`` ``repeats`` times after one untimed warm-up run (both sides:
+    first-call costs such as allocator growth and thread start-up are not the steady
+    cost of a server's round); peak RSS above the RSS before each call."""
     times, above = [], []
-    result = None
+    start = time.perf_counter()
+    result = run_once()
+    warmup_s = time.perf_counter() - start
     for _ in range(repeats):
         result = None
         gc.collect()
@@ -77,6 +81,7 @@ def _measure(run_once: Any, repeats: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         above.append(peak_rss_bytes() - before)
     return {
+        "warmup_s": warmup_s,
         "times_s": times,
         "median_s": statistics.median(times),
         "peak_above_inputs_bytes": max(above),

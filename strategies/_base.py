@@ -43,6 +43,9 @@ class MeanUpdate:
     total_weight: float
     num_updates: int
     reason: str = ""
+    #: True when the delta's arrays are fresh and nobody else holds them: the server
+    #: optimizer may write the new weights over them (`ServerOptimizer.step_in_place`).
+    owned: bool = False
 
 
 class Aggregator(abc.ABC):
@@ -70,6 +73,11 @@ class ServerOptimizer(abc.ABC):
     @abc.abstractmethod
     def step(self, current: Weights, mean_delta: Weights) -> Weights:
         """Return the new global weights; this is where optimizer state changes."""
+
+    def step_in_place(self, current: Weights, mean_delta: Weights) -> Weights:
+        """`step` for a mean delta the caller gives up (`MeanUpdate.owned`): the new
+        weights may be written over its arrays, saving a model-sized allocation."""
+        return self.step(current, mean_delta)
 
     def state_dict(self) -> StateDict:
         return {}

@@ -99,7 +99,8 @@ class ComposedStrategy:
         mean = self.aggregator.finalize()
         if mean.delta is None:
             return AggregateResult(None, num_updates=mean.num_updates, reason=mean.reason)
-        new_weights = self.optimizer.step(current, mean.delta)
+        step = self.optimizer.step_in_place if mean.owned else self.optimizer.step
+        new_weights = step(current, mean.delta)
         metrics: dict[str, Scalar] = dict(weighted_metric_means(records))
         metrics["num_updates"] = mean.num_updates
         metrics["num_examples"] = sum(n for n, _ in records)

@@ -36,3 +36,19 @@ class ServerSGD(ServerOptimizer):
 
     def step(self, current: Weights, mean_delta: Weights) -> Weights:
         return add_delta(current, mean_delta, self.lr)
+
+    def step_in_place(self, current: Weights, mean_delta: Weights) -> Weights:
+        """``lr * delta + w`` written over each float delta of the model's own dtype
+        (the same values as `step`: one rounding of ``w + lr * delta``)."""
+        out = []
+        for name, arr in current.items():
+            d = mean_delta[name]
+            if (arr.dtype.kind == "f" and isinstance(d, np.ndarray) and d.dtype == arr.dtype
+                    and d.shape == arr.shape and d.flags.writeable):
+                if self.lr != 1.0:
+                    np.multiply(d, np.asarray(self.lr, dtype=arr.dtype), out=d)
+                out.append((name, np.add(arr, d, out=d)))
+            else:
+                out.append((name, add_delta(Weights({name: arr}), Weights({name: d}),
+                                            self.lr)[name]))
+        return Weights(out)

@@ -190,3 +190,53 @@ def test_a_truncated_spool_file_is_an_error_not_zeros(tmp_path: Path) -> None:
         fh.truncate(40)
     with pytest.raises(OSError, match="shorter than its layout"):
         FedAvg().aggregate_fit(1, current, [ClientUpdate("a", spooled, 3, 0)])
+
+
+def _mean_with(fold_threads: int, current: Weights, spooled: list[tuple[SpooledWeights, int]],
+               group_size: int = mean_module.GROUP_SIZE) -> Weights:
+    aggregator = WeightedMeanAggregator(group_size=group_size, fold_threads=fold_threads)
+    aggregator.start(current)
+    for i, (d, k) in enumerate(spooled):
+        aggregator.accumulate(ClientUpdate(f"c{i}", d, k, 0))
+    mean = aggregator.finalize()
+    assert mean.delta is not None
+    return mean.delta
+
+
+@pytest.mark.parametrize("group_size", [3, mean_module.GROUP_SIZE])  # running sums, direct
+def test_threaded_fold_equals_one_thread_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group_size: int
+) -> None:
+    """Threads take runs of one window from a shared queue: every element is still
+    summed the same way, so the mean is identical, not merely close."""
+    monkeypatch.setattr(mean_module, "MIN_WINDOWS_PER_THREAD", 1)
+    monkeypatch.setattr(mean_module, "WINDOWS_PER_TAKE", 1)
+    rng = np.random.default_rng(13)
+    current = make_weights(rng)
+    ups = updates(rng, 20)  # two blocks of BLOCK_ROWS rows
+    spooled = [(spool(tmp_path, d), k) for d, k in ups]
+    one = _mean_with(1, current, spooled, group_size)
+    for threads in (2, 3):
+        many = _mean_with(threads, current, spooled, group_size)
+        for name, arr in one.items():
+            np.testing.assert_array_equal(many[name], arr, err_msg=f"{name}, {threads} threads")
+
+
+def test_a_threaded_fold_reports_a_thread_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mean_module, "MIN_WINDOWS_PER_THREAD", 1)
+    monkeypatch.setattr(mean_module, "WINDOWS_PER_TAKE", 1)
+    rng = np.random.default_rng(2)
+    current = make_weights(rng)
+    spooled = spool(tmp_path, make_weights(rng))
+    with open(spooled._path, "r+b") as fh:  # the tail of "conv" is gone
+        fh.truncate(120)
+    with pytest.raises(OSError, match="shorter than its layout"):
+        _mean_with(2, current, [(spooled, 3)])
+
+
+def test_fold_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="fold_threads"):
+        WeightedMeanAggregator(fold_threads=0)
+    assert 1 <= WeightedMeanAggregator().fold_threads <= mean_module.MAX_FOLD_THREADS
