@@ -196,6 +196,7 @@ def summarize(side: str, n: int, num_params: int, raw: dict[str, Any]) -> dict[s
         "input_mb": n * model / MB,
         "median_s": raw["median_s"],
         "times_s": raw["times_s"],
+        "warmup_s": raw["warmup_s"],
         "input_gb_per_s": n * model / raw["median_s"] / 1e9,
         "peak_above_inputs_mb": raw["peak_above_inputs_bytes"] / MB,
         "peak_above_inputs_x_model": raw["peak_above_inputs_bytes"] / model,
