@@ -10,10 +10,12 @@ from typing import Any
 import grpc
 
 from fedloom.messages import PROTOCOL_VERSION, JoinRequest, ResultHeader, Session, TaskHeader
-from fedloom.payload import iter_chunks
+from fedloom.payload import PayloadInfo, iter_chunks, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.types import TaskKind
+from fedloom.weights import Weights
 
 SERVICE = "/fedloom.v1.Fleet/"
 #: Statuses a hostile call may earn. UNKNOWN would mean an unhandled exception in a
@@ -59,6 +61,15 @@ class RawClient:
     @property
     def session_proto(self) -> pb.Session:
         return codec.session_to_proto(self.session)
+
+    def fit_result(self, task: TaskHeader, delta: Weights) -> tuple[ResultHeader, bytes]:
+        """A fit result for ``task`` carrying ``delta`` (one example), and its payload."""
+        payload = bytes(serialize(delta))
+        header = ResultHeader(
+            self.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
+            base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
+        )  # fmt: skip
+        return header, payload
 
     def pull_task(self, timeout_s: float = 20.0) -> TaskHeader:
         deadline = time.monotonic() + timeout_s

@@ -12,10 +12,9 @@ import pytest
 from fuzz_wire import RawClient
 from helpers import ScriptedClient, run_clients, small_weights
 
-from fedloom import ServerConfig, TaskKind, Weights
+from fedloom import ServerConfig, Weights
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader
-from fedloom.payload import PayloadInfo, serialize
 from fedloom.server import Server
 from fedloom.server.quarantine import Quarantine
 
@@ -70,12 +69,7 @@ def test_memory_stays_bounded_under_a_flood_of_names() -> None:
 
 def _bad_header(raw: RawClient, task) -> tuple[ResultHeader, bytes]:  # type: ignore[no-untyped-def]
     nan = Weights({"w": np.full((4, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)})
-    payload = bytes(serialize(nan))
-    header = ResultHeader(
-        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
-        base_round=task.round - 1, update=PayloadInfo.describe(nan.specs(), payload),
-    )  # fmt: skip
-    return header, payload
+    return raw.fit_result(task, nan)
 
 
 def test_a_client_sending_garbage_is_quarantined_and_the_round_goes_on(

@@ -15,11 +15,10 @@ import pytest
 from fuzz_wire import RawClient, chunked
 from helpers import ScriptedClient, run_clients
 
-from fedloom import ServerConfig, TaskKind, Weights
+from fedloom import ServerConfig, Weights
 from fedloom.client_sdk.connection import Connection
 from fedloom.config import ClientConfig, TransferConfig
 from fedloom.messages import ResultHeader, TaskHeader
-from fedloom.payload import PayloadInfo, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.server import Server
@@ -36,13 +35,7 @@ def _weights(n: int = 12) -> Weights:
 
 def _zero_update(raw: RawClient, task: TaskHeader, n: int = 12) -> tuple[ResultHeader, bytes]:
     """A fit result for ``task``: a zero delta of `_weights` (n) and its header."""
-    delta = Weights({name: np.zeros_like(a) for name, a in _weights(n).items()})
-    payload = bytes(serialize(delta))
-    header = ResultHeader(
-        raw.session, task.task_id, task.round, TaskKind.FIT, num_examples=1,
-        base_round=task.round - 1, update=PayloadInfo.describe(delta.specs(), payload),
-    )  # fmt: skip
-    return header, payload
+    return raw.fit_result(task, Weights({k: np.zeros_like(a) for k, a in _weights(n).items()}))
 
 
 def _round_completes_with(handle: ServerHandle, threads: list[Any], updates: int) -> None:
