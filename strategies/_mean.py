@@ -13,8 +13,8 @@ Speed and memory: updates are never materialised whole.
   up to `BLOCK_ROWS` files are read (``pread``) into the rows of a cache-resident
   block, whose weighted sum is formed there in float64 (a BLAS ``dot``: three times
   faster than ``einsum`` here). The input is read once, at page-cache speed. A large
-  tensor's windows are split into contiguous ranges folded by ``fold_threads``
-  threads at once (``pread``, numpy and BLAS release the GIL); every element is
+  tensor is folded by ``fold_threads`` threads at once (``pread``, numpy and BLAS
+  release the GIL), which take runs of windows from one shared queue; every element is
   summed the same way whichever thread folds it, so the result does not depend on
   the thread count. When one group holds every update of the round (up
   to ``group_size`` clients), the means are written directly and no running sum ever
@@ -69,7 +69,8 @@ _blas: ThreadpoolController | None = None
 def _one_blas_thread() -> contextlib.AbstractContextManager[object]:
     """Keep numpy's BLAS to one thread while a group is folded: the fold threads call
     ``dot`` on blocks large enough for OpenBLAS to start its own threads, which then
-    spin against the fold threads (measured: the 50-update fold took 4x as long)."""
+    spin against the fold threads (measured: 1.9 s instead of 0.29 s for 50 updates
+    of 10M parameters)."""
     global _blas
     if _blas is None:  # found once: which BLAS numpy loaded
         _blas = ThreadpoolController()
@@ -271,8 +272,8 @@ class WeightedMeanAggregator(Aggregator):
     ) -> np.ndarray | None:
         """One pass over the group's files for one tensor; given ``mean_over`` (the
         total weight) the windows' sums are divided by it into the returned mean, else
-        they go into the running sum. A large tensor's windows are split into one
-        contiguous range per thread; the targets of the ranges are disjoint."""
+        they go into the running sum. A large tensor's windows are folded by several
+        threads, each taking runs of windows from one queue (disjoint targets)."""
         size = spec.size
         width = max(1, min(size, WINDOW))
         out, emit = self._window_target(spec, width, mean_over)
