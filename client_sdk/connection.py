@@ -95,28 +95,53 @@ class _BufferSink:
 
 
 class _Watchdog:
-    """Cancels a streaming call that receives nothing for ``idle_s`` seconds."""
+    """Cancels the connection's armed streaming call once it receives nothing for
+    ``idle_s`` seconds.
 
-    def __init__(self, call: Any, idle_s: float) -> None:
-        self._call = call
-        self.idle_s = idle_s
-        self._last = time.monotonic()
-        self._done = threading.Event()
+    One thread per connection, started on first use and kept between calls: starting a
+    thread per Pull cost a thread start (and, on a busy machine, a wait for it to be
+    scheduled) on every task, four times per secure round.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._last = 0.0
+        self.idle_s = 0.0
         self.fired = False
-        threading.Thread(target=self._watch, daemon=True, name="fedloom-watchdog").start()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, call: Any, idle_s: float) -> None:
+        """Watch ``call`` from now on (replacing any call watched before)."""
+        with self._lock:
+            self._call, self.idle_s, self.fired = call, idle_s, False
+            self._last = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name="fedloom-watchdog")
+            self._thread.start()
 
     def touch(self) -> None:
         self._last = time.monotonic()
 
+    def disarm(self) -> None:
+        with self._lock:
+            self._call = None
+
     def close(self) -> None:
-        self._done.set()
+        """Stop the thread (the connection is closing)."""
+        self.disarm()
+        self._stop.set()
 
     def _watch(self) -> None:
-        while not self._done.wait(0.25):
-            if time.monotonic() - self._last > self.idle_s:
-                self.fired = True
-                self._call.cancel()
-                return
+        while not self._stop.wait(0.25):
+            with self._lock:
+                call = self._call
+                if call is None or time.monotonic() - self._last <= self.idle_s:
+                    continue
+                self.fired, self._call = True, None
+            call.cancel()
 
 
 class Connection:
@@ -154,9 +179,11 @@ class Connection:
         self.grant: JoinReply | None = None
         self._active: Any = None
         self._lock = threading.Lock()
+        self._watchdog = _Watchdog()
 
     def close(self) -> None:
         self.cancel_active()
+        self._watchdog.close()
         self._channel.close()
 
     def cancel_active(self) -> None:
@@ -223,7 +250,8 @@ class Connection:
         """Long-poll for a task; download, verify and return its weights."""
         call = self._stub.Pull(pb.PullRequest(session=self._session_proto()))
         first_wait = (self.grant.long_poll_s if self.grant else 20.0) + self.config.rpc_timeout_s
-        watchdog = _Watchdog(call, first_wait)
+        watchdog = self._watchdog
+        watchdog.arm(call, first_wait)
         with self._lock:
             self._active = call
         try:
@@ -233,7 +261,7 @@ class Connection:
                 raise TransportError("the server stopped sending (pull timed out)") from exc
             raise _translate(exc, "pull") from exc
         finally:
-            watchdog.close()
+            watchdog.disarm()
             with self._lock:
                 self._active = None
 

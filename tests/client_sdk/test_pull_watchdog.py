@@ -1,0 +1,114 @@
+"""A Pull that goes silent is cut by the connection's watchdog, which is one thread per
+connection, reused from one Pull to the next and stopped when the connection closes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from fedloom import Weights
+from fedloom.client_sdk.connection import Connection
+from fedloom.config import ClientConfig, TransferConfig
+from fedloom.errors import TransportError
+from fedloom.messages import PROTOCOL_VERSION, JoinReply, Session, TaskHeader
+from fedloom.payload import PayloadInfo, iter_chunks, serialize
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.types import TaskKind
+
+WEIGHTS = Weights({"w": np.arange(600, dtype=np.float32)})
+PAYLOAD = bytes(serialize(WEIGHTS))  # 2400 bytes: three chunks of 1024
+RPC_TIMEOUT_S = 1.0
+
+
+class StallingServer(pb_grpc.FleetServicer):
+    """Sends a task's header and first chunk, then nothing until the client gives up
+    (or ``stall_s`` passes); with ``stall=False`` it sends the whole task."""
+
+    def __init__(self) -> None:
+        self.stall = True
+        self.stall_s = 8.0
+
+    def Join(self, request: Any, context: Any) -> pb.JoinResponse:
+        reply = JoinReply(Session("c1", b"s" * 32), PROTOCOL_VERSION, frozenset({"fit"}),
+                          "run-1", 5.0, 1.0, 1024, 64 * 1024, 1 << 20)  # fmt: skip
+        return codec.join_reply_to_proto(reply)
+
+    def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        info = PayloadInfo.describe(WEIGHTS.specs(), PAYLOAD)
+        yield codec.task_to_proto(TaskHeader("t1", "run-1", 1, TaskKind.FIT, {}, 10.0, info))
+        for i, (offset, data) in enumerate(iter_chunks(PAYLOAD, 1024)):
+            if i == 1 and self.stall:
+                deadline = time.monotonic() + self.stall_s
+                while context.is_active() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return
+            yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=data))
+
+
+@pytest.fixture()
+def stalling():  # type: ignore[no-untyped-def]
+    servicer = StallingServer()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_FleetServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def _connect(address: str) -> Connection:
+    transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
+    config = ClientConfig(server_address=address, rpc_timeout_s=RPC_TIMEOUT_S,
+                          transfer=transfer, insecure=True)  # fmt: skip
+    connection = Connection(config)
+    connection.join("c1")
+    return connection
+
+
+def _watchdogs() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "fedloom-watchdog"]
+
+
+def test_a_silent_pull_is_cut_after_the_rpc_timeout(stalling) -> None:  # type: ignore[no-untyped-def]
+    _, address = stalling
+    connection = _connect(address)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="stopped sending"):
+            connection.pull()
+        waited = time.monotonic() - started
+        # cut after RPC_TIMEOUT_S without a chunk (checked every 0.25 s), long before
+        # the server would have gone on
+        assert RPC_TIMEOUT_S <= waited < RPC_TIMEOUT_S + 1.5
+    finally:
+        connection.close()
+
+
+def test_one_watchdog_thread_serves_every_pull_and_stops_on_close(stalling) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = stalling
+    before = len(_watchdogs())
+    connection = _connect(address)
+    try:
+        servicer.stall = False
+        for _ in range(3):  # whole tasks: the watchdog must not fire between them
+            task, weights = connection.pull()  # type: ignore[misc]
+            np.testing.assert_array_equal(weights["w"], WEIGHTS["w"])
+        servicer.stall = True
+        with pytest.raises(TransportError, match="stopped sending"):
+            connection.pull()
+        assert len(_watchdogs()) == before + 1
+    finally:
+        connection.close()
+    deadline = time.monotonic() + 2.0
+    while len(_watchdogs()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_watchdogs()) == before
