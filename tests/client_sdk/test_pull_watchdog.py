@@ -101,6 +101,7 @@ def test_one_watchdog_thread_serves_every_pull_and_stops_on_close(stalling) -> N
         servicer.stall = False
         for _ in range(3):  # whole tasks: the watchdog must not fire between them
             task, weights = connection.pull()  # type: ignore[misc]
+            assert task.task_id == "t1"
             np.testing.assert_array_equal(weights["w"], WEIGHTS["w"])
         servicer.stall = True
         with pytest.raises(TransportError, match="stopped sending"):
