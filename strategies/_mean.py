@@ -36,7 +36,7 @@ import contextlib
 import mmap
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -251,6 +251,10 @@ class WeightedMeanAggregator(Aggregator):
             return means
         with contextlib.ExitStack() as stack:
             stack.enter_context(_one_blas_thread())
+            # One pool for the whole group (its threads start on first use and serve
+            # every large tensor), not one per tensor.
+            pool = stack.enter_context(
+                ThreadPoolExecutor(self.fold_threads, thread_name_prefix="fedloom-fold"))
             readers = []
             for source, _ in group:
                 reader = source.open_blocks()
@@ -258,7 +262,7 @@ class WeightedMeanAggregator(Aggregator):
                 readers.append(reader)
             scales = np.array([w for _, w in group], np.float64)
             for spec in self._specs:
-                mean = self._fold_group(spec, readers, scales, mean_over)
+                mean = self._fold_group(spec, readers, scales, mean_over, pool)
                 if mean is not None:
                     means[spec.name] = mean
         return means
@@ -269,6 +273,7 @@ class WeightedMeanAggregator(Aggregator):
         readers: list[BlockReader],
         scales: np.ndarray,
         mean_over: float | None,
+        pool: ThreadPoolExecutor,
     ) -> np.ndarray | None:
         """One pass over the group's files for one tensor; given ``mean_over`` (the
         total weight) the windows' sums are divided by it into the returned mean, else
@@ -287,11 +292,11 @@ class WeightedMeanAggregator(Aggregator):
             # delays only the run in its hands, not a fixed half of the tensor.
             step = WINDOWS_PER_TAKE * width
             todo = iter([(a, min(size, a + step)) for a in range(0, size, step)])
-            with ThreadPoolExecutor(threads, thread_name_prefix="fedloom-fold") as pool:
-                done = [pool.submit(_fold_ranges, spec, readers, scales, todo, width, emit)
-                        for _ in range(threads)]
-                for future in done:
-                    future.result()  # re-raises a thread's error (e.g. a short file)
+            done = [pool.submit(_fold_ranges, spec, readers, scales, todo, width, emit)
+                    for _ in range(threads)]
+            wait(done)  # all of them, even after an error: the readers close after this
+            for future in done:
+                future.result()  # re-raises a thread's error (e.g. a short file)
         return out.reshape(spec.shape) if out is not None else None
 
     def _window_target(
