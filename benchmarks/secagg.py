@@ -284,7 +284,11 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         tag = f"{r['clients']} clients, 1M, {r['dropout']:.0%} dropout"
         if r["clients"] == 20 and "secure" in g and "plain" in g:
             x = ratio(g["secure"]["round_s"], g["plain"]["round_s"])
-            out.append(f"gRPC secure / plain ({tag}): {fmt(x, '.2f')}x (target <= 1.5x)")
+            # The fastest steady rounds beside the medians: one slow plain run on a
+            # shared machine moves a median of two runs a long way.
+            fast = ratio(g["secure"].get("min_round_s"), g["plain"].get("min_round_s"))
+            out.append(f"gRPC secure / plain ({tag}): {fmt(x, '.2f')}x median, "
+                       f"{fmt(fast, '.2f')}x fastest rounds (target <= 1.5x)")
         if "secure" in f and "secure" in lo and "plain" in lo:
             x = ratio(f["secure"]["round_s"], lo["secure"]["round_s"])
             out.append(f"Flower SecAgg+ / fedloom local secure ({tag}): {fmt(x, '.1f')}x "
