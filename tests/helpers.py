@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from concurrent import futures
 
+import grpc
 import numpy as np
 
 from fedloom import Weights
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput, start_client
 from fedloom.config import ClientConfig
+from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 
 
 class ScriptedClient(Client):
@@ -54,3 +59,16 @@ def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading
         t.start()
         threads.append(t)
     return threads
+
+
+@contextlib.contextmanager
+def fake_fleet(servicer: pb_grpc.FleetServicer) -> Iterator[str]:
+    """Serve a hand-written Fleet servicer (a fake server) on loopback; yields its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_FleetServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
+from helpers import fake_fleet
 
 from fedloom import Weights
 from fedloom.client_sdk.connection import Connection
@@ -57,12 +56,8 @@ class StallingServer(pb_grpc.FleetServicer):
 @pytest.fixture()
 def stalling():  # type: ignore[no-untyped-def]
     servicer = StallingServer()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_FleetServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
+    with fake_fleet(servicer) as address:
+        yield servicer, address
 
 
 def _connect(address: str) -> Connection:

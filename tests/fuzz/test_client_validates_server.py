@@ -6,12 +6,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from helpers import fake_fleet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -75,12 +75,8 @@ def _task(run_id: str = "run-1", payload: bytes = PAYLOAD, **info: Any) -> pb.Pu
 @pytest.fixture(scope="module")
 def hostile():  # type: ignore[no-untyped-def]
     servicer = HostileServer()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_FleetServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
+    with fake_fleet(servicer) as address:
+        yield servicer, address
 
 
 def _connect(address: str) -> Connection:
