@@ -12,7 +12,8 @@ import numpy as np
 
 from fedloom import Weights
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput, start_client
-from fedloom.config import ClientConfig
+from fedloom.client_sdk.connection import Connection
+from fedloom.config import ClientConfig, TransferConfig
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 
 
@@ -72,3 +73,11 @@ def fake_fleet(servicer: pb_grpc.FleetServicer) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         server.stop(0)
+
+
+def fake_fleet_connection(address: str, rpc_timeout_s: float) -> Connection:
+    """A plaintext `Connection` to a `fake_fleet`, with small transfer limits (1 KiB chunks,
+    models up to 4 KiB), not yet joined."""
+    transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
+    return Connection(ClientConfig(server_address=address, rpc_timeout_s=rpc_timeout_s,
+                                   transfer=transfer, insecure=True))

@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import fake_fleet
+from helpers import fake_fleet, fake_fleet_connection
 
 from fedloom import Weights
 from fedloom.client_sdk.connection import Connection
-from fedloom.config import ClientConfig, TransferConfig
 from fedloom.errors import TransportError
 from fedloom.messages import PROTOCOL_VERSION, JoinReply, Session, TaskHeader
 from fedloom.payload import PayloadInfo, iter_chunks, serialize
@@ -61,10 +60,7 @@ def stalling():  # type: ignore[no-untyped-def]
 
 
 def _connect(address: str) -> Connection:
-    transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
-    config = ClientConfig(server_address=address, rpc_timeout_s=RPC_TIMEOUT_S,
-                          transfer=transfer, insecure=True)  # fmt: skip
-    connection = Connection(config)
+    connection = fake_fleet_connection(address, RPC_TIMEOUT_S)
     connection.join("c1")
     return connection
 

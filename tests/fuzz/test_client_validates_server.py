@@ -11,13 +11,12 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from helpers import fake_fleet
+from helpers import fake_fleet, fake_fleet_connection
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedloom import Weights
 from fedloom.client_sdk.connection import Connection, ResultRefusedError
-from fedloom.config import ClientConfig, TransferConfig
 from fedloom.errors import TransportError
 from fedloom.messages import PROTOCOL_VERSION, JoinReply, Session, TaskHeader
 from fedloom.payload import PayloadInfo, iter_chunks, serialize
@@ -80,10 +79,7 @@ def hostile():  # type: ignore[no-untyped-def]
 
 
 def _connect(address: str) -> Connection:
-    transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
-    return Connection(
-        ClientConfig(server_address=address, rpc_timeout_s=5.0, transfer=transfer, insecure=True)
-    )
+    return fake_fleet_connection(address, 5.0)
 
 
 def test_a_join_reply_in_another_protocol_or_out_of_range_is_refused(hostile) -> None:  # type: ignore[no-untyped-def]
