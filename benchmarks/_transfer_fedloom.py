@@ -109,13 +109,18 @@ def _trivial_client() -> Any:
     return Trivial()
 
 
-def clients(address: str, first: int, count: int, report: Connection) -> None:
+def clients(
+    address: str, first: int, count: int, separate_uploads: bool, report: Connection
+) -> None:
     """Client process: ``count`` clients (threads) until the run ends; report peak RSS."""
     from fedloom.client_sdk import start_client
     from fedloom.config import ClientConfig
 
     config = ClientConfig(
-        server_address=address, rpc_timeout_s=120.0, **plaintext(ClientConfig)
+        server_address=address,
+        rpc_timeout_s=120.0,
+        separate_upload_connection=separate_uploads,
+        **plaintext(ClientConfig),
     )
     stats: list[Any] = [None] * count
 
@@ -146,8 +151,11 @@ def _receive(conn: Connection, procs: list[Any], timeout_s: float) -> Any:
     return conn.recv()
 
 
-def run(num_params: int, rounds: int, num_clients: int, processes: int) -> dict[str, Any]:
-    """One fedloom run: a server process and ``processes`` client processes."""
+def run(
+    num_params: int, rounds: int, num_clients: int, processes: int, separate_uploads: bool = True
+) -> dict[str, Any]:
+    """One fedloom run: a server process and ``processes`` client processes
+    (``separate_uploads``: `ClientConfig.separate_upload_connection`)."""
     ctx = mp.get_context("spawn")
     server_end, server_report = ctx.Pipe(duplex=False)
     started = time.time()
@@ -161,7 +169,9 @@ def run(num_params: int, rounds: int, num_clients: int, processes: int) -> dict[
     first = 0
     for count in per_process:
         end, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=clients, args=(f"127.0.0.1:{port}", first, count, child))
+        proc = ctx.Process(
+            target=clients, args=(f"127.0.0.1:{port}", first, count, separate_uploads, child)
+        )
         proc.start()
         workers.append(proc)
         reports.append(end)

@@ -20,6 +20,7 @@ reported beside it). Ratios are against Flower in the same invocation.
     python benchmarks/transfer.py                       # 1k, 1M, 10M, 100M; Flower to 10M
     python benchmarks/transfer.py --quick               # 1k and 10M, few rounds
     python benchmarks/transfer.py --sizes 10M --sides fedloom --many-clients 0
+    python benchmarks/transfer.py --sides fedloom --shared-upload-connection  # A/B
 
 Run it under the benchmark lock on a shared machine:
 ``flock /tmp/fedloom-bench.lock .venv/bin/python benchmarks/transfer.py``.
@@ -74,8 +75,10 @@ def steady(round_ends: list[float]) -> dict[str, Any]:
     }
 
 
-def fedloom_case(num_params: int, rounds: int, clients: int, processes: int) -> dict[str, Any]:
-    raw = _transfer_fedloom.run(num_params, rounds, clients, processes)
+def fedloom_case(
+    num_params: int, rounds: int, clients: int, processes: int, separate_uploads: bool = True
+) -> dict[str, Any]:
+    raw = _transfer_fedloom.run(num_params, rounds, clients, processes, separate_uploads)
     model = 4 * num_params
     result: dict[str, Any] = {
         "side": "fedloom",
@@ -83,6 +86,7 @@ def fedloom_case(num_params: int, rounds: int, clients: int, processes: int) -> 
         "model_mb": model / MB,
         "clients": clients,
         "client_processes": processes,
+        "separate_upload_connection": separate_uploads,
         "rounds": rounds,
         "ok_rounds": sum(s == "ok" for s in raw["statuses"]),
         **steady(raw["round_ends"]),
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="address-space cap of each Flower process (prlimit --as)")
     parser.add_argument("--quick", action="store_true",
                         help="sizes 1k and 10M, fewer rounds, 20 clients for the many run")
+    parser.add_argument("--shared-upload-connection", action="store_true",
+                        help="clients push on their long-lived channel (separate_upload_"
+                             "connection off), for comparison with the default")
     parser.add_argument("--out", type=Path, default=None, help="JSON report path")
     args = parser.parse_args(argv)
     if args.quick and args.sizes == parser.get_default("sizes"):
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     flower_max = parse_size(args.flower_max)
     cap = int(args.flower_mem_cap_gb * 2**30)
     pick = 1 if args.quick else 0
+    separate = not args.shared_upload_connection
 
     def rounds_for(table_: dict[int, tuple[int, int]], n: int) -> int:
         if args.rounds:
@@ -245,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         if "fedloom" in sides:
             print(f"fedloom {size_label(n)} x {args.clients} clients ...", flush=True)
-            results.append(fedloom_case(n, rounds_for(ROUNDS, n), args.clients, args.clients))
+            results.append(fedloom_case(n, rounds_for(ROUNDS, n), args.clients, args.clients,
+                                        separate))
         if "flower" in sides and n <= flower_max:
             print(f"Flower {size_label(n)} x {args.clients} SuperNodes ...", flush=True)
             results.append(flower_case(n, rounds_for(FLOWER_ROUNDS, n), args.clients, cap))
@@ -254,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         procs = max(1, -(-args.many_clients // args.clients_per_process))
         print(f"fedloom {size_label(many_size)} x {args.many_clients} clients ...", flush=True)
         results.append(
-            fedloom_case(many_size, rounds_for(ROUNDS, many_size), args.many_clients, procs)
+            fedloom_case(many_size, rounds_for(ROUNDS, many_size), args.many_clients, procs,
+                         separate)
         )
     compare(results)
     checks = targets(results)

@@ -6,7 +6,9 @@ are translated at this edge: a server that is unreachable or went away raises
 `TransportError` (retry later), an unknown session raises `SessionExpiredError`
 (join again), a refused message raises `ResultRefusedError` (do not retry it), and a
 Join refused for its credentials raises `AccessDeniedError` (fix them). The channel is
-TLS (`fedloom.client_sdk.tls`) unless the config asks for plaintext.
+TLS (`fedloom.client_sdk.tls`) unless the config asks for plaintext. A large result is
+pushed over a short-lived connection of its own (`ClientConfig.separate_upload_connection`)
+so the server does not keep upload-sized read buffers for every connected client.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from fedloom.weights import Weights
 log = logging.getLogger("fedloom.client")
 
 CAPABILITIES = frozenset({"fit", "evaluate", "secagg"})  # secagg: client_sdk/secure_fit.py
+#: Pushes of payloads this large go over a connection of their own when
+#: ``ClientConfig.separate_upload_connection`` is on (smaller ones leave little behind).
+SEPARATE_UPLOAD_MIN_BYTES = 64 * 1024
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -150,9 +155,7 @@ class Connection:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         t = config.transfer
-        self._channel = open_channel(
-            config,
-            [
+        self._options: list[tuple[str, Any]] = [
                 ("grpc.max_receive_message_length", t.max_message_bytes),
                 ("grpc.max_send_message_length", t.max_message_bytes),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -166,15 +169,10 @@ class Connection:
                 ("grpc.use_local_subchannel_pool", 1),
                 ("grpc.initial_reconnect_backoff_ms", int(config.reconnect_initial_s * 1000)),
                 ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
-            ],
-        )
+        ]
+        self._channel = open_channel(config, self._options)
         self._stub = pb_grpc.FleetStub(self._channel)
-        # Push sends the codec's ready-made chunk frames (bytes) after its header.
-        self._push = self._channel.stream_unary(
-            "/fedloom.v1.Fleet/Push",
-            request_serializer=codec.serialize_message,
-            response_deserializer=pb.PushResponse.FromString,
-        )
+        self._push = _push_method(self._channel)
         self.session: Session | None = None
         self.grant: JoinReply | None = None
         self._active: Any = None
@@ -327,7 +325,23 @@ class Connection:
         size = len(payload) if payload is not None else 0
         timeout = self.config.rpc_timeout_s + size / (1 << 20)  # >= 1 MiB/s
         try:
-            response = self._push(messages(), timeout=timeout)
+            if size >= SEPARATE_UPLOAD_MIN_BYTES and self.config.separate_upload_connection:
+                # Its own connection: the server's gRPC frees the read buffers it grew
+                # for these messages when the connection closes (see ClientConfig).
+                with open_channel(self.config, self._options) as channel:
+                    response = _push_method(channel)(messages(), timeout=timeout)
+            else:
+                response = self._push(messages(), timeout=timeout)
         except grpc.RpcError as exc:
             raise _translate(exc, "push") from exc
         return bool(response.duplicate)
+
+
+def _push_method(channel: grpc.Channel) -> Any:
+    """Fleet/Push on ``channel``, sending the codec's ready-made chunk frames (bytes)
+    after the result's header."""
+    return channel.stream_unary(
+        "/fedloom.v1.Fleet/Push",
+        request_serializer=codec.serialize_message,
+        response_deserializer=pb.PushResponse.FromString,
+    )

@@ -263,6 +263,14 @@ class ClientConfig:
     ``server_name`` overrides the name checked against the server's certificate (when
     dialling an address the certificate does not name). ``insecure=True`` talks
     plaintext (test servers only); one of the three is required.
+
+    ``separate_upload_connection`` (default on): a result whose payload is 64 KiB or
+    more is pushed over a connection of its own, closed when the push ends. gRPC keeps
+    read buffers sized to the largest messages a connection has received (about 1 MB
+    per connection after 1 MiB chunks) until that connection closes, so on the
+    long-lived channel the server's memory would grow by that much for every client
+    that has uploaded. The cost is one connection set-up (TCP, and TLS when on) per
+    large push; turn it off only when the server has memory to spare for its clients.
     """
 
     server_address: str
@@ -279,6 +287,7 @@ class ClientConfig:
     key: str = ""
     server_name: str = ""
     insecure: bool = False
+    separate_upload_connection: bool = True
 
     def __post_init__(self) -> None:
         check_address("server_address", self.server_address)
