@@ -3,14 +3,15 @@
 A server with ``[secure_aggregation] enabled`` sends a client that joined with the
 ``secagg`` capability four stage tasks per round attempt instead of one fit task:
 
-1. advertise keys: carries the global weights and the fit config. The client trains
-   (the application's `Client.fit`, unchanged), takes the delta, clips it to the norm
-   bound when the fit config holds ``max_update_norm`` (under secure aggregation the
-   bound can only be applied here), flattens it, and only then answers with two fresh
-   public keys;
+1. advertise keys: two fresh public keys (the round's parameters come with the request);
 2. share keys: Shamir shares of its secrets, sealed for each neighbour;
-3. masked input: the clipped, quantized, weighted delta plus the masks, uploaded as a
-   chunked uint32 payload;
+3. masked input: carries the global weights and the fit config. The client trains (the
+   application's `Client.fit`, unchanged), takes the delta, clips it to the norm bound
+   when the fit config holds ``max_update_norm`` (under secure aggregation the bound
+   can only be applied here), and uploads the clipped, quantized, weighted delta plus
+   the masks as a chunked uint32 payload. Training here, not in stage 1, lets the key
+   stages run before the model moves, and one client's upload overlap another's
+   download, as in a plain round;
 4. unmask: the shares the server may have, and no others.
 
 The client checks what the server sends before it acts: the stage request must be for
@@ -39,7 +40,6 @@ from fedloom.secagg import (
     AdvertiseKeysRequest,
     MaskedInputReply,
     MaskedInputRequest,
-    RoundId,
     RoundSetup,
     SecAggConfig,
     SecAggReply,
@@ -81,7 +81,7 @@ class SecureFit:
     """Runs the secure-aggregation stage tasks of one session (one client id).
 
     Args:
-        client: the application's `Client`; its `fit` runs in stage 1.
+        client: the application's `Client`; its `fit` runs in stage 3 (masked input).
         client_id: the id the server gave this session (the round's participant id).
         policy: when given, the round's parameters must equal these settings.
         cpu_s: adds the CPU seconds (of the calling thread) spent per stage to this
@@ -94,7 +94,7 @@ class SecureFit:
         self.client_id = client_id
         self.protocol = SecAggClient(client_id, policy=policy)
         self.cpu_s = cpu_s if cpu_s is not None else {}
-        self._input: tuple[RoundId, np.ndarray, int] | None = None  # the trained delta
+        self._setup: RoundSetup | None = None  # of the attempt whose keys were advertised
         self._train_cpu_s = 0.0
 
     def execute(self, session: Session, task: TaskHeader, weights: Weights
@@ -128,24 +128,24 @@ class SecureFit:
     def _answer(self, task: TaskHeader, request: SecAggRequest, weights: Weights
                 ) -> tuple[SecAggReply | MaskedInputHeader, memoryview | None, PayloadInfo | None]:
         if isinstance(request, AdvertiseKeysRequest):
-            self._input = None
-            vector, num_examples = self._train(task, request.setup, weights)
+            self._setup = None
+            if self.client_id not in request.setup.participants:
+                raise SecureAggregationError("this client is not among the round's participants")
             reply = self.protocol.advertise_keys(request)
-            self._input = (request.round_id, vector, num_examples)
+            self._setup = request.setup
             return reply, None, None
         if isinstance(request, MaskedInputRequest):
-            held = self._input
-            if held is None or held[0] != request.round_id:
-                raise SecureAggregationError(f"no trained update for {request.round_id}")
-            masked = self.protocol.masked_input(request, held[1], held[2])
-            self._input = None  # masked and sent: the plain delta is no longer needed
+            setup = self._setup
+            if setup is None or setup.round_id != request.round_id:
+                raise SecureAggregationError(f"no keys were advertised for {request.round_id}")
+            vector, num_examples = self._train(task, setup, weights)
+            masked = self.protocol.masked_input(request, vector, num_examples)
+            self._setup = None  # masked and sent: this attempt trains no more
             return self._masked_payload(masked)
         return self.protocol.handle(request), None, None
 
     def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights
                ) -> tuple[np.ndarray, int]:
-        if self.client_id not in setup.participants:
-            raise SecureAggregationError("this client is not among the round's participants")
         size = sum(spec.size for spec in weights.specs())
         if size != setup.vector_length:
             raise SecureAggregationError(

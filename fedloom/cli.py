@@ -100,7 +100,7 @@ SECAGG_HELP = {
     "bits": "quantization bits per coordinate; bits + ceil(log2 max_participants) <= 32",
     "max_weight": "num_examples of the largest client (weights are num_examples / max_weight)",
     "max_participants": "most clients summed in one secure round",
-    "stage_timeout_s": "seconds each stage after the first waits for replies",
+    "stage_timeout_s": "seconds each stage but masked input (which trains) waits for replies",
 }
 
 

@@ -13,7 +13,9 @@ from fedloom.payload import PayloadInfo
 from fedloom.secagg import RoundId, SecAggReply, SecAggRequest
 from fedloom.types import Config, Metrics, TaskKind
 
-PROTOCOL_VERSION = 1
+#: 2: a secure round's fit config and weights travel with the masked-input stage (the
+#: client trains there), not with advertise keys as in 1.
+PROTOCOL_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

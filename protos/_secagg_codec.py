@@ -245,14 +245,17 @@ def unmask_result_from_proto(message: ProtoUnmaskResult) -> UnmaskReply:
 # ---- the stage kinds inside TaskHeader and ResultHeader ---------------------------------
 def secagg_task_to_proto(request: SecAggRequest | None, config: ProtoRecord,
                          header: ProtoTaskHeader) -> None:
-    """Set the stage of ``request`` in ``header``'s kind (``config`` goes with stage 1)."""
+    """Set the stage of ``request`` in ``header``'s kind (``config``, the fit config, goes
+    with stage 3, where the client trains)."""
     if isinstance(request, AdvertiseKeysRequest):
         header.secagg_advertise_keys.CopyFrom(
-            ProtoAdvertiseKeysTask(setup=round_setup_to_proto(request.setup), config=config))
+            ProtoAdvertiseKeysTask(setup=round_setup_to_proto(request.setup)))
     elif isinstance(request, ShareKeysRequest):
         header.secagg_share_keys.CopyFrom(share_keys_task_to_proto(request))
     elif isinstance(request, MaskedInputRequest):
-        header.secagg_masked_input.CopyFrom(masked_input_task_to_proto(request))
+        task = masked_input_task_to_proto(request)
+        task.config.CopyFrom(config)
+        header.secagg_masked_input.CopyFrom(task)
     elif isinstance(request, UnmaskRequest):
         header.secagg_unmask.CopyFrom(unmask_task_to_proto(request))
     else:
@@ -261,16 +264,17 @@ def secagg_task_to_proto(request: SecAggRequest | None, config: ProtoRecord,
 
 def secagg_task_from_proto(header: ProtoTaskHeader, kind: str
                            ) -> tuple[SecAggRequest, ProtoRecord | None]:
-    """The stage request in ``header`` (of oneof ``kind``) and, for stage 1, its config."""
+    """The stage request in ``header`` (of oneof ``kind``) and, for stage 3, its config."""
     if kind == "secagg_advertise_keys":
         task = header.secagg_advertise_keys
         if not task.HasField("setup"):
             raise _invalid("an advertise-keys task must carry the round's setup")
-        return AdvertiseKeysRequest(round_setup_from_proto(task.setup)), task.config
+        return AdvertiseKeysRequest(round_setup_from_proto(task.setup)), None
     if kind == "secagg_share_keys":
         return share_keys_task_from_proto(header.secagg_share_keys), None
     if kind == "secagg_masked_input":
-        return masked_input_task_from_proto(header.secagg_masked_input), None
+        masked = header.secagg_masked_input
+        return masked_input_task_from_proto(masked), masked.config
     if kind == "secagg_unmask":
         return unmask_task_from_proto(header.secagg_unmask), None
     raise _invalid(f"task kind {kind!r} is not supported by this client")

@@ -2,10 +2,13 @@
 
 `SecureAttempt` wraps one `SecAggServer` (the pure state machine of
 `fedloom.server.secagg`) and turns each stage into tasks that clients pull and answer
-through the ordinary Pull/Push calls: stage 1 (advertise keys) carries the global
-weights and the fit config (a client trains first, then advertises its keys), stages
-2-4 carry only their stage message, and the masked input comes back as a chunked
-uint32 payload, spooled to disk and verified before it touches the sum.
+through the ordinary Pull/Push calls: stages 1 and 2 (advertise keys, share keys) carry
+only their small stage messages, stage 3 (masked input) also carries the global weights
+and the fit config (a client downloads, trains, masks and uploads in that one stage, so
+one client's upload overlaps the next one's download as in a plain round, and the key
+stages cost two small round trips before it), stage 4 its stage message; the masked
+input comes back as a chunked uint32 payload, spooled to disk and verified before it
+touches the sum.
 
 Threads: the state machine is not thread-safe, and its heavy steps (folding a masked
 input into the sum, the final unmasking) must not stall the event loop. So every call
@@ -36,8 +39,8 @@ from fedloom.messages import MaskedInputHeader, ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.secagg import (
     STAGE_OF,
-    AdvertiseKeysRequest,
     MaskedInputReply,
+    MaskedInputRequest,
     RoundSetup,
     SecAggReply,
     SecAggRequest,
@@ -65,6 +68,14 @@ class StageTask(IssuedTask):
         self.stage = stage
 
 
+def stage_deadline_s(config: ServerConfig, stage: Stage) -> float:
+    """How long a stage waits for its replies: the masked-input stage, where clients
+    download, train and upload, has the round's deadline; the others the stage one."""
+    if stage is Stage.MASKED_INPUT:
+        return config.round_timeout_s
+    return config.secure_aggregation.stage_timeout_s
+
+
 def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
     return MessageRejectedError(reason, message)
 
@@ -81,8 +92,8 @@ class SecureAttempt:
     Args:
         setup: the attempt's public parameters (participants, k, t, ...).
         config: the server's settings (deadlines, chunk size, run id).
-        payload, payload_info: the global weights stage 1 carries.
-        fit_config: the fit config stage 1 carries.
+        payload, payload_info: the global weights the masked-input stage carries.
+        fit_config: the fit config the masked-input stage carries.
         executor: a single-thread executor; every state-machine call runs there.
         wake: wakes a client's long-poll (it has a new task).
         spool_dir: where masked inputs are spooled while they arrive.
@@ -126,21 +137,20 @@ class SecureAttempt:
         stage = self.machine.stage
         self._stage, self._open = stage, {}
         self.complete.clear()
-        timeout = (self._config.round_timeout_s if stage is Stage.ADVERTISE_KEYS
-                   else self._config.secure_aggregation.stage_timeout_s)
+        timeout = stage_deadline_s(self._config, stage)
         for client_id, request in sorted(requests.items()):
-            first = isinstance(request, AdvertiseKeysRequest)
+            trains = isinstance(request, MaskedInputRequest)  # weights and fit config
             header = TaskHeader(
                 task_id=secrets.token_hex(16),
                 run_id=self.setup.round_id.run_id,
                 round=self.setup.round_id.server_round,
                 kind=TaskKind.SECAGG,
-                config=self._fit_config if first else {},
+                config=self._fit_config if trains else {},
                 deadline_s=timeout,
-                weights=self._payload_info if first else EMPTY_INFO,
+                weights=self._payload_info if trains else EMPTY_INFO,
                 secagg=request,
             )
-            task = StageTask(header, client_id, self._payload if first else EMPTY_PAYLOAD,
+            task = StageTask(header, client_id, self._payload if trains else EMPTY_PAYLOAD,
                              stage)
             self.tasks[task.task_id] = task
             self._open[client_id] = task

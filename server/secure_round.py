@@ -45,7 +45,12 @@ from fedloom.secagg import RoundId, RoundSetup, Stage
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.secagg import SecAggResult, SecAggStatus
-from fedloom.server.secure_attempt import EMPTY_PAYLOAD, SecureAttempt, StageTask
+from fedloom.server.secure_attempt import (
+    EMPTY_PAYLOAD,
+    SecureAttempt,
+    StageTask,
+    stage_deadline_s,
+)
 from fedloom.server.secure_mean import (
     AGGREGATE_ID,
     MEAN_STRATEGIES,
@@ -201,10 +206,9 @@ class SecureRounds:
             while attempt.machine.status is SecAggStatus.RUNNING:
                 started = time.monotonic()
                 stage = await attempt.open_stage()
-                timeout = (self.config.round_timeout_s if stage is Stage.ADVERTISE_KEYS
-                           else self.secagg.stage_timeout_s)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(attempt.complete.wait(), timeout)
+                    await asyncio.wait_for(attempt.complete.wait(),
+                                           stage_deadline_s(self.config, stage))
                 answered, issued = attempt.counts()
                 attempt.close_stage()
                 await attempt.call(attempt.machine.advance)  # the last one unmasks

@@ -10,7 +10,7 @@
     bits = 22              # quantization levels 2**bits - 1 per coordinate
     max_weight = 10000.0   # num_examples / max_weight in (0, 1] is the masked weight
     max_participants = 1024  # n: most clients summed in one round
-    stage_timeout_s = 60.0   # deadline of each stage after the first (which trains)
+    stage_timeout_s = 60.0   # deadline of each stage but masked input (which trains)
 
 Why each rule (Bonawitz et al., CCS 2017; Bell et al., CCS 2020):
 
@@ -91,10 +91,10 @@ class SecAggConfig:
             more examples than this refuses to take part (it cannot claim a weight > 1).
             Precision scales with the weight, so set it near the largest client.
         max_participants: n, the most clients one round may sum.
-        stage_timeout_s: seconds the server waits for the replies of each stage after
-            the first (share keys, masked input, unmask); the first stage includes
-            local training and waits the server's ``round_timeout_s``. Not a protocol
-            parameter: clients do not check it.
+        stage_timeout_s: seconds the server waits for the replies of the advertise-keys,
+            share-keys and unmask stages; the masked-input stage includes the model's
+            download and local training and waits the server's ``round_timeout_s``. Not
+            a protocol parameter: clients do not check it.
     """
 
     enabled: bool = False

@@ -109,10 +109,11 @@ def test_a_bad_masked_input_is_dropped_and_the_round_completes(server_config, ki
 
 
 def test_no_masked_input_is_taken_after_the_survivors_are_published(server_config) -> None:  # type: ignore[no-untyped-def]
-    """The masked-input stage closes at its deadline (1.5 s) without the slow client;
-    its input, arriving later, is refused and it counts as dropped."""
+    """The masked-input stage closes at its deadline (the round's, 1.5 s: the stage where
+    clients train) without the slow client; its input, arriving later, is refused and it
+    counts as dropped."""
     out = _run(server_config, {5: Behaviour(delay={Stage.MASKED_INPUT: 3.0})},
-               secure_aggregation=secagg(stage_timeout_s=1.5))
+               round_timeout_s=1.5)
     assert out.history[0]["status"] == "ok", out.history
     info = out.history[0]["secure_aggregation"]
     assert (info["survivors"], info["dropped"]) == (6, 1)

@@ -55,11 +55,11 @@ def _run(request: Any, **task: Any) -> tuple[RecordingClient, Any]:
     return client, (result, payload)
 
 
-def test_stage_one_trains_then_advertises_fresh_keys() -> None:
+def test_stage_one_advertises_fresh_keys_without_training() -> None:
     client, (result, payload) = _run(_advertise())
     assert isinstance(result.secagg, AdvertisedKeys) and payload is None
     assert result.kind is TaskKind.SECAGG and dict(result.metrics) == {}  # no fit metrics
-    assert len(client.sent) == 1
+    assert client.sent == []  # training waits for the masked-input stage
 
 
 def test_a_request_for_another_round_or_run_is_refused_before_training() -> None:
@@ -69,8 +69,20 @@ def test_a_request_for_another_round_or_run_is_refused_before_training() -> None
         assert client.sent == []
 
 
-def test_a_round_that_does_not_match_the_model_is_refused() -> None:
-    client, (result, _) = _run(_advertise(length=16))
+def _masked_input_after(advertise: AdvertiseKeysRequest, client: RecordingClient,
+                        round_id: RoundId | None = None) -> Any:
+    """Advertise keys, then run a masked-input task (no shares) on the same runner."""
+    fit = SecureFit(client, "c0")
+    keys, _ = fit.execute(SESSION, _task(advertise), small_weights())
+    assert isinstance(keys.secagg, AdvertisedKeys)
+    request = MaskedInputRequest(round_id or advertise.setup.round_id, ())
+    result, _ = fit.execute(SESSION, _task(request), small_weights())
+    return result
+
+
+def test_a_round_that_does_not_match_the_model_is_refused_before_training() -> None:
+    client = RecordingClient(seed=0, num_examples=10)
+    result = _masked_input_after(_advertise(length=16), client)
     assert result.kind is None and "the model has 15" in result.failure
     assert client.sent == []
 
@@ -82,14 +94,30 @@ def test_a_round_without_this_client_is_refused() -> None:
 
 
 def test_a_client_with_more_examples_than_max_weight_refuses() -> None:
-    client = RecordingClient(seed=0, num_examples=101)
-    result, _ = SecureFit(client, "c0").execute(SESSION, _task(_advertise()), small_weights())
+    result = _masked_input_after(_advertise(), RecordingClient(seed=0, num_examples=101))
     assert result.kind is None and "max_weight" in result.failure
 
 
-def test_a_masked_input_request_without_a_trained_update_is_refused() -> None:
-    _client, (result, _) = _run(MaskedInputRequest(RoundId("run", 1, 0), ()))
-    assert result.kind is None and "no trained update" in result.failure
+def test_a_masked_input_request_without_advertised_keys_is_refused() -> None:
+    client, (result, _) = _run(MaskedInputRequest(RoundId("run", 1, 0), ()))
+    assert result.kind is None and "no keys were advertised" in result.failure
+    assert client.sent == []
+
+
+def test_a_masked_input_request_for_another_attempt_is_refused_before_training() -> None:
+    client = RecordingClient(seed=0, num_examples=10)
+    result = _masked_input_after(_advertise(), client, round_id=RoundId("run", 1, 1))
+    assert result.kind is None and "no keys were advertised" in result.failure
+    assert client.sent == []
+
+
+def test_stage_three_trains_then_the_protocol_checks_its_request() -> None:
+    """With keys advertised, the masked-input task trains on its weights; the protocol
+    then refuses a masked-input request that skips share keys (no input is sent)."""
+    client = RecordingClient(seed=0, num_examples=10)
+    result = _masked_input_after(_advertise(), client)
+    assert len(client.sent) == 1  # trained on the task's weights
+    assert result.kind is None and "out of order" in result.failure
 
 
 def test_the_norm_bound_clips_floating_tensors_only() -> None:

@@ -72,7 +72,7 @@ def transcript() -> list[tuple[Stage, str, Any, Any]]:
 def test_every_request_of_a_real_round_round_trips(transcript) -> None:  # type: ignore[no-untyped-def]
     stages = set()
     for stage, _cid, request, _reply in transcript:
-        config = {"server_round": 1, "lr": 0.1} if stage is Stage.ADVERTISE_KEYS else {}
+        config = {"server_round": 1, "lr": 0.1} if stage is Stage.MASKED_INPUT else {}
         back = _through_wire_task(_task(request, config))
         assert back.kind is TaskKind.SECAGG
         assert back.secagg == request
