@@ -60,9 +60,9 @@ class NoTask:
 class TaskHeader:
     """A fit, evaluate or secure-aggregation task; the payload `weights` describes follows.
 
-    A `TaskKind.SECAGG` task carries its stage request in `secagg`; only the first
-    stage (advertise keys, which trains first) carries the global weights and the fit
-    config, the later stages an empty payload.
+    A `TaskKind.SECAGG` task carries its stage request in `secagg`; only the
+    masked-input stage (where the client trains) carries the global weights and the fit
+    config, the other stages an empty payload.
     """
 
     task_id: str

@@ -11,7 +11,10 @@ What each client does is what `fedloom.client_sdk.secure_fit.SecureFit` does ove
 it trains (the engine's ordinary fit, with the same config and seed as a plain round),
 takes the delta, clips it to ``max_update_norm`` when the fit config holds one
 (`clip_delta`), refuses ``num_examples > max_weight``, and hands the flat delta to its
-`SecAggClient`. The server side is `SecAggServer` plus `aggregate_secure_mean`, the very
+`SecAggClient`. (Here every client trains before the stages start; over gRPC a client
+trains in the masked-input stage, so one whose training fails drops out after sharing
+its keys and its masks are removed, where here it never joins stage 1. The mean is the
+same.) The server side is `SecAggServer` plus `aggregate_secure_mean`, the very
 function the gRPC rounds call, so the secure mean meets the strategy (FedAvg, FedAvgM,
 FedProx, the FedOpt family) exactly as in deployment. The result equals the plain
 run's weighted mean within the quantization bound (`tests/simulations/test_sim_secagg.py`).
