@@ -23,9 +23,11 @@ from security_support import (
 
 from fedloom.certs import make_ca, make_client_cert, write_certificates, write_issued
 from fedloom.client_sdk import start_client
+from fedloom.client_sdk.connection import SEPARATE_UPLOAD_MIN_BYTES
 from fedloom.config import AuthConfig
 from fedloom.errors import TransportError
 from fedloom.server import Server
+from fedloom.weights import Weights
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,28 @@ def test_a_round_over_tls(server_config: MakeConfig, pki: Path) -> None:
     assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
     expected = np.mean([c.sent[0][2]["w"] - c.sent[0][1]["w"] for c in clients], axis=0)
     np.testing.assert_allclose(coordinator(handle).global_weights["w"], expected, atol=1e-6)
+
+
+def test_large_updates_over_mutual_tls_use_their_own_connections(
+        server_config: MakeConfig, pki: Path) -> None:
+    """Updates of 64 KiB or more go over a short-lived connection of their own: under
+    mutual TLS it presents the same certificate, and the round is the same mean."""
+    weights = Weights({"w": np.zeros((200, 100), np.float32)})  # 80 KB per update
+    assert weights["w"].nbytes >= SEPARATE_UPLOAD_MIN_BYTES
+    config = server_config(
+        num_rounds=2, min_clients=2, min_fit_clients=2,
+        **tls_settings(pki, tls=server_tls(pki, mutual=True), auth=AuthConfig()),
+    )
+    handle = Server(config, initial_weights=weights).start()
+    clients = [ScriptedClient(seed=i, num_examples=5) for i in range(2)]
+    configs = [client_config(handle.address, pki, f"site-{i + 1}") for i in range(2)]
+    threads = run_client_threads(handle.address, clients, configs)
+    history = handle.wait(60)
+    for t in threads:
+        t.join(10)
+    assert [(r["status"], r["num_updates"]) for r in history if r["round"] > 0] == [("ok", 2)] * 2
+    expected = np.mean([c.sent[-1][2]["w"] for c in clients], axis=0)
+    np.testing.assert_allclose(coordinator(handle).global_weights["w"], expected, atol=1e-5)
 
 
 def test_mutual_tls_identity_is_the_certificate_cn(server_config: MakeConfig, pki: Path) -> None:
