@@ -111,23 +111,17 @@ def test_a_large_push_uses_its_own_connection_and_closes_it(recorder) -> None:  
         connection.close()
 
 
-def test_small_pushes_stay_on_the_long_lived_channel(recorder) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("size", "separate"),
+    [(SEPARATE_UPLOAD_MIN_BYTES - 1, True), (2 * SEPARATE_UPLOAD_MIN_BYTES, False)],
+    ids=["small push", "setting off"],
+)
+def test_a_push_stays_on_the_long_lived_channel(recorder, size: int, separate: bool) -> None:  # type: ignore[no-untyped-def]
+    """Small pushes, and every push with the setting off, share the client's channel."""
     servicer, address = recorder
-    connection = _connect(address)
+    connection = _connect(address, separate=separate)
     try:
-        header, payload = _result(SEPARATE_UPLOAD_MIN_BYTES - 1)
-        connection.push(header, payload)
-        assert servicer.peers["Push"] == servicer.peers["Join"]
-        assert servicer.pushed == [bytes(payload)]
-    finally:
-        connection.close()
-
-
-def test_with_the_setting_off_every_push_shares_the_channel(recorder) -> None:  # type: ignore[no-untyped-def]
-    servicer, address = recorder
-    connection = _connect(address, separate=False)
-    try:
-        header, payload = _result(SEPARATE_UPLOAD_MIN_BYTES * 2)
+        header, payload = _result(size)
         connection.push(header, payload)
         assert servicer.peers["Push"] == servicer.peers["Join"]
         assert servicer.pushed == [bytes(payload)]
