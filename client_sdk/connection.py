@@ -156,19 +156,19 @@ class Connection:
         self.config = config
         t = config.transfer
         self._options: list[tuple[str, Any]] = [
-                ("grpc.max_receive_message_length", t.max_message_bytes),
-                ("grpc.max_send_message_length", t.max_message_bytes),
-                ("grpc.keepalive_time_ms", 20_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.max_pings_without_data", 0),
-                # The runner backs off (with jitter) itself. gRPC's own reconnect backoff
-                # lives in subchannels that every channel to the same address shares by
-                # default: after an outage it grows toward 2 minutes and keeps even a
-                # fresh channel away from a server that is back. Keep it per channel, short.
-                ("grpc.use_local_subchannel_pool", 1),
-                ("grpc.initial_reconnect_backoff_ms", int(config.reconnect_initial_s * 1000)),
-                ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
+            ("grpc.max_receive_message_length", t.max_message_bytes),
+            ("grpc.max_send_message_length", t.max_message_bytes),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # The runner backs off (with jitter) itself. gRPC's own reconnect backoff
+            # lives in subchannels that every channel to the same address shares by
+            # default: after an outage it grows toward 2 minutes and keeps even a
+            # fresh channel away from a server that is back. Keep it per channel, short.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", int(config.reconnect_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
         ]
         self._channel = open_channel(config, self._options)
         self._stub = pb_grpc.FleetStub(self._channel)
