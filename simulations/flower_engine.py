@@ -6,6 +6,12 @@ through ``init_args={"address": ...}``) and records rounds through the same
 `RoundRecorder` as the local engine. The ``ServerApp`` runs in a thread of this
 process, so the strategy object and the recorder are the caller's own.
 
+When Flower's simulation runtime fails (Ray does not start, a backend crashes),
+``run_simulation`` raises but its ServerApp thread — not a daemon — would go on waiting
+for replies for the whole round timeout and keep the process from exiting. So the
+ServerApp talks to the runtime through `_StoppableGrid`, whose waits end (with an
+error, in that thread) as soon as ``run_simulation`` has returned or raised.
+
 Example — any ``ClientApp`` (e.g. from `to_client_app`)::
 
     history = run_flower(FedAvg(fraction_fit=0.1, seed=0), app, initial,
@@ -15,14 +21,16 @@ Example — any ``ClientApp`` (e.g. from `to_client_app`)::
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
+from flwr.supercore.run import Run
 
 from fedloom.simulations._records import arrays_to_weights, metrics_to_record, weights_to_arrays
 from fedloom.simulations.flower_strategy import FlowerStrategy
@@ -79,30 +87,97 @@ def run_flower(
         return metrics_to_record(metrics) if metrics else None
 
     server_app = ServerApp()
+    runtime_ended = threading.Event()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         bridge.start(
-            grid,
+            _StoppableGrid(grid, runtime_ended),
             weights_to_arrays(initial),
             num_rounds=num_rounds,
             timeout=timeout_s,
             evaluate_fn=central,
         )
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_clients,
-        backend_config=_plain(backend_config or {}),
-        verbose_logging=verbose,
-    )
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=num_clients,
+            backend_config=_plain(backend_config or {}),
+            verbose_logging=verbose,
+        )
+    finally:
+        runtime_ended.set()  # a ServerApp still waiting on a failed runtime stops now
     if len(recorder.records) != num_rounds + 1:
         raise RuntimeError(
             f"Flower's simulation ended after {len(recorder.records) - 1} of {num_rounds} "
             "rounds; see its log above"
         )
     return History("flower", recorder.records, final["weights"], time.perf_counter() - started)
+
+
+class _StoppableGrid(Grid):
+    """The simulation's Grid, with every wait ending once ``stopped`` is set (see the
+    module docstring): replies are pulled every `PULL_INTERVAL_S` as Flower's in-memory
+    Grid does, and a call made or waiting after the runtime ended raises RuntimeError."""
+
+    PULL_INTERVAL_S = 0.1
+
+    def __init__(self, grid: Grid, stopped: threading.Event) -> None:
+        self._grid = grid
+        self._stopped = stopped
+
+    def _check(self) -> None:
+        if self._stopped.is_set():
+            raise RuntimeError("Flower's simulation runtime has ended; the ServerApp stops")
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        self._check()
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        self._check()
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        self._check()
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push ``messages``, then pull replies until all came, ``timeout`` passed, or the
+        runtime ended (RuntimeError)."""
+        pending = set(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            got = list(self.pull_messages(pending))
+            replies.extend(got)
+            pending.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not pending or (deadline is not None and time.monotonic() >= deadline):
+                break
+            if self._stopped.wait(self.PULL_INTERVAL_S):
+                self._check()
+        return replies
 
 
 def _plain(config: Mapping[str, Any]) -> Any:

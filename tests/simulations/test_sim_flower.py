@@ -1,6 +1,7 @@
 """Flower's simulation engine (Ray) and the local engine give the same run.
 
-One Ray start (~10 s), so one test. Tolerance: global weights within 1e-6 absolute and
+One Ray start (~10 s), so one such test (and one whose Ray start fails at once).
+Tolerance: global weights within 1e-6 absolute and
 float metrics within 1e-6 relative. Both engines run the same float32 operations in the
 same order (same sampled clients, seeds, one torch thread, aggregation in plan order),
 so they agree exactly on this machine; the tolerance leaves room only for a platform
@@ -10,11 +11,18 @@ whose kernels differ between the driver and Ray's worker processes.
 from __future__ import annotations
 
 import math
+import threading
+import time
 
+import numpy as np
 import pytest
+from flwr.clientapp import ClientApp
 
+from fedloom import Weights
+from fedloom.simulations.flower_engine import run_flower
 from fedloom.simulations.runner import run_scenario
 from fedloom.simulations.scenario import FlowerSpec, PartitionSpec, Scenario
+from fedloom.strategies import FedAvg
 
 pytestmark = pytest.mark.flower
 
@@ -44,3 +52,22 @@ def test_flower_engine_equals_local_engine() -> None:
                 assert a == b, (ours.round, key)
     assert local.rounds[2].get("num_updates") == 3
     assert local.rounds[2].get("federated_num_examples") is not None
+
+
+def test_a_failed_runtime_does_not_leave_the_server_app_waiting() -> None:
+    """When Flower's simulation runtime fails (here Ray refuses its arguments), run_flower
+    raises and the ServerApp thread stops too, instead of waiting out the round timeout
+    and keeping the process from exiting."""
+    broken_ray = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": -1}}
+    with pytest.raises(RuntimeError):
+        run_flower(FedAvg(), ClientApp(), Weights({"w": np.zeros(3, np.float32)}),
+                   num_clients=2, num_rounds=1, backend_config=broken_ray, timeout_s=600.0)
+    deadline = time.monotonic() + 10.0
+    while _server_app_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _server_app_threads() == []
+
+
+def _server_app_threads() -> list[str]:
+    return [t.name for t in threading.enumerate()
+            if t.is_alive() and "server_th_with_start_checks" in t.name]
