@@ -97,7 +97,8 @@ def start_proxy(target_port: int, one_way_s: float) -> int:
     return ports[0]
 
 
-def run_case(num_params: int, rtt_ms: float, window: int, rounds: int) -> dict[str, Any]:
+def run_case(num_params: int, rtt_ms: float, window: int, rounds: int,
+             separate_uploads: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fedloom-wan-") as state_dir:
         config = ServerConfig(
             address="127.0.0.1:0", num_rounds=rounds, min_clients=1, min_fit_clients=1,
@@ -108,7 +109,8 @@ def run_case(num_params: int, rtt_ms: float, window: int, rounds: int) -> dict[s
         handle = Server(config, initial_weights=weights).start()
         port = start_proxy(handle.port, rtt_ms / 2000)
         client_config = ClientConfig(
-            server_address=f"127.0.0.1:{port}", insecure=True, rpc_timeout_s=600.0
+            server_address=f"127.0.0.1:{port}", insecure=True, rpc_timeout_s=600.0,
+            separate_upload_connection=separate_uploads,
         )
         client = threading.Thread(
             target=start_client,
@@ -123,6 +125,7 @@ def run_case(num_params: int, rtt_ms: float, window: int, rounds: int) -> dict[s
     model_mb = num_params * 4 / 1e6
     return {
         "params": num_params, "rtt_ms": rtt_ms, "window": window, "round_s": steady,
+        "separate_upload_connection": separate_uploads,
         "mb_per_s": 2 * model_mb / steady, "rounds_ok": len(durations),
     }  # fmt: skip
 
@@ -134,6 +137,8 @@ def main() -> int:
     parser.add_argument("--windows", default="0,1048576,4194304",
                         help="server stream windows in bytes (0: gRPC's default)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--shared-upload-connection", action="store_true",
+                        help="the client pushes on its long-lived channel (for A/B)")
     parser.add_argument("--out", type=Path, default=None, help="JSON report path")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -142,7 +147,8 @@ def main() -> int:
     print(f"{'rtt ms':>7} {'window':>9} {'round s':>8} {'MB/s':>7}")
     for rtt in (float(x) for x in args.rtt_ms.split(",")):
         for window in (int(x) for x in args.windows.split(",")):
-            r = run_case(num_params, rtt, window, args.rounds)
+            r = run_case(num_params, rtt, window, args.rounds,
+                         separate_uploads=not args.shared_upload_connection)
             results.append(r)
             print(f"{rtt:7.0f} {window:9d} {r['round_s']:8.3f} {r['mb_per_s']:7.1f}", flush=True)
     write_report("wan", args, results, [], args.out or RESULTS / "wan.json")
