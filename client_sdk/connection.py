@@ -178,10 +178,16 @@ class Connection:
         self._active: Any = None
         self._lock = threading.Lock()
         self._watchdog = _Watchdog()
+        # The channel the next large push will use, opened (and connecting) when a task
+        # with a large model arrives, so its handshake overlaps the training.
+        self._upload: tuple[grpc.Channel, grpc.Future] | None = None
 
     def close(self) -> None:
         self.cancel_active()
         self._watchdog.close()
+        spare = self._take_upload_channel()
+        if spare is not None:
+            spare[0].close()
         self._channel.close()
 
     def cancel_active(self) -> None:
@@ -310,6 +316,8 @@ class Connection:
         except MessageRejectedError as exc:
             raise TransportError(f"the task's weights failed verification: {exc}") from exc
         weights = deserialize(info.specs, sink.buffer.data.toreadonly())
+        if self._separate(info.total_bytes):  # a large update will follow: connect now
+            self._prepare_upload_channel()
         return task, weights
 
     def push(self, result: ResultHeader, payload: memoryview | None) -> bool:
@@ -325,16 +333,47 @@ class Connection:
         size = len(payload) if payload is not None else 0
         timeout = self.config.rpc_timeout_s + size / (1 << 20)  # >= 1 MiB/s
         try:
-            if size >= SEPARATE_UPLOAD_MIN_BYTES and self.config.separate_upload_connection:
+            if self._separate(size):
                 # Its own connection: the server's gRPC frees the read buffers it grew
                 # for these messages when the connection closes (see ClientConfig).
-                with open_channel(self.config, self._options) as channel:
+                prepared = self._take_upload_channel()
+                channel = prepared[0] if prepared else open_channel(self.config, self._options)
+                with channel:
                     response = _push_method(channel)(messages(), timeout=timeout)
             else:
                 response = self._push(messages(), timeout=timeout)
         except grpc.RpcError as exc:
             raise _translate(exc, "push") from exc
         return bool(response.duplicate)
+
+    def _separate(self, size: int) -> bool:
+        """Whether a push of ``size`` bytes goes over a connection of its own."""
+        return size >= SEPARATE_UPLOAD_MIN_BYTES and self.config.separate_upload_connection
+
+    def _prepare_upload_channel(self) -> None:
+        """Open the next large push's channel and connect it now, without waiting.
+
+        A Heartbeat on it (its answer is not needed) makes gRPC connect. Not
+        `grpc.channel_ready_future`: its connectivity-polling thread held each later
+        close of the channel for 0.1-0.15 s.
+        """
+        with self._lock:
+            if self._upload is not None or self.session is None:
+                return
+            channel = open_channel(self.config, self._options)
+            warm = pb_grpc.FleetStub(channel).Heartbeat.future(
+                pb.HeartbeatRequest(session=codec.session_to_proto(self.session)),
+                timeout=self.config.rpc_timeout_s,
+            )
+            self._upload = (channel, warm)
+
+    def _take_upload_channel(self) -> tuple[grpc.Channel, grpc.Future] | None:
+        """The prepared upload channel (the caller closes it), or None."""
+        with self._lock:
+            prepared, self._upload = self._upload, None
+        if prepared is not None:
+            prepared[1].cancel()  # the warm-up Heartbeat, if still in flight
+        return prepared
 
 
 def _push_method(channel: grpc.Channel) -> Any:

@@ -269,8 +269,9 @@ class ClientConfig:
     read buffers sized to the largest messages a connection has received (about 1 MB
     per connection after 1 MiB chunks) until that connection closes, so on the
     long-lived channel the server's memory would grow by that much for every client
-    that has uploaded. The cost is one connection set-up (TCP, and TLS when on) per
-    large push; turn it off only when the server has memory to spare for its clients.
+    that has uploaded. The connection is opened when a task with a large model arrives,
+    so its set-up (TCP, and TLS when on) overlaps the training; turn it off only when the
+    server has memory to spare for its clients.
     """
 
     server_address: str

@@ -1,14 +1,18 @@
 """A large push goes over a connection of its own, closed when the push ends, so the
 server's gRPC frees the read buffers it grew for the upload; small pushes, and every
-push with ``separate_upload_connection`` off, use the client's long-lived channel."""
+push with ``separate_upload_connection`` off, use the client's long-lived channel. The
+connection is opened when a task with a large model arrives, so its handshake overlaps
+the training instead of delaying the push."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 from helpers import fake_fleet
@@ -19,15 +23,16 @@ from fedloom.client_sdk.connection import (
     ResultRefusedError,
 )
 from fedloom.config import ClientConfig, TransferConfig
-from fedloom.messages import PROTOCOL_VERSION, JoinReply, ResultHeader, Session
-from fedloom.payload import PayloadInfo
+from fedloom.messages import PROTOCOL_VERSION, JoinReply, ResultHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo, iter_chunks, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.types import TaskKind
-from fedloom.weights import TensorSpec
+from fedloom.weights import TensorSpec, Weights
 
 CHUNK = 16 * 1024
+MODEL = Weights({"w": np.zeros(SEPARATE_UPLOAD_MIN_BYTES // 4 + 10, np.float32)})
 
 
 class PeerRecorder(pb_grpc.FleetServicer):
@@ -45,6 +50,13 @@ class PeerRecorder(pb_grpc.FleetServicer):
         reply = JoinReply(Session("c1", b"s" * 32), PROTOCOL_VERSION, frozenset({"fit"}),
                           "run-1", 5.0, 1.0, CHUNK, 4 * CHUNK, 1 << 22)  # fmt: skip
         return codec.join_reply_to_proto(reply)
+
+    def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        payload = bytes(serialize(MODEL))
+        info = PayloadInfo.describe(MODEL.specs(), payload)
+        yield codec.task_to_proto(TaskHeader("t1", "run-1", 1, TaskKind.FIT, {}, 10.0, info))
+        for offset, data in iter_chunks(payload, CHUNK):
+            yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=data))
 
     def Push(self, request_iterator: Iterator[pb.PushRequest], context: Any) -> pb.PushResponse:
         data = bytearray()
@@ -84,12 +96,30 @@ def _result(size: int) -> tuple[ResultHeader, memoryview]:
     return header, memoryview(payload)
 
 
-def _connections_to(address: str) -> int:
+def _local_ports(address: str) -> set[int]:
+    """This process's ports of its established connections to ``address``."""
     port = int(address.rsplit(":", 1)[1])
-    return sum(
-        1 for c in psutil.Process().net_connections(kind="tcp")
+    return {
+        c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
         if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-    )
+    }
+
+
+def _connections_to(address: str) -> int:
+    return len(_local_ports(address))
+
+
+def _port(peer: str) -> int:
+    return int(peer.rsplit(":", 1)[1])
+
+
+def _wait_for(predicate: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def test_a_large_push_uses_its_own_connection_and_closes_it(recorder) -> None:  # type: ignore[no-untyped-def]
@@ -127,6 +157,25 @@ def test_a_push_stays_on_the_long_lived_channel(recorder, size: int, separate: b
         assert servicer.pushed == [bytes(payload)]
     finally:
         connection.close()
+
+
+def test_a_large_task_opens_the_upload_connection_before_the_push(recorder) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = recorder
+    connection = _connect(address)
+    try:
+        main = _port(servicer.peers["Join"][0])
+        pulled = connection.pull()
+        assert isinstance(pulled, tuple) and pulled[1].allclose(MODEL, rtol=0, atol=0)
+        # connecting while the client would train: the main channel and one more
+        assert _wait_for(lambda: len(_local_ports(address)) == 2)
+        (prepared,) = _local_ports(address) - {main}
+        header, payload = _result(MODEL["w"].nbytes)
+        connection.push(header, payload)
+        assert [_port(p) for p in servicer.peers["Push"]] == [prepared]  # the prepared one
+        assert _wait_for(lambda: _local_ports(address) == {main})  # and closed after it
+    finally:
+        connection.close()
+    assert _wait_for(lambda: _connections_to(address) == 0)
 
 
 def test_a_refusal_on_the_upload_connection_is_translated(recorder) -> None:  # type: ignore[no-untyped-def]
