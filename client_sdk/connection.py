@@ -38,6 +38,7 @@ from fedloom.payload import PayloadReceiver, deserialize, iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
+from fedloom.types import TaskKind
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.client")
@@ -46,6 +47,8 @@ CAPABILITIES = frozenset({"fit", "evaluate", "secagg"})  # secagg: client_sdk/se
 #: Pushes of payloads this large go over a connection of their own when
 #: ``ClientConfig.separate_upload_connection`` is on (smaller ones leave little behind).
 SEPARATE_UPLOAD_MIN_BYTES = 64 * 1024
+#: Tasks answered with an update about the size of their model (an evaluation is not).
+_UPLOADING = frozenset({TaskKind.FIT, TaskKind.SECAGG})
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -316,8 +319,8 @@ class Connection:
         except MessageRejectedError as exc:
             raise TransportError(f"the task's weights failed verification: {exc}") from exc
         weights = deserialize(info.specs, sink.buffer.data.toreadonly())
-        if self._separate(info.total_bytes):  # a large update will follow: connect now
-            self._prepare_upload_channel()
+        if task.kind in _UPLOADING and self._separate(info.total_bytes):
+            self._prepare_upload_channel()  # an update of about this size will follow
         return task, weights
 
     def push(self, result: ResultHeader, payload: memoryview | None) -> bool:

@@ -42,6 +42,7 @@ class PeerRecorder(pb_grpc.FleetServicer):
         self.peers: dict[str, list[str]] = {"Join": [], "Push": []}
         self.pushed: list[bytes] = []
         self.refuse = False
+        self.kind = TaskKind.FIT  # of the task Pull hands out
         self.lock = threading.Lock()
 
     def Join(self, request: Any, context: Any) -> pb.JoinResponse:
@@ -54,7 +55,7 @@ class PeerRecorder(pb_grpc.FleetServicer):
     def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
         payload = bytes(serialize(MODEL))
         info = PayloadInfo.describe(MODEL.specs(), payload)
-        yield codec.task_to_proto(TaskHeader("t1", "run-1", 1, TaskKind.FIT, {}, 10.0, info))
+        yield codec.task_to_proto(TaskHeader("t1", "run-1", 1, self.kind, {}, 10.0, info))
         for offset, data in iter_chunks(payload, CHUNK):
             yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=data))
 
@@ -176,6 +177,19 @@ def test_a_large_task_opens_the_upload_connection_before_the_push(recorder) -> N
     finally:
         connection.close()
     assert _wait_for(lambda: _connections_to(address) == 0)
+
+
+def test_an_evaluation_task_opens_no_upload_connection(recorder) -> None:  # type: ignore[no-untyped-def]
+    """An evaluation is answered without an update, so a large model alone opens none."""
+    servicer, address = recorder
+    servicer.kind = TaskKind.EVALUATE
+    connection = _connect(address)
+    try:
+        assert isinstance(connection.pull(), tuple)
+        time.sleep(0.3)  # a connection being opened would be up by now (see above)
+        assert _connections_to(address) == 1
+    finally:
+        connection.close()
 
 
 def test_a_refusal_on_the_upload_connection_is_translated(recorder) -> None:  # type: ignore[no-untyped-def]
