@@ -365,7 +365,7 @@ class Connection:
                 return
             channel = open_channel(self.config, self._options)
             warm = pb_grpc.FleetStub(channel).Heartbeat.future(
-                pb.HeartbeatRequest(session=codec.session_to_proto(self.session)),
+                pb.HeartbeatRequest(session=self._session_proto()),
                 timeout=self.config.rpc_timeout_s,
             )
             self._upload = (channel, warm)
