@@ -150,10 +150,11 @@ class BenchClient(Client):
 class BenchRunner(ClientRunner):
     """A `ClientRunner` that counts bytes, times its steps and drops out on cue."""
 
-    def __init__(self, index: int, address: str, dropout: float) -> None:
+    def __init__(self, index: int, address: str, dropout: float, task_stream: bool = True
+                 ) -> None:
         self.cpu: dict[str, float] = defaultdict(float)
         config = ClientConfig(server_address=address, name=f"bench-{index}", insecure=True,
-                              rpc_timeout_s=120.0)
+                              rpc_timeout_s=120.0, task_stream=task_stream)
         super().__init__(BenchClient(index, self.cpu), config)
         self.index, self.dropout = index, dropout
         self.traffic = Traffic()
@@ -198,7 +199,7 @@ class BenchRunner(ClientRunner):
 
 
 def _serve_command(command: dict[str, Any]) -> list[dict[str, Any]]:
-    runners = [BenchRunner(i, command["address"], command["dropout"])
+    runners = [BenchRunner(i, command["address"], command["dropout"], command["task_stream"])
                for i in command["indices"]]
     threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
     started = time.process_time()
@@ -240,15 +241,15 @@ class ClientPool:
             self.pipes.append(parent)
             self.processes.append(process)
 
-    def run(self, address: str, clients: int, dropout: float, timeout_s: float
-            ) -> list[tuple[int, Connection]]:
+    def run(self, address: str, clients: int, dropout: float, timeout_s: float,
+            task_stream: bool = True) -> list[tuple[int, Connection]]:
         """Start ``clients`` clients spread over the workers; returns what to collect."""
         used = min(clients, len(self.pipes))
         pending = []
         for w in range(used):
             indices = list(range(w, clients, used))
             self.pipes[w].send({"address": address, "indices": indices, "dropout": dropout,
-                                "timeout_s": timeout_s})
+                                "timeout_s": timeout_s, "task_stream": task_stream})
             pending.append((w, self.pipes[w]))
         return pending
 

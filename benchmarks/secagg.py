@@ -92,7 +92,7 @@ def initial(params: int) -> Weights:
 
 # -- fedloom over gRPC ----------------------------------------------------------------
 def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: int,
-             state_root: Path) -> dict[str, Any]:
+             state_root: Path, task_stream: bool = True) -> dict[str, Any]:
     plain_min = n - round(dropout * n)
     config = ServerConfig(
         address="127.0.0.1:0", num_rounds=rounds, min_clients=n,
@@ -103,7 +103,7 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
     server = Server(config, initial_weights=initial(params))
     handle = server.start()
     started_cpu, started = time.process_time(), time.perf_counter()
-    pending = pool.run(handle.address, n, dropout, timeout_s=1800.0)
+    pending = pool.run(handle.address, n, dropout, timeout_s=1800.0, task_stream=task_stream)
     history = handle.wait(1800.0)
     wall, server_cpu = time.perf_counter() - started, time.process_time() - started_cpu
     clients = pool.collect(pending, 120.0)
@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["grpc", "local", "flower"])
     parser.add_argument("--modes", nargs="+", default=["plain", "secure"],
                         choices=["plain", "secure"], help="(profiling) run only these")
+    parser.add_argument("--pull", action="store_true",
+                        help="(A/B) clients Pull each task instead of reading a Tasks stream")
     parser.add_argument("--quick", action="store_true",
                         help="10 and 20 clients, 100k parameters, 3 rounds, 1 repeat")
     parser.add_argument("--out", type=Path, default=RESULTS / "secagg.json")
@@ -372,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="secagg-bench-") as tmp:
                 for row in rows:
                     row["grpc"] = alternate(args.modes, args.repeats, lambda m, r=row: run_grpc(
-                        pool, m, r["clients"], r["params"], r["dropout"], args.rounds, Path(tmp)))
+                        pool, m, r["clients"], r["params"], r["dropout"], args.rounds, Path(tmp),
+                        task_stream=not args.pull))
                     progress("grpc", row)
         finally:
             pool.close()
@@ -393,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                      "secagg": {"neighbours": NEIGHBOURS, "threshold": THRESHOLD,
                                 "clip_range": 8.0, "bits": 22, "max_weight": 100.0},
                      "flower_secagg": FLOWER_SECAGG, "grpc_workers": args.workers,
+                     "task_stream": not args.pull,
                      "repeats": args.repeats},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": sys.version.split()[0], "load_avg": os.getloadavg()},

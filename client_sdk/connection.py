@@ -1,7 +1,8 @@
 """The client's side of the Fleet protocol over a gRPC channel.
 
-`Connection` joins, long-polls for tasks (downloading and verifying their weights
-chunk by chunk), pushes results in chunks, sends heartbeats and leaves. gRPC errors
+`Connection` joins, reads its tasks from one Tasks stream (or long-polls Pull for each),
+downloading and verifying their weights chunk by chunk, pushes results in chunks (a
+result without a payload in one Report call), sends heartbeats and leaves. gRPC errors
 are translated at this edge: a server that is unreachable or went away raises
 `TransportError` (retry later), an unknown session raises `SessionExpiredError`
 (join again), a refused message raises `ResultRefusedError` (do not retry it), and a
@@ -179,6 +180,7 @@ class Connection:
         self.session: Session | None = None
         self.grant: JoinReply | None = None
         self._active: Any = None
+        self._tasks: Any = None  # the open Tasks stream (ClientConfig.task_stream)
         self._lock = threading.Lock()
         self._watchdog = _Watchdog()
         # The channel the next large push will use, opened (and connecting) when a task
@@ -187,6 +189,7 @@ class Connection:
 
     def close(self) -> None:
         self.cancel_active()
+        self._close_tasks()
         self._watchdog.close()
         spare = self._take_upload_channel()
         if spare is not None:
@@ -254,36 +257,59 @@ class Connection:
 
     # -- tasks ----------------------------------------------------------------------
     def pull(self) -> tuple[TaskHeader, Weights] | NoTask:
-        """Long-poll for a task; download, verify and return its weights."""
-        call = self._stub.Pull(pb.PullRequest(session=self._session_proto()))
+        """The next task, its weights downloaded and verified; or `NoTask`.
+
+        From the session's Tasks stream (opened on first use and kept between tasks)
+        when ``ClientConfig.task_stream`` is on, else from one long-poll Pull call.
+        """
+        streamed = self.config.task_stream
+        call = self._tasks if streamed else None
+        if call is None:
+            request = pb.PullRequest(session=self._session_proto())
+            call = self._stub.Tasks(request) if streamed else self._stub.Pull(request)
+            if streamed:
+                self._tasks = call
         first_wait = (self.grant.long_poll_s if self.grant else 20.0) + self.config.rpc_timeout_s
         watchdog = self._watchdog
         watchdog.arm(call, first_wait)
         with self._lock:
             self._active = call
+        what = "task stream" if streamed else "pull"
         try:
-            return self._receive_task(iter(call), watchdog)
+            return self._receive_task(call, watchdog, whole_stream=not streamed)
         except grpc.RpcError as exc:
             if watchdog.fired:
-                raise TransportError("the server stopped sending (pull timed out)") from exc
-            raise _translate(exc, "pull") from exc
+                raise TransportError(f"the server stopped sending ({what} timed out)") from exc
+            raise _translate(exc, what) from exc
+        except BaseException:
+            if streamed:  # what is left of this task is unread: the next pull starts afresh
+                self._close_tasks()
+            raise
         finally:
             watchdog.disarm()
             with self._lock:
                 self._active = None
 
+    def _close_tasks(self) -> None:
+        with self._lock:
+            call, self._tasks = self._tasks, None
+        if call is not None:
+            call.cancel()
+
     def _receive_task(
-        self, stream: Iterator[pb.PullResponse], watchdog: _Watchdog
+        self, stream: Iterator[pb.PullResponse], watchdog: _Watchdog, whole_stream: bool
     ) -> tuple[TaskHeader, Weights] | NoTask:
+        """Read one task: its header, then its chunks (to the end of a Pull's stream;
+        on the Tasks stream, as many bytes as the header announces)."""
         first = next(stream, None)
         watchdog.touch()
         if first is None:
-            raise TransportError("the server closed the pull stream without an answer")
+            raise TransportError("the server closed the task stream without an answer")
         part = first.WhichOneof("part")
         if part == "no_task":
             return codec.no_task_from_proto(first.no_task)
         if part != "task":
-            raise TransportError(f"the server's pull stream began with {part!r}")
+            raise TransportError(f"the server's task stream began with {part!r}")
         try:
             task = codec.task_from_proto(first.task)
         except MessageRejectedError as exc:
@@ -310,10 +336,13 @@ class Connection:
             max_chunk_bytes=self.config.transfer.max_message_bytes,
         )
         try:
-            for message in stream:
+            while whole_stream or receiver.received < info.total_bytes:
+                message = next(stream, None)
+                if message is None:
+                    break  # finish() says whether the payload is whole
                 watchdog.touch()
                 if message.WhichOneof("part") != "chunk":
-                    raise TransportError("the server sent a non-chunk inside a task stream")
+                    raise TransportError("the server sent a non-chunk inside a task's weights")
                 receiver.feed(*codec.chunk_from_proto(message.chunk))
             receiver.finish()
         except MessageRejectedError as exc:
@@ -336,7 +365,9 @@ class Connection:
         size = len(payload) if payload is not None else 0
         timeout = self.config.rpc_timeout_s + size / (1 << 20)  # >= 1 MiB/s
         try:
-            if self._separate(size):
+            if payload is None and result.update is None:  # one message: no request stream
+                response = self._stub.Report(codec.result_to_proto(result), timeout=timeout)
+            elif self._separate(size):
                 # Its own connection: the server's gRPC frees the read buffers it grew
                 # for these messages when the connection closes (see ClientConfig).
                 prepared = self._take_upload_channel()

@@ -41,7 +41,8 @@ SERVER_HELP = {
     "resume": "resume the latest unfinished run in state_dir",
     "keep_checkpoints": "checkpoints kept per run (the newest)",
     "max_num_examples": "largest num_examples a client may claim",
-    "long_poll_s": "seconds a Pull waits for a task before answering 'no task yet'",
+    "long_poll_s": "seconds a Pull waits for a task before answering 'no task yet' "
+                   "(on a Tasks stream: the keep-alive period)",
     "heartbeat_interval_s": "seconds between client heartbeats",
     "client_timeout_s": "seconds of silence after which a client is dropped",
     "stream_timeout_s": "time limit of one upload or download stream, in seconds",

@@ -272,6 +272,11 @@ class ClientConfig:
     that has uploaded. The connection is opened when a task with a large model arrives,
     so its set-up (TCP, and TLS when on) overlaps the training; turn it off only when the
     server has memory to spare for its clients.
+
+    ``task_stream`` (default on): read tasks from one long-lived Tasks stream instead of
+    one Pull call per task. A call costs both sides about a millisecond of CPU to set up
+    in Python gRPC, and a secure round has four tasks per client; off, every task is a
+    Pull (for proxies that cut long streams, or to compare).
     """
 
     server_address: str
@@ -289,6 +294,7 @@ class ClientConfig:
     server_name: str = ""
     insecure: bool = False
     separate_upload_connection: bool = True
+    task_stream: bool = True
 
     def __post_init__(self) -> None:
         check_address("server_address", self.server_address)

@@ -14,8 +14,10 @@ from fedloom.secagg import RoundId, SecAggReply, SecAggRequest
 from fedloom.types import Config, Metrics, TaskKind
 
 #: 2: a secure round's fit config and weights travel with the masked-input stage (the
-#: client trains there), not with advertise keys as in 1.
-PROTOCOL_VERSION = 2
+#: client trains there), not with advertise keys as in 1. 3: the Tasks stream and the
+#: Report call (a client reads its tasks from one stream and sends payload-less results
+#: in one message; Pull and Push stay).
+PROTOCOL_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

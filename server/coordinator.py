@@ -183,17 +183,24 @@ class Coordinator:
     def leave(self, record: ClientRecord, reason: str) -> None:
         self._drop_client(record.client_id, f"left: {reason[:200]}" if reason else "left")
 
-    async def pull(self, record: ClientRecord) -> tuple[TaskHeader, memoryview] | NoTask:
-        """Long-poll: the client's pending task, or `NoTask` after ``long_poll_s``."""
+    async def pull(self, record: ClientRecord, sent: str | None = None
+                   ) -> tuple[TaskHeader, memoryview] | NoTask:
+        """Long-poll: the client's pending task, or `NoTask` after ``long_poll_s``.
+
+        ``sent`` is the id of the task a Tasks stream sent last: the client is answering
+        it, so that stream waits for the next one instead (a Pull re-offers a pending
+        task until it is answered; a new stream starts with none sent).
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.long_poll_s
         while True:
             offered = self.secure.offer(record.client_id)  # a secure round's stage task
-            if offered is not None:
+            if offered is not None and offered[0].task_id != sent:
                 return offered
             phase = self._phase
             task = phase.by_client.get(record.client_id) if phase and not phase.closed else None
-            if task is not None and task.status is TaskStatus.PENDING:
+            if (task is not None and task.status is TaskStatus.PENDING
+                    and task.header.task_id != sent):
                 return task.header, task.payload
             if self.finished.is_set():
                 return NoTask(retry_after_s=0.0, run_finished=True)

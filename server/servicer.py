@@ -18,7 +18,7 @@ from typing import NoReturn
 import grpc
 
 from fedloom.errors import MessageRejectedError, RejectReason
-from fedloom.messages import NoTask
+from fedloom.messages import NoTask, TaskHeader
 from fedloom.payload import iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
@@ -124,8 +124,6 @@ class FleetServicer(pb_grpc.FleetServicer):
     async def Pull(  # type: ignore[override]
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        # Messages are written, not yielded, so that the stream's time limit covers every
-        # write: a client that stops reading (HTTP/2 flow control) cannot hold the stream.
         idle = IdleLimit(self.chunk_timeout_s)
         try:
             polled = time.monotonic()
@@ -133,26 +131,69 @@ class FleetServicer(pb_grpc.FleetServicer):
             if not isinstance(outcome, tuple):
                 await context.write(codec.no_task_to_proto(outcome))
                 return
-            header, payload = outcome
             # Wait for a turn only as long as the long-poll has left: the client's deadline.
             wait_s = max(0.0, self.coordinator.config.long_poll_s - (time.monotonic() - polled))
-            async with (
-                asyncio.timeout(self.stream_timeout_s),
-                self.slots.download(wait_s, len(payload)) as turn,
-            ):
-                if not turn:  # others are downloading: ask again (this task stays pending)
-                    await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
-                    return
-                async with idle:
-                    await context.write(codec.task_to_proto(header))
-                    for offset, data in iter_chunk_views(payload, self.transfer.chunk_size):
-                        idle.moved()
-                        await context.write(codec.chunk_frame(offset, data))  # ready-made
-                        ServerMetrics.bytes_out(len(data))
+            if not await self._send_task(context, outcome, wait_s, idle):
+                # others are downloading: ask again (this task stays pending)
+                await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
         except TimeoutError:
             await _reject(context, "Pull", self._timed_out("download", idle.expired()))
         except MessageRejectedError as exc:
             await _reject(context, "Pull", exc)
+
+    async def Tasks(  # type: ignore[override]
+        self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """The session's tasks on one stream: each pending task once, in turn (see the
+        proto). Saves a call per task, which a secure round's four stages feel most."""
+        idle = IdleLimit(self.chunk_timeout_s)
+        try:
+            record = self._client(request.session)
+            sent: str | None = None  # the client is answering this one: not offered again
+            while True:
+                outcome = await self.coordinator.pull(record, sent)
+                if not isinstance(outcome, tuple):
+                    await context.write(codec.no_task_to_proto(outcome))
+                    if outcome.run_finished or self.coordinator.stopping:
+                        return
+                    continue  # a keep-alive every long_poll_s
+                wait_s = self.coordinator.config.long_poll_s
+                if await self._send_task(context, outcome, wait_s, idle):
+                    sent = outcome[0].task_id
+                else:  # no download turn within a long-poll: say so, then wait again
+                    await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+        except TimeoutError:
+            await _reject(context, "Tasks", self._timed_out("download", idle.expired()))
+        except MessageRejectedError as exc:
+            await _reject(context, "Tasks", exc)
+
+    async def _send_task(
+        self,
+        context: grpc.aio.ServicerContext,
+        task: tuple[TaskHeader, memoryview],
+        wait_s: float,
+        idle: IdleLimit,
+    ) -> bool:
+        """Write a task's header and chunks, after waiting up to ``wait_s`` for a download
+        turn; False (nothing written) if no turn came.
+
+        Messages are written, not yielded, so that the stream's time limit covers every
+        write: a client that stops reading (HTTP/2 flow control) cannot hold the stream.
+        """
+        header, payload = task
+        async with (
+            asyncio.timeout(self.stream_timeout_s),
+            self.slots.download(wait_s, len(payload)) as turn,
+        ):
+            if not turn:
+                return False
+            async with idle:
+                await context.write(codec.task_to_proto(header))
+                for offset, data in iter_chunk_views(payload, self.transfer.chunk_size):
+                    idle.moved()
+                    await context.write(codec.chunk_frame(offset, data))  # ready-made
+                    ServerMetrics.bytes_out(len(data))
+        return True
 
     async def Push(
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
@@ -194,3 +235,27 @@ class FleetServicer(pb_grpc.FleetServicer):
             if upload is not None:
                 upload.spool.discard()
                 self.coordinator.finish_fit(upload, None)
+
+    async def Report(
+        self, request: pb.PushRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PushResponse:
+        """A result without a payload, in one message (one call, no request stream)."""
+        try:
+            if request.WhichOneof("part") != "result":
+                raise MessageRejectedError(RejectReason.INVALID, "a Report carries a result header")
+            client = self._client(request.result.session)  # first: refusals are its strikes
+            header = codec.result_from_proto(request.result)
+            if header.update is not None:
+                raise MessageRejectedError(
+                    RejectReason.INVALID, "a result with a payload goes through Push, not Report"
+                )
+            outcome = await self.coordinator.accept_result(client, header)
+            if isinstance(outcome, PendingUpload):  # cannot happen without an update
+                outcome.spool.discard()
+                self.coordinator.finish_fit(outcome, None)
+                raise MessageRejectedError(
+                    RejectReason.INVALID, "this result needs its payload: send it through Push"
+                )
+            return pb.PushResponse(duplicate=outcome)
+        except MessageRejectedError as exc:
+            await _reject(context, "Report", exc)

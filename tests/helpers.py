@@ -75,9 +75,11 @@ def fake_fleet(servicer: pb_grpc.FleetServicer) -> Iterator[str]:
         server.stop(0)
 
 
-def fake_fleet_connection(address: str, rpc_timeout_s: float) -> Connection:
+def fake_fleet_connection(address: str, rpc_timeout_s: float, task_stream: bool = True
+                          ) -> Connection:
     """A plaintext `Connection` to a `fake_fleet`, with small transfer limits (1 KiB chunks,
-    models up to 4 KiB), not yet joined."""
+    models up to 4 KiB), not yet joined; tasks come from the Tasks stream unless
+    ``task_stream`` is False (one Pull per task)."""
     transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
     return Connection(ClientConfig(server_address=address, rpc_timeout_s=rpc_timeout_s,
-                                   transfer=transfer, insecure=True))
+                                   transfer=transfer, insecure=True, task_stream=task_stream))

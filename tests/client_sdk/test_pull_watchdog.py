@@ -1,5 +1,6 @@
-"""A Pull that goes silent is cut by the connection's watchdog, which is one thread per
-connection, reused from one Pull to the next and stopped when the connection closes."""
+"""A task download that goes silent is cut by the connection's watchdog, which is one
+thread per connection, reused from one task to the next and stopped when the connection
+closes: on the Tasks stream (the default) and with one Pull per task alike."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ RPC_TIMEOUT_S = 1.0
 
 
 class StallingServer(pb_grpc.FleetServicer):
-    """Sends a task's header and first chunk, then nothing until the client gives up
-    (or ``stall_s`` passes); with ``stall=False`` it sends the whole task."""
+    """Sends tasks; a task whose entry in ``plan`` is True (or any task once the plan is
+    used up) stalls after its first chunk until the client gives up (or ``stall_s``)."""
 
     def __init__(self) -> None:
-        self.stall = True
+        self.plan: list[bool] = []
         self.stall_s = 8.0
 
     def Join(self, request: Any, context: Any) -> pb.JoinResponse:
@@ -40,16 +41,27 @@ class StallingServer(pb_grpc.FleetServicer):
                           "run-1", 5.0, 1.0, 1024, 64 * 1024, 1 << 20)  # fmt: skip
         return codec.join_reply_to_proto(reply)
 
-    def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+    def _task(self, context: Any) -> Iterator[pb.PullResponse]:
+        stall = self.plan.pop(0) if self.plan else True
         info = PayloadInfo.describe(WEIGHTS.specs(), PAYLOAD)
         yield codec.task_to_proto(TaskHeader("t1", "run-1", 1, TaskKind.FIT, {}, 10.0, info))
         for i, (offset, data) in enumerate(iter_chunks(PAYLOAD, 1024)):
-            if i == 1 and self.stall:
+            if i == 1 and stall:
                 deadline = time.monotonic() + self.stall_s
                 while context.is_active() and time.monotonic() < deadline:
                     time.sleep(0.05)
                 return
             yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=data))
+
+    def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        yield from self._task(context)
+
+    def Tasks(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        while context.is_active():
+            stalls = not self.plan or self.plan[0]
+            yield from self._task(context)
+            if stalls:
+                return
 
 
 @pytest.fixture()
@@ -59,8 +71,8 @@ def stalling():  # type: ignore[no-untyped-def]
         yield servicer, address
 
 
-def _connect(address: str) -> Connection:
-    connection = fake_fleet_connection(address, RPC_TIMEOUT_S)
+def _connect(address: str, task_stream: bool) -> Connection:
+    connection = fake_fleet_connection(address, RPC_TIMEOUT_S, task_stream=task_stream)
     connection.join("c1")
     return connection
 
@@ -69,9 +81,13 @@ def _watchdogs() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "fedloom-watchdog"]
 
 
-def test_a_silent_pull_is_cut_after_the_rpc_timeout(stalling) -> None:  # type: ignore[no-untyped-def]
-    _, address = stalling
-    connection = _connect(address)
+@pytest.mark.parametrize("task_stream", [True, False], ids=["tasks-stream", "pull"])
+def test_a_silent_download_is_cut_after_the_rpc_timeout(  # type: ignore[no-untyped-def]
+    stalling, task_stream: bool
+) -> None:
+    servicer, address = stalling
+    servicer.plan = [True]
+    connection = _connect(address, task_stream)
     try:
         started = time.monotonic()
         with pytest.raises(TransportError, match="stopped sending"):
@@ -84,17 +100,20 @@ def test_a_silent_pull_is_cut_after_the_rpc_timeout(stalling) -> None:  # type: 
         connection.close()
 
 
-def test_one_watchdog_thread_serves_every_pull_and_stops_on_close(stalling) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("task_stream", [True, False], ids=["tasks-stream", "pull"])
+def test_one_watchdog_thread_serves_every_task_and_stops_on_close(  # type: ignore[no-untyped-def]
+    stalling, task_stream: bool
+) -> None:
     servicer, address = stalling
     before = len(_watchdogs())
-    connection = _connect(address)
+    servicer.plan = [False, False, False, True]
+    connection = _connect(address, task_stream)
     try:
-        servicer.stall = False
         for _ in range(3):  # whole tasks: the watchdog must not fire between them
             task, weights = connection.pull()  # type: ignore[misc]
             assert task.task_id == "t1"
             np.testing.assert_array_equal(weights["w"], WEIGHTS["w"])
-        servicer.stall = True
+            time.sleep(RPC_TIMEOUT_S + 0.3)  # "training": nothing is read meanwhile
         with pytest.raises(TransportError, match="stopped sending"):
             connection.pull()
         assert len(_watchdogs()) == before + 1

@@ -39,7 +39,7 @@ class PeerRecorder(pb_grpc.FleetServicer):
     """Records the peer (client address and port) of each call and the bytes pushed."""
 
     def __init__(self) -> None:
-        self.peers: dict[str, list[str]] = {"Join": [], "Push": []}
+        self.peers: dict[str, list[str]] = {"Join": [], "Push": [], "Report": []}
         self.pushed: list[bytes] = []
         self.refuse = False
         self.kind = TaskKind.FIT  # of the task Pull hands out
@@ -51,6 +51,16 @@ class PeerRecorder(pb_grpc.FleetServicer):
         reply = JoinReply(Session("c1", b"s" * 32), PROTOCOL_VERSION, frozenset({"fit"}),
                           "run-1", 5.0, 1.0, CHUNK, 4 * CHUNK, 1 << 22)  # fmt: skip
         return codec.join_reply_to_proto(reply)
+
+    def Tasks(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        yield from self.Pull(request, context)
+        while context.is_active():  # no next task: the stream stays open, as a server's
+            time.sleep(0.02)
+
+    def Report(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
+        with self.lock:
+            self.peers["Report"].append(context.peer())
+        return pb.PushResponse(duplicate=False)
 
     def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
         payload = bytes(serialize(MODEL))
@@ -188,6 +198,20 @@ def test_an_evaluation_task_opens_no_upload_connection(recorder) -> None:  # typ
         assert isinstance(connection.pull(), tuple)
         time.sleep(0.3)  # a connection being opened would be up by now (see above)
         assert _connections_to(address) == 1
+    finally:
+        connection.close()
+
+
+def test_a_result_without_a_payload_is_reported_in_one_call(recorder) -> None:  # type: ignore[no-untyped-def]
+    """A failure (like any result without a payload) goes through Report, not a Push
+    stream, on the long-lived channel."""
+    servicer, address = recorder
+    connection = _connect(address)
+    try:
+        failure = ResultHeader(Session("c1", b"s" * 32), "t1", 1, None, failure="it broke")
+        assert connection.push(failure, None) is False
+        assert servicer.peers["Report"] == servicer.peers["Join"]
+        assert servicer.peers["Push"] == []
     finally:
         connection.close()
 

@@ -8,7 +8,8 @@ hang), and never stop the server from running its rounds:
 
 - raw bytes (random, or a valid request mutated) as the request of any method;
 - sessions of random actions: pulls, pushes for a real task with their chunks
-  shuffled, dropped, repeated, truncated, altered or re-offset, random result headers,
+  shuffled, dropped, repeated, truncated, altered or re-offset, random result headers
+  (pushed, or reported in one Report call),
   a second header mid-stream, an oversize message, heartbeats and leaves with good and
   bad sessions;
 - streams cut short by the client (cancelled mid-upload).
@@ -68,7 +69,9 @@ METHODS: dict[str, tuple[str, Any]] = {
     "Heartbeat": ("unary", pb.HeartbeatRequest),
     "Leave": ("unary", pb.LeaveRequest),
     "Pull": ("stream_out", pb.PullRequest),
+    "Tasks": ("stream_out", pb.PullRequest),
     "Push": ("stream_in", pb.PushRequest),
+    "Report": ("unary", pb.PushRequest),
 }
 
 
@@ -114,8 +117,9 @@ def _parses(cls: Any, data: bytes) -> bool:
 # ---- sessions of actions -------------------------------------------------------------
 CHUNK_EDITS = ["none", "shuffle", "drop", "repeat", "truncate", "flip", "offset", "empty",
                "header_again", "header_only", "nan"]  # fmt: skip
-ACTIONS = ["pull", "push", "push_random_header", "push_chunks_first", "oversize",
-           "heartbeat", "heartbeat_bad_session", "leave_bad_session", "join_random"]  # fmt: skip
+ACTIONS = ["pull", "push", "push_random_header", "report_random_header", "push_chunks_first",
+           "oversize", "heartbeat", "heartbeat_bad_session", "leave_bad_session",
+           "join_random"]  # fmt: skip
 
 
 @st.composite
@@ -125,7 +129,7 @@ def sessions(draw: st.DrawFn) -> list[tuple[str, Any]]:
         action = draw(st.sampled_from(ACTIONS))
         if action == "push":
             arg: Any = (draw(st.sampled_from(CHUNK_EDITS)), draw(st.integers(0, 1 << 30)))
-        elif action == "push_random_header":
+        elif action in ("push_random_header", "report_random_header"):
             arg = draw(messages(pb.ResultHeader.DESCRIPTOR, depth=3))
         elif action == "join_random":
             arg = draw(messages(pb.JoinRequest.DESCRIPTOR, depth=2))
@@ -193,11 +197,18 @@ class SessionRunner:
         return status_of(self.client.stub.Push, iter(requests), timeout=CALL_TIMEOUT_S)
 
     def _push_random_header(self, header: pb.ResultHeader) -> tuple[grpc.StatusCode, str]:
+        request = pb.PushRequest(result=self._maybe_authenticated(header))
+        return status_of(self.client.stub.Push, iter([request]), timeout=CALL_TIMEOUT_S)
+
+    def _report_random_header(self, header: pb.ResultHeader) -> tuple[grpc.StatusCode, str]:
+        request = pb.PushRequest(result=self._maybe_authenticated(header))
+        return status_of(self.client.stub.Report, request, timeout=CALL_TIMEOUT_S)
+
+    def _maybe_authenticated(self, header: pb.ResultHeader) -> pb.ResultHeader:
         if header.HasField("session") and self.task is not None and len(header.task_id) % 2:
             header.session.CopyFrom(self.client.session_proto)  # sometimes authenticated
             header.task_id = self.task.task_id
-        request = pb.PushRequest(result=header)
-        return status_of(self.client.stub.Push, iter([request]), timeout=CALL_TIMEOUT_S)
+        return header
 
     def _push_chunks_first(self, _: Any) -> tuple[grpc.StatusCode, str]:
         request = pb.PushRequest(chunk=pb.Chunk(offset=0, data=b"x" * 10))

@@ -30,7 +30,7 @@ PAYLOAD = bytes(serialize(WEIGHTS))
 
 
 class HostileServer(pb_grpc.FleetServicer):
-    """Answers Join and Pull with whatever the test sets."""
+    """Answers Join, and Pull or Tasks, with whatever the test sets."""
 
     def __init__(self) -> None:
         self.join_reply = _join_reply()
@@ -40,6 +40,9 @@ class HostileServer(pb_grpc.FleetServicer):
         return self.join_reply
 
     def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        yield from self.pull
+
+    def Tasks(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
         yield from self.pull
 
     def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatResponse:
@@ -78,8 +81,8 @@ def hostile():  # type: ignore[no-untyped-def]
         yield servicer, address
 
 
-def _connect(address: str) -> Connection:
-    return fake_fleet_connection(address, 5.0)
+def _connect(address: str, task_stream: bool = True) -> Connection:
+    return fake_fleet_connection(address, 5.0, task_stream=task_stream)
 
 
 def test_a_join_reply_in_another_protocol_or_out_of_range_is_refused(hostile) -> None:  # type: ignore[no-untyped-def]
@@ -98,9 +101,10 @@ def test_a_join_reply_in_another_protocol_or_out_of_range_is_refused(hostile) ->
     servicer.join_reply = _join_reply()
 
 
-def _pull(servicer: HostileServer, address: str, parts: list[pb.PullResponse]) -> Any:
+def _pull(servicer: HostileServer, address: str, parts: list[pb.PullResponse],
+          task_stream: bool = True) -> Any:
     servicer.pull = parts
-    connection = _connect(address)
+    connection = _connect(address, task_stream)
     try:
         connection.join("me")
         return connection.pull()
@@ -108,12 +112,13 @@ def _pull(servicer: HostileServer, address: str, parts: list[pb.PullResponse]) -
         connection.close()
 
 
-def test_a_good_task_passes_and_hostile_tasks_are_refused(hostile) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("task_stream", [True, False], ids=["tasks-stream", "pull"])
+def test_a_good_task_passes_and_hostile_tasks_are_refused(hostile, task_stream: bool) -> None:  # type: ignore[no-untyped-def]
     servicer, address = hostile
     chunks = [
         pb.PullResponse(chunk=pb.Chunk(offset=o, data=d)) for o, d in iter_chunks(PAYLOAD, 50)
     ]
-    task, weights = _pull(servicer, address, [_task(), *chunks])
+    task, weights = _pull(servicer, address, [_task(), *chunks], task_stream)
     assert task.round == 3 and weights.allclose(WEIGHTS, rtol=0)
     nan_payload = bytes(
         serialize(Weights({"w": np.full(40, np.nan, np.float32), "b": np.ones(3, np.float32)}))
@@ -134,11 +139,11 @@ def test_a_good_task_passes_and_hostile_tasks_are_refused(hostile) -> None:  # t
     }
     for name, parts in cases.items():
         with pytest.raises(TransportError):
-            _pull(servicer, address, parts)
+            _pull(servicer, address, parts, task_stream)
             pytest.fail(f"accepted a task with {name}")
     # A model bigger than this client accepts is refused before it is downloaded.
     with pytest.raises(ResultRefusedError):
-        _pull(servicer, address, [_big_task()])
+        _pull(servicer, address, [_big_task()], task_stream)
 
 
 def _round_0() -> pb.PullResponse:
@@ -159,7 +164,7 @@ def _big_task() -> pb.PullResponse:
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(st.lists(st.binary(max_size=60), max_size=6))
-def test_random_pull_streams_never_crash_the_client(hostile, blobs) -> None:  # type: ignore[no-untyped-def]
+def test_random_task_streams_never_crash_the_client(hostile, blobs) -> None:  # type: ignore[no-untyped-def]
     servicer, address = hostile
     parts = []
     for blob in blobs:
@@ -167,5 +172,6 @@ def test_random_pull_streams_never_crash_the_client(hostile, blobs) -> None:  # 
             parts.append(pb.PullResponse.FromString(blob))
         except Exception:
             parts.append(pb.PullResponse(chunk=pb.Chunk(offset=0, data=blob)))
-    with contextlib.suppress(TransportError, ResultRefusedError):  # refused: fine
-        _pull(servicer, address, [_task(), *parts])
+    for task_stream in (True, False):
+        with contextlib.suppress(TransportError, ResultRefusedError):  # refused: fine
+            _pull(servicer, address, [_task(), *parts], task_stream)

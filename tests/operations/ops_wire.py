@@ -15,8 +15,9 @@ from fedloom.messages import NoTask, ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo, serialize
 
 
-def connect(address: str, name: str) -> Connection:
-    conn = Connection(ClientConfig(server_address=address, rpc_timeout_s=10.0, insecure=True))
+def connect(address: str, name: str, task_stream: bool = True) -> Connection:
+    conn = Connection(ClientConfig(server_address=address, rpc_timeout_s=10.0, insecure=True,
+                                   task_stream=task_stream))
     conn.join(name)
     return conn
 

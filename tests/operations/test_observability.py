@@ -106,7 +106,9 @@ def test_metrics_endpoint_shows_the_counters_moving_after_a_round(server_config)
     assert port is not None
     model_bytes = small_weights().nbytes  # 15 float32 = 60 bytes
     before = _scrape(port)
-    conns = [connect(handle.address, f"c{i}") for i in range(3)]
+    # One Pull per task: a Tasks stream would be sent round 2's weights as soon as its
+    # tasks exist, and this test counts the bytes of round 1 alone.
+    conns = [connect(handle.address, f"c{i}", task_stream=False) for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         tasks = list(pool.map(pull_task, conns))
     for conn, (task, weights) in zip(conns, tasks, strict=True):

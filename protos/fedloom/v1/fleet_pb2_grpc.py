@@ -44,8 +44,18 @@ class FleetStub:
                 request_serializer=fedloom_dot_v1_dot_fleet__pb2.PullRequest.SerializeToString,
                 response_deserializer=fedloom_dot_v1_dot_fleet__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.Tasks = channel.unary_stream(
+                '/fedloom.v1.Fleet/Tasks',
+                request_serializer=fedloom_dot_v1_dot_fleet__pb2.PullRequest.SerializeToString,
+                response_deserializer=fedloom_dot_v1_dot_fleet__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/fedloom.v1.Fleet/Push',
+                request_serializer=fedloom_dot_v1_dot_fleet__pb2.PushRequest.SerializeToString,
+                response_deserializer=fedloom_dot_v1_dot_fleet__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/fedloom.v1.Fleet/Report',
                 request_serializer=fedloom_dot_v1_dot_fleet__pb2.PushRequest.SerializeToString,
                 response_deserializer=fedloom_dot_v1_dot_fleet__pb2.PushResponse.FromString,
                 _registered_method=True)
@@ -78,8 +88,27 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tasks(self, request, context):
+        """The session's tasks, one after another, on one stream: each a TaskHeader then its
+        weights in Chunks (as many bytes as the header announces). A task is sent once; the
+        next one follows when it exists and the client has answered the last. A NoTask
+        arrives every long_poll_s while there is none (the stream is alive), and ends the
+        stream when the run is finished or the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Push(self, request_iterator, context):
         """Send a task's result: a ResultHeader then its payload in Chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Report(self, request, context):
+        """Send a result that has no payload (a failure, an evaluation, a secure-aggregation
+        stage reply other than the masked input): the ResultHeader alone, in one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,8 +141,18 @@ def add_FleetServicer_to_server(servicer, server):
                     request_deserializer=fedloom_dot_v1_dot_fleet__pb2.PullRequest.FromString,
                     response_serializer=fedloom_dot_v1_dot_fleet__pb2.PullResponse.SerializeToString,
             ),
+            'Tasks': grpc.unary_stream_rpc_method_handler(
+                    servicer.Tasks,
+                    request_deserializer=fedloom_dot_v1_dot_fleet__pb2.PullRequest.FromString,
+                    response_serializer=fedloom_dot_v1_dot_fleet__pb2.PullResponse.SerializeToString,
+            ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
+                    request_deserializer=fedloom_dot_v1_dot_fleet__pb2.PushRequest.FromString,
+                    response_serializer=fedloom_dot_v1_dot_fleet__pb2.PushResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
                     request_deserializer=fedloom_dot_v1_dot_fleet__pb2.PushRequest.FromString,
                     response_serializer=fedloom_dot_v1_dot_fleet__pb2.PushResponse.SerializeToString,
             ),
@@ -193,6 +232,33 @@ class Fleet:
             _registered_method=True)
 
     @staticmethod
+    def Tasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedloom.v1.Fleet/Tasks',
+            fedloom_dot_v1_dot_fleet__pb2.PullRequest.SerializeToString,
+            fedloom_dot_v1_dot_fleet__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Push(request_iterator,
             target,
             options=(),
@@ -207,6 +273,33 @@ class Fleet:
             request_iterator,
             target,
             '/fedloom.v1.Fleet/Push',
+            fedloom_dot_v1_dot_fleet__pb2.PushRequest.SerializeToString,
+            fedloom_dot_v1_dot_fleet__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedloom.v1.Fleet/Report',
             fedloom_dot_v1_dot_fleet__pb2.PushRequest.SerializeToString,
             fedloom_dot_v1_dot_fleet__pb2.PushResponse.FromString,
             options,
