@@ -26,6 +26,7 @@ from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, PendingUpload
 from fedloom.server.metrics import ServerMetrics
+from fedloom.server.registry import ClientRecord
 from fedloom.server.transfer_slots import IdleLimit, TransferSlots
 
 log = logging.getLogger("fedloom.server")
@@ -35,6 +36,9 @@ log = logging.getLogger("fedloom.server")
 _strike_caller: contextvars.ContextVar[Callable[[RejectReason], None] | None] = (
     contextvars.ContextVar("fedloom_strike_caller", default=None)
 )
+
+#: `FleetServicer._stream_next`'s answer when the Tasks stream is over.
+_STREAM_ENDS = "\x00end"
 
 STATUS = {
     RejectReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -150,22 +154,33 @@ class FleetServicer(pb_grpc.FleetServicer):
         try:
             record = self._client(request.session)
             sent: str | None = None  # the client is answering this one: not offered again
-            while True:
-                outcome = await self.coordinator.pull(record, sent)
-                if not isinstance(outcome, tuple):
-                    await context.write(codec.no_task_to_proto(outcome))
-                    if outcome.run_finished or self.coordinator.stopping:
-                        return
-                    continue  # a keep-alive every long_poll_s
-                wait_s = self.coordinator.config.long_poll_s
-                if await self._send_task(context, outcome, wait_s, idle):
-                    sent = outcome[0].task_id
-                else:  # no download turn within a long-poll: say so, then wait again
-                    await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+            while sent != _STREAM_ENDS:
+                sent = await self._stream_next(context, record, sent, idle)
         except TimeoutError:
             await _reject(context, "Tasks", self._timed_out("download", idle.expired()))
         except MessageRejectedError as exc:
             await _reject(context, "Tasks", exc)
+
+    async def _stream_next(
+        self, context: grpc.aio.ServicerContext, record: ClientRecord, sent: str | None,
+        idle: IdleLimit,
+    ) -> str | None:
+        """Wait for the next task and write it (or a NoTask); returns the id of the task
+        the client now answers, or `_STREAM_ENDS`. A function of its own so that the
+        task's payload (a round's whole model) is not kept alive by the stream while it
+        waits for the next task: a long-lived stream would otherwise hold the previous
+        round's model for every client."""
+        outcome = await self.coordinator.pull(record, sent)
+        if not isinstance(outcome, tuple):
+            await context.write(codec.no_task_to_proto(outcome))
+            if outcome.run_finished or self.coordinator.stopping:
+                return _STREAM_ENDS
+            return sent  # a keep-alive every long_poll_s
+        if await self._send_task(context, outcome, self.coordinator.config.long_poll_s, idle):
+            return outcome[0].task_id
+        # no download turn within a long-poll: say so, then wait for one again
+        await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+        return sent
 
     async def _send_task(
         self,

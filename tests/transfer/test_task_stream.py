@@ -4,6 +4,8 @@ so every rule is checked from the wire."""
 
 from __future__ import annotations
 
+import gc
+import inspect
 import queue
 import threading
 import time
@@ -196,3 +198,39 @@ def test_a_stream_for_an_unknown_session_is_refused(serve) -> None:  # type: ign
         assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     finally:
         client.close()
+
+
+def test_a_waiting_stream_keeps_no_model_alive(serve) -> None:  # type: ignore[no-untyped-def]
+    """Between tasks, a stream holds no reference to the task it sent: a long-lived
+    stream per client would otherwise keep each round's model alive into the next round
+    (found by benchmarks/transfer.py: one model more at the server's peak)."""
+    handle = serve(num_rounds=1)
+    client = StreamClient(handle.address)
+    try:
+        client.open_stream()
+        client.next_task()  # sent; the stream now waits for the next one
+        time.sleep(0.2)
+        payload = handle.server.coordinator._payload  # the model the stream wrote
+        assert len(payload) > 0
+        assert _coroutines_holding(payload) == []
+    finally:
+        client.close()
+
+
+def _coroutines_holding(target: object) -> list[str]:
+    """Coroutines whose locals hold ``target``, directly or in a tuple or list."""
+    found, seen = [], {id(target)}
+    level = [target]
+    for _ in range(3):
+        nxt = []
+        for obj in level:
+            for referrer in gc.get_referrers(obj):
+                if id(referrer) in seen or referrer is level:
+                    continue
+                seen.add(id(referrer))
+                if inspect.iscoroutine(referrer):
+                    found.append(referrer.__qualname__)
+                elif isinstance(referrer, tuple | list):
+                    nxt.append(referrer)
+        level = nxt
+    return found
