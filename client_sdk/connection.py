@@ -277,14 +277,14 @@ class Connection:
         what = "task stream" if streamed else "pull"
         try:
             return self._receive_task(call, watchdog, whole_stream=not streamed)
-        except grpc.RpcError as exc:
+        except BaseException as exc:
+            if streamed:  # broken, or what is left of this task is unread: start afresh
+                self._close_tasks()
+            if not isinstance(exc, grpc.RpcError):
+                raise
             if watchdog.fired:
                 raise TransportError(f"the server stopped sending ({what} timed out)") from exc
             raise _translate(exc, what) from exc
-        except BaseException:
-            if streamed:  # what is left of this task is unread: the next pull starts afresh
-                self._close_tasks()
-            raise
         finally:
             watchdog.disarm()
             with self._lock:

@@ -123,3 +123,19 @@ def test_one_watchdog_thread_serves_every_task_and_stops_on_close(  # type: igno
     while len(_watchdogs()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(_watchdogs()) == before
+
+
+def test_a_cut_task_stream_is_reopened_by_the_next_pull(stalling) -> None:  # type: ignore[no-untyped-def]
+    """After the watchdog cut the Tasks stream, the next pull opens a new one (and gets
+    the next task) instead of reading the dead call again."""
+    servicer, address = stalling
+    servicer.plan = [True, False]
+    connection = _connect(address, task_stream=True)
+    try:
+        with pytest.raises(TransportError, match="stopped sending"):
+            connection.pull()
+        task, weights = connection.pull()  # type: ignore[misc]
+        assert task.task_id == "t1"
+        np.testing.assert_array_equal(weights["w"], WEIGHTS["w"])
+    finally:
+        connection.close()
