@@ -8,7 +8,7 @@ machine is `fedloom.server.secagg.SecAggServer`, the client half
 defined here, so any transport can carry them.
 
 This package holds no state machine and does no I/O: X25519 + HKDF-SHA256 +
-ChaCha20-Poly1305 (`_crypto`), the AES-256-CTR mask PRG (`_prg`), Shamir sharing over
+ChaCha20-Poly1305 (`_crypto`), the AES-128-CTR mask PRG (`_prg`), Shamir sharing over
 GF(2**521 - 1) (`_shamir`), quantization (`_quantize`), the neighbour graph (`_graph`),
 the configuration (`_config`) and the messages (`_messages`).
 
@@ -65,7 +65,7 @@ from fedloom.secagg._messages import (
     UnmaskReply,
     UnmaskRequest,
 )
-from fedloom.secagg._prg import MASK_NONCE, MaskExpander, aes_ctr_keystream, expand_mask
+from fedloom.secagg._prg import MaskExpander, aes_ctr_keystream, expand_mask, split_mask_seed
 from fedloom.secagg._quantize import dequantize, flatten, quantize, unflatten
 from fedloom.secagg._shamir import PRIME, SHARE_BYTES, reconstruct, split
 
@@ -73,7 +73,6 @@ from fedloom.secagg._shamir import PRIME, SHARE_BYTES, reconstruct, split
 SEALED_SHARE_BYTES = 2 * SHARE_BYTES + 16
 
 __all__ = [
-    "MASK_NONCE",
     "PRIME",
     "SEALED_SHARE_BYTES",
     "SHARE_BYTES",
@@ -118,5 +117,6 @@ __all__ = [
     "ring_order",
     "seal_share",
     "split",
+    "split_mask_seed",
     "unflatten",
 ]

@@ -27,9 +27,10 @@ from fedloom.errors import SecureAggregationError
 from fedloom.secagg._encoding import pack
 from fedloom.secagg._messages import NONCE_BYTES, SEED_BYTES, RoundSetup
 
-#: Every derivation, seal and commitment is bound to the protocol version: v2 expands
-#: masks with AES-256-CTR (v1: ChaCha20), so parties of the two versions cannot mix.
-_LABEL = b"fedloom/secagg/v2/"
+#: Every derivation, seal and commitment is bound to the protocol version: v3 expands
+#: masks with AES-128-CTR (v2: AES-256-CTR, v1: ChaCha20), so parties of different
+#: versions cannot mix masks.
+_LABEL = b"fedloom/secagg/v3/"
 
 
 def generate_private_key() -> X25519PrivateKey:

@@ -1,22 +1,29 @@
-"""The mask PRG: a 256-bit seed expanded into uint32 words by the AES-256-CTR keystream.
+"""The mask PRG: a 256-bit seed expanded into uint32 words by the AES-128-CTR keystream.
 
-AES-256 in counter mode (NIST SP 800-38A) from the `cryptography` package (OpenSSL, with
-the CPU's AES instructions), in bulk: the keystream is the encryption of zeros into a
-reused buffer, viewed as little-endian uint32 with `np.frombuffer` (no Python loop per
-element). The seed is the key; counter block ``j`` is the fixed 96-bit nonce
-``b"fedloom-mask"`` followed by ``j`` as a 32-bit big-endian integer (the layout of
-GCM's counter blocks), so a mask of ``n`` words uses blocks ``0 .. ceil(n / 4) - 1``.
-Every seed is used for one mask only (seeds are fresh per round attempt and per pair,
-see `fedloom.secagg.derive_mask_seed`), so the nonce need not vary; 2**32 blocks cover
-the longest vector (`MAX_VECTOR_LENGTH` words) without the counter wrapping.
+AES in counter mode (NIST SP 800-38A) from the `cryptography` package (OpenSSL, with the
+CPU's AES instructions), in bulk: the keystream is the encryption of zeros into a reused
+buffer, viewed as little-endian uint32 with `np.frombuffer` (no Python loop per
+element). A 32-byte seed is hashed, ``h = SHA-256(label || seed)`` (every seed bit
+counts), into the AES-128 key (``h[0:16]``) and the 96-bit nonce (``h[16:28]``) of the
+counter blocks; counter block ``j`` is the nonce followed by ``j`` as a 32-bit
+big-endian integer (the layout of GCM's counter blocks), so a mask of ``n``
+words uses blocks ``0 .. ceil(n / 4) - 1``, and 2**32 blocks cover the longest vector
+(`MAX_VECTOR_LENGTH` words) without the counter wrapping. Every seed is used for one
+mask only (seeds are fresh per round attempt and per pair, see
+`fedloom.secagg.derive_mask_seed`); with a per-seed 96-bit nonce, masks under different
+keys (almost surely) never encrypt the same counter block, so a batch search for one of
+many keys cannot amortise its work across masks.
 
-Why AES-CTR and not ChaCha20 (protocol v1 used ChaCha20, RFC 8439): expanding masks is
-the hot path of a secure round (k + 1 masks per client, as many again on the server
-when clients drop), and with AES instructions OpenSSL's AES-256-CTR makes 4 MB of mask
-in 0.6 ms where ChaCha20 takes 1.7 ms (measured on the benchmark machine); both are
-standard stream ciphers keyed by the full 256-bit seed. The protocol label moved to v2
-with it (`fedloom.secagg._crypto`), so clients and servers of the two versions refuse
-each other's shares and commitments instead of mixing masks.
+Why AES-128: expanding masks is the hot path of a secure round (k + 1 masks per client,
+as many again on the server when clients drop), and no secret behind a mask is stronger
+than 128 bits. The pairwise seeds come from X25519 agreements (about 128-bit security,
+RFC 7748 section 1), and the self-mask seed travels in Shamir shares sealed under keys
+from those same agreements; a 256-bit AES key would guard a door in a 128-bit wall.
+With AES instructions OpenSSL's AES-128-CTR makes 4 MB of mask in 0.43 ms, AES-256-CTR
+in 0.58 ms and ChaCha20 in 1.7 ms (measured on the benchmark machine). Protocol v1 used
+ChaCha20 and v2 AES-256-CTR; the protocol label moved to v3 with this PRG
+(`fedloom.secagg._crypto`), so parties of different versions refuse each other's
+shares and commitments instead of mixing masks.
 
 `MaskExpander.apply` adds many masks to one accumulator block by block: each block of
 the accumulator stays in cache while every seed's keystream for it is generated and
@@ -25,17 +32,17 @@ instead of two per mask. A range may start at any AES block (4 words), so disjoi
 ranges can be filled by different threads (OpenSSL and numpy release the GIL).
 
 Flower 1.42 instead seeds ``np.random.RandomState`` with a 32-bit fold of the seed: a
-mask then has 2**32 possible values and can be searched. Here the full 256-bit seed is
-the key.
+mask then has 2**32 possible values and can be searched. Here the seed keys AES.
 
->>> # NIST SP 800-38A F.5.5 (CTR-AES256): key 603deb10..., counter f0f1...feff, block 1
->>> key = bytes.fromhex("603deb1015ca71be2b73aef0857d77811f352c073b6108d72d9810a30914dff4")
+>>> # NIST SP 800-38A F.5.1 (CTR-AES128): key 2b7e1516..., counter f0f1...feff, block 1
+>>> key = bytes.fromhex("2b7e151628aed2a6abf7158809cf4f3c")
 >>> aes_ctr_keystream(key, bytes(range(0xF0, 0xFC)), 0xFCFDFEFF, 16).hex()
-'0bdf7df1591716335e9a8b15c860c502'
+'ec8cdf7398607cb0f2d21675ea9ea1e4'
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,22 +51,26 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedloom.secagg._messages import MAX_VECTOR_LENGTH, SEED_BYTES
 
-#: The 96-bit nonce of every mask stream (exactly 12 bytes): the first 12 bytes of each
-#: AES-CTR counter block.
-MASK_NONCE = b"fedloom-mask"
+#: Bytes of the AES-128 key of a mask, and of its counter-block nonce.
+MASK_KEY_BYTES = 16
+_NONCE_BYTES = 12
+#: Domain label of the seed hash (the protocol version is in it, as in `_crypto`).
+_SEED_LABEL = b"fedloom/secagg/v3/mask-prg/"
 _BLOCK = 64  # slack OpenSSL may need beyond the input in an output buffer
 _AES_WORDS = 4  # uint32 words per AES block
 
 
 def aes_ctr_keystream(key: bytes, nonce: bytes, counter: int, nbytes: int) -> bytes:
-    """``nbytes`` of the AES-256-CTR keystream from counter block ``nonce || counter``.
+    """``nbytes`` of the AES-CTR keystream from counter block ``nonce || counter``.
 
-    ``counter`` is the 32-bit big-endian low part of the counter block; the stream
-    must not run past block 2**32 - 1 (the counter would carry into the nonce).
+    ``key`` is 16 or 32 bytes (AES-128 or AES-256); ``counter`` is the 32-bit big-endian
+    low part of the counter block; the stream must not run past block 2**32 - 1 (the
+    counter would carry into the nonce).
     """
     blocks = -(-nbytes // 16)
-    if len(key) != 32 or len(nonce) != 12 or counter < 0 or counter + blocks > 1 << 32:
-        raise ValueError("AES-256-CTR needs a 32-byte key, a 12-byte nonce and a 32-bit "
+    if (len(key) not in (16, 32) or len(nonce) != _NONCE_BYTES or counter < 0
+            or counter + blocks > 1 << 32):
+        raise ValueError("AES-CTR needs a 16- or 32-byte key, a 12-byte nonce and a 32-bit "
                          "counter that does not wrap")
     encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce + counter.to_bytes(4, "big"))
                        ).encryptor()
@@ -169,10 +180,19 @@ def _check_seed(seed: bytes) -> None:
         raise ValueError(f"a mask seed must be {SEED_BYTES} bytes")
 
 
+def split_mask_seed(seed: bytes) -> tuple[bytes, bytes]:
+    """The AES-128 key and the 96-bit counter-block nonce of ``seed``'s mask: the first
+    16 and the next 12 bytes of ``SHA-256(label || seed)`` (about 1 us a seed)."""
+    _check_seed(seed)
+    digest = hashlib.sha256(_SEED_LABEL + seed).digest()
+    return digest[:MASK_KEY_BYTES], digest[MASK_KEY_BYTES : MASK_KEY_BYTES + _NONCE_BYTES]
+
+
 def _keystream(seed: bytes, block: int) -> Any:
-    """An AES-256-CTR encryptor keyed by ``seed`` from counter block ``block`` (its
+    """An AES-128-CTR encryptor for ``seed``'s mask from counter block ``block`` (its
     keystream is the mask from word ``4 * block`` on)."""
-    return Cipher(algorithms.AES(seed), modes.CTR(MASK_NONCE + block.to_bytes(4, "big"))
+    key, nonce = split_mask_seed(seed)
+    return Cipher(algorithms.AES(key), modes.CTR(nonce + block.to_bytes(4, "big"))
                   ).encryptor()
 
 

@@ -35,7 +35,7 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
 
     The last element is the quantized weight. ``vector`` (any float dtype) is not
     modified. The rounding noise ``U`` is ``word / 2**32`` for successive words of the
-    mask PRG (`keystream_words`, AES-256-CTR) keyed by 32 bytes drawn from ``rng``:
+    mask PRG (`keystream_words`, AES-128-CTR) keyed by 32 bytes drawn from ``rng``:
     uniform on [0, 1) to 2**-32, so the rounding is unbiased to 2**-32 of a quantum, and
     three times cheaper to draw than numpy's doubles. Works block by block, in cache.
     """
@@ -50,6 +50,7 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
     # (w * z + c) * L / (2c) = z * (w * L / (2c)) + L / 2, then + U and floor; the sum
     # is >= 0 (w <= 1, U >= 0), so the cast to uint32 (truncation) is the floor.
     scale, offset = weight * levels / (2.0 * clip_range), levels / 2.0
+    top = np.uint32((1 << bits) - 1)
     scratch, noise = np.empty(min(n + 1, _BLOCK)), np.empty(min(n + 1, _BLOCK))
     words = keystream_words(rng.bytes(SEED_BYTES), n + 1, _BLOCK)
     for a, word in zip(range(0, n + 1, _BLOCK), words, strict=True):
@@ -65,8 +66,10 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
             body[k] = weight * levels  # the weight, last
         np.multiply(word, _WORD, out=noise[: b - a])
         body += noise[: b - a]
-        np.minimum(body, levels, out=body)  # float rounding at the top edge
+        # float rounding at the top edge can reach L + 1 (< 2**32: bits <= 31); clamp
+        # after the cast, on half the bytes
         np.copyto(out[a:b], body, casting="unsafe")
+        np.minimum(out[a:b], top, out=out[a:b])
     return out
 
 

@@ -17,7 +17,7 @@ SECAGG_FILES = [
 ]
 
 EXPORTED = {
-    "MASK_NONCE", "PRIME", "SEALED_SHARE_BYTES", "SHARE_BYTES", "STAGE_OF",
+    "PRIME", "SEALED_SHARE_BYTES", "SHARE_BYTES", "STAGE_OF",
     "AdvertiseKeysRequest", "AdvertisedKeys", "EncryptedShare", "MaskExpander",
     "MaskedInputReply", "MaskedInputRequest", "RevealedShare", "RoundId", "RoundSetup",
     "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareKeysReply", "ShareKeysRequest",
@@ -26,7 +26,7 @@ EXPORTED = {
     "dropout_failure_bound", "expand_mask",
     "flatten", "generate_private_key", "neighbour_graph", "new_seed", "open_share",
     "private_bytes", "private_key_from_bytes", "public_bytes", "quantize", "reconstruct",
-    "ring_offsets", "ring_order", "seal_share", "split", "unflatten",
+    "ring_offsets", "ring_order", "seal_share", "split", "split_mask_seed", "unflatten",
 }
 
 

@@ -3,10 +3,12 @@ sensitivity, and the blocked `MaskExpander.apply` against one mask at a time."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
-from fedloom.secagg import MASK_NONCE, MaskExpander, aes_ctr_keystream, expand_mask
+from fedloom.secagg import MaskExpander, aes_ctr_keystream, expand_mask, split_mask_seed
 from fedloom.secagg._prg import BLOCK_WORDS, keystream_words
 
 # NIST SP 800-38A, F.5.5 CTR-AES256.Encrypt: key, initial counter block, the four
@@ -22,6 +24,11 @@ SP800_38A_CIPHER = bytes.fromhex(
     "2b0930daa23de94ce87017ba2d84988ddfc9c58db67aada613c2dd08457941a6")
 # F.5.5, block #1: the output block (the keystream itself).
 SP800_38A_OUTPUT_1 = bytes.fromhex("0bdf7df1591716335e9a8b15c860c502")
+# F.5.1 CTR-AES128.Encrypt (same counter and plaintext): the AES-128 mask PRG's cipher.
+SP800_38A_KEY_128 = bytes.fromhex("2b7e151628aed2a6abf7158809cf4f3c")
+SP800_38A_CIPHER_128 = bytes.fromhex(
+    "874d6191b620e3261bef6864990db6ce9806f66b7970fdff8617187bb9fffdff"
+    "5ae4df3edbd5d35e5b4f09020db03eab1e031dda2fbe03d1792170a0f3009cee")
 
 
 def _nist_stream(nbytes: int) -> bytes:
@@ -35,6 +42,31 @@ def test_sp800_38a_ctr_aes256() -> None:
     assert bytes(a ^ b for a, b in zip(SP800_38A_PLAIN, stream, strict=True)) == SP800_38A_CIPHER
 
 
+def test_sp800_38a_ctr_aes128() -> None:
+    nonce, counter = SP800_38A_COUNTER[:12], int.from_bytes(SP800_38A_COUNTER[12:], "big")
+    stream = aes_ctr_keystream(SP800_38A_KEY_128, nonce, counter, 64)
+    assert bytes(a ^ b for a, b in zip(SP800_38A_PLAIN, stream, strict=True)) == (
+        SP800_38A_CIPHER_128)
+    with pytest.raises(ValueError):  # AES-192 keys are not used
+        aes_ctr_keystream(bytes(24), nonce, 0, 16)
+
+
+def _restated_split(seed: bytes) -> tuple[bytes, bytes]:
+    """The documented key and nonce of a seed's mask, restated independently."""
+    digest = hashlib.sha256(b"fedloom/secagg/v3/mask-prg/" + seed).digest()
+    return digest[:16], digest[16:28]
+
+
+def test_a_seed_hashes_into_the_aes128_key_and_the_nonce() -> None:
+    seed = bytes(range(32))
+    assert split_mask_seed(seed) == _restated_split(seed)
+    with pytest.raises(ValueError):
+        split_mask_seed(seed[:31])
+    # the nonce half matters: two seeds with one key and different nonces differ
+    other = seed[:16] + bytes(16)
+    assert not np.array_equal(expand_mask(seed, 64), expand_mask(other, 64))
+
+
 def test_the_counter_is_the_low_32_bits_big_endian() -> None:
     # block 2 of F.5.5 is counter ...fcfdff00: the stream from counter + 1 is block 2 on
     nonce, counter = SP800_38A_COUNTER[:12], int.from_bytes(SP800_38A_COUNTER[12:], "big")
@@ -46,7 +78,7 @@ def test_the_counter_is_the_low_32_bits_big_endian() -> None:
 def test_mask_is_the_little_endian_keystream_of_the_seed() -> None:
     seed = bytes(range(100, 132))
     mask = expand_mask(seed, 1000)
-    stream = aes_ctr_keystream(seed, MASK_NONCE, 0, 4000)
+    stream = aes_ctr_keystream(*split_mask_seed(seed), 0, 4000)
     assert mask.dtype == np.uint32
     assert np.array_equal(mask, np.frombuffer(stream, "<u4"))
 
@@ -54,12 +86,13 @@ def test_mask_is_the_little_endian_keystream_of_the_seed() -> None:
 def test_mask_matches_an_independent_aes_ctr() -> None:
     aes = pytest.importorskip("Crypto.Cipher.AES")  # PyCryptodome, via flwr
     seed = bytes(range(7, 39))
-    cipher = aes.new(seed, aes.MODE_CTR, nonce=MASK_NONCE, initial_value=0)
+    key, nonce = _restated_split(seed)
+    cipher = aes.new(key, aes.MODE_CTR, nonce=nonce, initial_value=0)
     reference = cipher.encrypt(bytes(4 * 4099))
     assert np.array_equal(expand_mask(seed, 4099), np.frombuffer(reference, "<u4"))
     # a mask longer than one block of apply (the streams continue across blocks)
     long = BLOCK_WORDS * 2 + 13
-    cipher = aes.new(seed, aes.MODE_CTR, nonce=MASK_NONCE, initial_value=0)
+    cipher = aes.new(key, aes.MODE_CTR, nonce=nonce, initial_value=0)
     reference = np.frombuffer(cipher.encrypt(bytes(4 * long)), "<u4")
     assert np.array_equal(expand_mask(seed, long), reference)
     acc = np.zeros(long, np.uint32)
