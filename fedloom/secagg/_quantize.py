@@ -24,8 +24,9 @@ from fedloom.secagg._messages import SEED_BYTES
 from fedloom.secagg._prg import keystream_words
 from fedloom.weights import TensorSpec, Weights
 
-#: Values quantized per block (512 KiB of float64 scratch: the passes stay in cache).
-_BLOCK = 1 << 16
+#: Values quantized per block (256 KiB of float64 scratch: the passes stay in cache;
+#: 32K measured 5-10% faster than 16K or 64K at 1M values).
+_BLOCK = 1 << 15
 _WORD = 2.0**-32
 
 
@@ -34,10 +35,13 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
     """Clip, weight and quantize ``vector``; returns uint32 of ``len(vector) + 1``.
 
     The last element is the quantized weight. ``vector`` (any float dtype) is not
-    modified. The rounding noise ``U`` is ``word / 2**32`` for successive words of the
-    mask PRG (`keystream_words`, AES-128-CTR) keyed by 32 bytes drawn from ``rng``:
-    uniform on [0, 1) to 2**-32, so the rounding is unbiased to 2**-32 of a quantum, and
-    three times cheaper to draw than numpy's doubles. Works block by block, in cache.
+    modified. The rounding noise is ``U = ((word + 2**31) mod 2**32) / 2**32`` for
+    successive words of the mask PRG (`keystream_words`, AES-128-CTR) keyed by 32 bytes
+    drawn from ``rng``: uniform on [0, 1) to 2**-32, so the rounding is unbiased to
+    2**-32 of a quantum, and three times cheaper to draw than numpy's doubles. (The
+    word is read as a signed int32 ``s`` and ``U = s / 2**32 + 1/2``, the half folded into
+    the offset: numpy converts int32 to float64 and back faster than uint32.) Works
+    block by block, in cache.
     """
     if not 0.0 < weight <= 1.0:
         raise SecureAggregationError(f"a masked weight must be in (0, 1], got {weight}")
@@ -47,9 +51,12 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
     levels = float((1 << bits) - 1)
     n = values.shape[0]
     out = np.empty(n + 1, dtype=np.uint32)
+    # Values reach L + 1 at most (float rounding at the top edge, clamped below): below
+    # 2**31 when bits <= 30, so the faster cast to int32 can fill the output.
+    target = out.view(np.int32) if bits <= 30 else out
     # (w * z + c) * L / (2c) = z * (w * L / (2c)) + L / 2, then + U and floor; the sum
-    # is >= 0 (w <= 1, U >= 0), so the cast to uint32 (truncation) is the floor.
-    scale, offset = weight * levels / (2.0 * clip_range), levels / 2.0
+    # is >= 0 (w <= 1, U >= 0), so the cast (truncation) is the floor.
+    scale, offset = weight * levels / (2.0 * clip_range), levels / 2.0 + 0.5
     top = np.uint32((1 << bits) - 1)
     scratch, noise = np.empty(min(n + 1, _BLOCK)), np.empty(min(n + 1, _BLOCK))
     words = keystream_words(rng.bytes(SEED_BYTES), n + 1, _BLOCK)
@@ -63,13 +70,11 @@ def quantize(vector: np.ndarray, weight: float, clip_range: float, bits: int,
         body[:k] *= scale
         body[:k] += offset
         if k < b - a:
-            body[k] = weight * levels  # the weight, last
-        np.multiply(word, _WORD, out=noise[: b - a])
+            body[k] = weight * levels + 0.5  # the weight, last
+        np.multiply(word.view(np.int32), _WORD, out=noise[: b - a])  # U - 1/2
         body += noise[: b - a]
-        # float rounding at the top edge can reach L + 1 (< 2**32: bits <= 31); clamp
-        # after the cast, on half the bytes
-        np.copyto(out[a:b], body, casting="unsafe")
-        np.minimum(out[a:b], top, out=out[a:b])
+        np.copyto(target[a:b], body, casting="unsafe")
+        np.minimum(out[a:b], top, out=out[a:b])  # float rounding at the top edge
     return out
 
 

@@ -81,10 +81,11 @@ def test_flatten_and_unflatten_round_trip() -> None:
 def _reference_quantize(values: np.ndarray, weight: float, clip: float, bits: int,
                         rng: np.random.Generator) -> np.ndarray:
     """The formula of `fedloom.secagg._quantize` in one piece: floor((w clip(z) + c) L /
-    (2c) + U), the weight floor(w L + U) last, with U the mask PRG's words / 2**32 for a
-    32-byte seed drawn from ``rng`` (the documented noise)."""
+    (2c) + U), the weight floor(w L + U) last, with U = ((word + 2**31) mod 2**32) / 2**32
+    for the mask PRG's words of a 32-byte seed drawn from ``rng`` (the documented noise)."""
     levels = float(2**bits - 1)
-    noise = expand_mask(rng.bytes(32), values.shape[0] + 1) / 2.0**32
+    words = expand_mask(rng.bytes(32), values.shape[0] + 1).astype(np.int64)
+    noise = ((words + 2**31) % 2**32) / 2.0**32
     body = (weight * np.clip(values.astype(np.float64), -clip, clip) + clip) * levels / (2 * clip)
     scaled = np.append(body, weight * levels) + noise
     return np.minimum(np.floor(scaled), levels).astype(np.uint32)
