@@ -92,6 +92,9 @@ class _Attempt:
     mask_key: X25519PrivateKey | None
     self_mask_seed: bytes | None
     roster: dict[str, AdvertisedKeys] = dataclasses.field(default_factory=dict)
+    # neighbour -> X25519 secret of the cipher keys (agreed to seal, reused to open; as
+    # secret as cipher_key, and dropped with it)
+    cipher_secrets: dict[str, bytes] = dataclasses.field(default_factory=dict)
     # owner -> (share of owner's mask key, share of owner's self-mask seed)
     held: dict[str, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict)
     answered: dict[Stage, tuple[SecAggRequest, SecAggReply]] = dataclasses.field(
@@ -230,15 +233,15 @@ class SecAggClient:
         xs = [setup.x_coordinate(v) for v in receivers]
         key_shares = split(private_bytes(attempt.mask_key), threshold, xs)
         seed_shares = split(attempt.self_mask_seed, threshold, xs)
-        sealed = []
+        sealed, secrets = [], {}
         for v, key_share, seed_share in zip(receivers, key_shares, seed_shares, strict=True):
             assert attempt.cipher_key is not None
-            shared = agree(attempt.cipher_key, roster[v].cipher_public_key)
+            shared = secrets[v] = agree(attempt.cipher_key, roster[v].cipher_public_key)
             nonce, ciphertext = seal_share(derive_share_key(shared, setup, self.client_id, v),
                                            setup, self.client_id, v, key_share + seed_share)
             sealed.append(EncryptedShare(self.client_id, v, nonce, ciphertext))
         reply = ShareKeysReply(setup.round_id, self.client_id, tuple(sealed))
-        attempt.roster = roster
+        attempt.roster, attempt.cipher_secrets = roster, secrets
         attempt.answered[Stage.SHARE_KEYS] = (request, reply)
         return reply
 
@@ -269,6 +272,7 @@ class SecAggClient:
         MaskExpander(setup.masked_length).apply(masked, masks)  # one pass, block by block
         # no longer needed: the shares are open, the masks are applied
         attempt.mask_key = attempt.self_mask_seed = attempt.cipher_key = None
+        attempt.cipher_secrets = {}
         masked.flags.writeable = False
         reply = MaskedInputReply(setup.round_id, self.client_id, masked)
         attempt.held = held
@@ -342,8 +346,7 @@ class SecAggClient:
             self._refuse(f"a share from {sender!r}, which is not a neighbour that shared keys")
         if sender in held:
             self._refuse(f"two shares from {sender!r} (a replay)")
-        assert attempt.cipher_key is not None
-        shared = agree(attempt.cipher_key, attempt.roster[sender].cipher_public_key)
+        shared = attempt.cipher_secrets[sender]  # agreed when this client sealed its shares
         key = derive_share_key(shared, attempt.setup, sender, self.client_id)
         try:
             plaintext = open_share(key, attempt.setup, sender, self.client_id,

@@ -343,10 +343,13 @@ def test_low_order_public_key_is_refused() -> None:
 
 def test_secrets_are_erased_once_used() -> None:
     ids = ids_of(8)
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 8)), stop_at=Stage.UNMASK)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 8)), stop_at=Stage.MASKED_INPUT)
     attempt = rnd.clients[ids[0]]._attempt
     assert attempt is not None
+    assert attempt.cipher_secrets  # kept from sealing to open the neighbours' shares
+    rnd = run(rnd, stop_at=Stage.UNMASK)
     assert attempt.mask_key is None and attempt.self_mask_seed is None
-    assert attempt.cipher_key is None and attempt.held  # only the neighbours' shares
+    assert attempt.cipher_key is None and not attempt.cipher_secrets
+    assert attempt.held  # only the neighbours' shares
     run(rnd)
     assert not attempt.held  # revealed what was asked, dropped the rest
