@@ -30,7 +30,7 @@ from fedloom.secagg._messages import NONCE_BYTES, SEED_BYTES, RoundSetup
 #: Every derivation, seal and commitment is bound to the protocol version: v3 expands
 #: masks with AES-128-CTR (v2: AES-256-CTR, v1: ChaCha20), so parties of different
 #: versions cannot mix masks.
-_LABEL = b"fedloom/secagg/v3/"
+PROTOCOL_LABEL = b"fedloom/secagg/v3/"
 
 
 def generate_private_key() -> X25519PrivateKey:
@@ -61,7 +61,7 @@ def agree(private_key: X25519PrivateKey, peer_public_key: bytes) -> bytes:
 
 def _pair_info(purpose: bytes, setup: RoundSetup, a: str, b: str) -> bytes:
     first, second = sorted((a, b))
-    return _LABEL + purpose + pack(setup.round_id.encode(), setup.digest, first, second)
+    return PROTOCOL_LABEL + purpose + pack(setup.round_id.encode(), setup.digest, first, second)
 
 
 def _hkdf(shared_secret: bytes, info: bytes) -> bytes:
@@ -79,7 +79,8 @@ def derive_mask_seed(shared_secret: bytes, setup: RoundSetup, a: str, b: str) ->
 
 
 def _share_aad(setup: RoundSetup, sender: str, receiver: str) -> bytes:
-    return _LABEL + b"share-aad" + pack(setup.round_id.encode(), setup.digest, sender, receiver)
+    return PROTOCOL_LABEL + b"share-aad" + pack(setup.round_id.encode(), setup.digest, sender,
+                                                receiver)
 
 
 def seal_share(key: bytes, setup: RoundSetup, sender: str, receiver: str,
@@ -110,5 +111,5 @@ def new_seed() -> bytes:
 def commit_self_mask(setup: RoundSetup, client_id: str, seed: bytes) -> bytes:
     """SHA-256 commitment to a self-mask seed (hiding: the seed is 256 random bits)."""
     return hashlib.sha256(
-        _LABEL + b"self-mask" + pack(setup.round_id.encode(), setup.digest, client_id, seed)
+        PROTOCOL_LABEL + b"self-mask" + pack(setup.round_id.encode(), setup.digest, client_id, seed)
     ).digest()

@@ -49,13 +49,14 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from fedloom.secagg._crypto import PROTOCOL_LABEL
 from fedloom.secagg._messages import MAX_VECTOR_LENGTH, SEED_BYTES
 
 #: Bytes of the AES-128 key of a mask, and of its counter-block nonce.
 MASK_KEY_BYTES = 16
 _NONCE_BYTES = 12
-#: Domain label of the seed hash (the protocol version is in it, as in `_crypto`).
-_SEED_LABEL = b"fedloom/secagg/v3/mask-prg/"
+#: Domain label of the seed hash: the protocol's versioned label (`_crypto`) + purpose.
+_SEED_LABEL = PROTOCOL_LABEL + b"mask-prg/"
 _BLOCK = 64  # slack OpenSSL may need beyond the input in an output buffer
 _AES_WORDS = 4  # uint32 words per AES block
 
