@@ -5,9 +5,12 @@
 carry the messages. The security of a client's input rests on the checks made here,
 not on the server behaving:
 
-- per round attempt it makes two fresh X25519 key pairs and a fresh self-mask seed;
+- per round attempt it uses two fresh X25519 key pairs and a fresh self-mask seed;
   a request for an attempt it has already finished, or for an older attempt, is refused,
-  so masks are never reused;
+  so masks are never reused. The key pairs are made at advertise_keys, or ahead of time
+  as a `KeyOffer` sent with the previous share_keys reply: an offer is used for one
+  attempt at most (it is gone the moment a request names it), and only the latest
+  offer is kept;
 - it only pairs with neighbours of the public graph, and refuses to go on with fewer
   than t of them;
 - shares it receives must authenticate (sender, receiver, run, round, attempt);
@@ -27,6 +30,9 @@ Example, one attempt (``reply`` goes back to the server)::
     reply = client.handle(share_request)                       # ShareKeysReply
     reply = client.handle(masked_request, vector=delta_flat, num_examples=120)
     reply = client.handle(unmask_request)                      # UnmaskReply
+
+In the next attempt the server may skip advertise_keys: its share request then carries
+the setup and the keys of ``reply.next_keys`` from the share-keys reply above.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
     EncryptedShare,
+    KeyOffer,
     MaskedInputReply,
     MaskedInputRequest,
     MaskExpander,
@@ -83,6 +90,20 @@ _ORDER = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMA
 
 
 @dataclasses.dataclass(eq=False)
+class _Offer:
+    """The private halves of the client's outstanding `KeyOffer`."""
+
+    cipher_key: X25519PrivateKey
+    mask_key: X25519PrivateKey
+    public: KeyOffer
+
+
+def _new_offer() -> _Offer:
+    cipher_key, mask_key = generate_private_key(), generate_private_key()
+    return _Offer(cipher_key, mask_key, KeyOffer(public_bytes(cipher_key), public_bytes(mask_key)))
+
+
+@dataclasses.dataclass(eq=False)
 class _Attempt:
     """What one client holds during one round attempt (secrets are dropped early)."""
 
@@ -111,14 +132,18 @@ class SecAggClient:
             client's own ``[secure_aggregation]`` settings); otherwise any parameters
             that pass `SecAggConfig`'s rules are accepted.
         rng: randomness for stochastic rounding (not secret); seeded from the OS if None.
+        offer_keys: send a `KeyOffer` for the next attempt with each share-keys reply
+            (lets the server skip the next advertise_keys stage).
     """
 
     def __init__(self, client_id: str, *, policy: SecAggConfig | None = None,
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None, offer_keys: bool = True) -> None:
         self.client_id = client_id
         self.policy = policy
+        self.offer_keys = offer_keys
         self._rng = rng if rng is not None else np.random.default_rng()
         self._attempt: _Attempt | None = None
+        self._offer: _Offer | None = None  # the latest KeyOffer sent, not used yet
         self._latest: dict[tuple[str, int], int] = {}  # (run, round) -> newest attempt
 
     # -- dispatch -------------------------------------------------------------------
@@ -181,6 +206,16 @@ class SecAggClient:
         finished = current is not None and Stage.UNMASK in current.answered
         if current is not None and current.setup.round_id == rid and not finished:
             return self._replay(current, Stage.ADVERTISE_KEYS, request)  # type: ignore[return-value]
+        self._begin(setup, generate_private_key(), generate_private_key())
+        reply = AdvertisedKeys(rid, self.client_id, *self._public_keys())
+        assert self._attempt is not None
+        self._attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
+        return reply
+
+    def _begin(self, setup: RoundSetup, cipher_key: X25519PrivateKey,
+               mask_key: X25519PrivateKey) -> None:
+        """Start a new attempt with these key pairs, if ``setup`` may start one."""
+        rid = setup.round_id
         key = (rid.run_id, rid.server_round)
         if rid.attempt <= self._latest.get(key, -1):
             self._ignore(f"round {rid.server_round} attempt {rid.attempt} was already used or "
@@ -191,28 +226,52 @@ class SecAggClient:
             self._check_policy(setup)
         self.abort()  # a new attempt supersedes any older one
         self._latest[key] = rid.attempt
-        cipher_key, mask_key, seed = generate_private_key(), generate_private_key(), new_seed()
-        attempt = _Attempt(setup=setup,
-                           graph_neighbours=neighbour_graph(setup)[self.client_id],
-                           cipher_key=cipher_key, mask_key=mask_key, self_mask_seed=seed)
-        reply = AdvertisedKeys(
-            round_id=rid,
-            client_id=self.client_id,
-            cipher_public_key=public_bytes(cipher_key),
-            mask_public_key=public_bytes(mask_key),
-            self_mask_commitment=commit_self_mask(setup, self.client_id, seed),
-        )
-        self._attempt = attempt
-        attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
-        return reply
+        self._attempt = _Attempt(setup=setup,
+                                 graph_neighbours=neighbour_graph(setup)[self.client_id],
+                                 cipher_key=cipher_key, mask_key=mask_key,
+                                 self_mask_seed=new_seed())
+
+    def _public_keys(self) -> tuple[bytes, bytes]:
+        attempt = self._attempt
+        assert attempt is not None and attempt.cipher_key is not None
+        assert attempt.mask_key is not None
+        return public_bytes(attempt.cipher_key), public_bytes(attempt.mask_key)
+
+    def _begin_from_offer(self, request: ShareKeysRequest) -> None:
+        """A share request that skips advertise_keys: start its attempt with the keys of
+        the outstanding offer (used up here, whatever happens next)."""
+        offer, self._offer = self._offer, None
+        setup, own = request.setup, request.own_keys
+        assert setup is not None and own is not None
+        if offer is None:
+            self._ignore("the server presents keys this client never offered (or offered "
+                         "for an attempt that already used them)")
+        if (own.client_id != self.client_id
+                or (own.cipher_public_key, own.mask_public_key)
+                != (offer.public.cipher_public_key, offer.public.mask_public_key)):
+            self._ignore("the keys the server presents as this client's are not its "
+                         "latest offer")
+        self._begin(setup, offer.cipher_key, offer.mask_key)
+        assert self._attempt is not None
+        self._attempt.answered[Stage.ADVERTISE_KEYS] = (request, own)
 
     def _share_keys(self, request: ShareKeysRequest) -> ShareKeysReply:
+        current = self._attempt
+        if request.setup is not None and (current is None
+                                          or current.setup.round_id != request.round_id):
+            self._begin_from_offer(request)
         attempt = self._enter(Stage.SHARE_KEYS, request)
         if isinstance(attempt, ShareKeysReply):
             return attempt
         setup, threshold = attempt.setup, attempt.setup.threshold
+        if request.setup is not None and request.setup != setup:
+            self._refuse("the share-keys request's setup differs from this attempt's")
+        own = request.own_keys
+        if own is not None and (own.client_id != self.client_id or (
+                own.cipher_public_key, own.mask_public_key) != self._public_keys()):
+            self._refuse("the keys the server presents as this client's are not its own")
         roster: dict[str, AdvertisedKeys] = {}
-        seen_keys: set[bytes] = set()
+        seen_keys: set[bytes] = set(self._public_keys())
         for keys in request.neighbours:
             if keys.round_id != setup.round_id:
                 self._refuse(f"the keys of {keys.client_id!r} are for another round attempt")
@@ -240,7 +299,13 @@ class SecAggClient:
             nonce, ciphertext = seal_share(derive_share_key(shared, setup, self.client_id, v),
                                            setup, self.client_id, v, key_share + seed_share)
             sealed.append(EncryptedShare(self.client_id, v, nonce, ciphertext))
-        reply = ShareKeysReply(setup.round_id, self.client_id, tuple(sealed))
+        offer = None
+        if self.offer_keys:  # the keys of this client's next attempt
+            self._offer = _new_offer()
+            offer = self._offer.public
+        reply = ShareKeysReply(setup.round_id, self.client_id, tuple(sealed),
+                               commit_self_mask(setup, self.client_id, attempt.self_mask_seed),
+                               offer)
         attempt.roster, attempt.cipher_secrets = roster, secrets
         attempt.answered[Stage.SHARE_KEYS] = (request, reply)
         return reply

@@ -1,10 +1,12 @@
 """The client's side of a secure fit round: SecAgg+ stage tasks run through `SecAggClient`.
 
 A server with ``[secure_aggregation] enabled`` sends a client that joined with the
-``secagg`` capability four stage tasks per round attempt instead of one fit task:
+``secagg`` capability up to four stage tasks per round attempt instead of one fit task:
 
 1. advertise keys: two fresh public keys (the round's parameters come with the request);
-2. share keys: Shamir shares of its secrets, sealed for each neighbour;
+2. share keys: Shamir shares of its secrets, sealed for each neighbour, and fresh keys
+   offered for the next attempt. When the server uses that offer, it skips stage 1 of
+   the next attempt and this request carries the round's parameters instead;
 3. masked input: carries the global weights and the fit config. The client trains (the
    application's `Client.fit`, unchanged), takes the delta, clips it to the norm bound
    when the fit config holds ``max_update_norm`` (under secure aggregation the bound
@@ -44,6 +46,7 @@ from fedloom.secagg import (
     SecAggConfig,
     SecAggReply,
     SecAggRequest,
+    ShareKeysRequest,
     flatten,
 )
 from fedloom.types import TaskKind
@@ -142,6 +145,12 @@ class SecureFit:
             masked = self.protocol.masked_input(request, vector, num_examples)
             self._setup = None  # masked and sent: this attempt trains no more
             return self._masked_payload(masked)
+        if isinstance(request, ShareKeysRequest) and request.setup is not None:
+            # the server used this client's key offer: advertise keys was skipped
+            self._setup = None
+            reply = self.protocol.share_keys(request)
+            self._setup = request.setup
+            return reply, None, None
         return self.protocol.handle(request), None, None
 
     def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights

@@ -16,8 +16,10 @@ from fedloom.types import Config, Metrics, TaskKind
 #: 2: a secure round's fit config and weights travel with the masked-input stage (the
 #: client trains there), not with advertise keys as in 1. 3: the Tasks stream and the
 #: Report call (a client reads its tasks from one stream and sends payload-less results
-#: in one message; Pull and Push stay).
-PROTOCOL_VERSION = 3
+#: in one message; Pull and Push stay). 4: SecAgg+ key offers (a share-keys result offers
+#: keys for the next attempt and carries the self-mask commitment; a share-keys task may
+#: carry the setup and the client's own keys).
+PROTOCOL_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

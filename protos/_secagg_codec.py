@@ -28,6 +28,7 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import (
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggEncryptedShare as ProtoEncryptedShare,
 )
+from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggKeyOffer as ProtoKeyOffer
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggMaskedInputResult as ProtoMaskedInputResult,
 )
@@ -48,6 +49,7 @@ from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
     EncryptedShare,
+    KeyOffer,
     MaskedInputRequest,
     RevealedShare,
     RoundId,
@@ -136,7 +138,6 @@ def advertised_keys_to_proto(keys: AdvertisedKeys) -> ProtoAdvertisedKeys:
         client_id=keys.client_id,
         cipher_public_key=keys.cipher_public_key,
         mask_public_key=keys.mask_public_key,
-        self_mask_commitment=keys.self_mask_commitment,
     )
 
 
@@ -146,8 +147,16 @@ def advertised_keys_from_proto(message: ProtoAdvertisedKeys) -> AdvertisedKeys:
         client_id=message.client_id,
         cipher_public_key=bytes(message.cipher_public_key),
         mask_public_key=bytes(message.mask_public_key),
-        self_mask_commitment=bytes(message.self_mask_commitment),
     )
+
+
+def key_offer_to_proto(offer: KeyOffer) -> ProtoKeyOffer:
+    return ProtoKeyOffer(cipher_public_key=offer.cipher_public_key,
+                         mask_public_key=offer.mask_public_key)
+
+
+def key_offer_from_proto(message: ProtoKeyOffer) -> KeyOffer:
+    return KeyOffer(bytes(message.cipher_public_key), bytes(message.mask_public_key))
 
 
 def encrypted_share_to_proto(share: EncryptedShare) -> ProtoEncryptedShare:
@@ -170,14 +179,20 @@ def revealed_share_from_proto(message: ProtoRevealedShare) -> RevealedShare:
 
 # ---- tasks (server -> client) ---------------------------------------------------------
 def share_keys_task_to_proto(request: ShareKeysRequest) -> ProtoShareKeysTask:
-    return ProtoShareKeysTask(round_id=round_id_to_proto(request.round_id),
+    task = ProtoShareKeysTask(round_id=round_id_to_proto(request.round_id),
                               neighbours=[advertised_keys_to_proto(k) for k in request.neighbours])
+    if request.setup is not None and request.own_keys is not None:
+        task.setup.CopyFrom(round_setup_to_proto(request.setup))
+        task.own_keys.CopyFrom(advertised_keys_to_proto(request.own_keys))
+    return task
 
 
 def share_keys_task_from_proto(message: ProtoShareKeysTask) -> ShareKeysRequest:
+    setup = round_setup_from_proto(message.setup) if message.HasField("setup") else None
+    own = advertised_keys_from_proto(message.own_keys) if message.HasField("own_keys") else None
     return ShareKeysRequest(round_id_from_proto(message.round_id),
                             _bounded(message.neighbours, "neighbour keys",
-                                     advertised_keys_from_proto))
+                                     advertised_keys_from_proto), setup, own)
 
 
 def masked_input_task_to_proto(request: MaskedInputRequest) -> ProtoMaskedInputTask:
@@ -203,14 +218,20 @@ def unmask_task_from_proto(message: ProtoUnmaskTask) -> UnmaskRequest:
 
 # ---- results (client -> server) -------------------------------------------------------
 def share_keys_result_to_proto(reply: ShareKeysReply) -> ProtoShareKeysResult:
-    return ProtoShareKeysResult(round_id=round_id_to_proto(reply.round_id),
-                                client_id=reply.client_id,
-                                shares=[encrypted_share_to_proto(s) for s in reply.shares])
+    result = ProtoShareKeysResult(round_id=round_id_to_proto(reply.round_id),
+                                  client_id=reply.client_id,
+                                  shares=[encrypted_share_to_proto(s) for s in reply.shares],
+                                  self_mask_commitment=reply.self_mask_commitment)
+    if reply.next_keys is not None:
+        result.next_keys.CopyFrom(key_offer_to_proto(reply.next_keys))
+    return result
 
 
 def share_keys_result_from_proto(message: ProtoShareKeysResult) -> ShareKeysReply:
+    offer = key_offer_from_proto(message.next_keys) if message.HasField("next_keys") else None
     return ShareKeysReply(round_id_from_proto(message.round_id), message.client_id,
-                          _bounded(message.shares, "shares", encrypted_share_from_proto))
+                          _bounded(message.shares, "shares", encrypted_share_from_proto),
+                          bytes(message.self_mask_commitment), offer)
 
 
 def masked_input_result_to_proto(header: MaskedInputHeader) -> ProtoMaskedInputResult:

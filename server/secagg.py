@@ -9,9 +9,14 @@ weighted mean over the survivors, and nothing about any one of them.
 
 Who takes part in each stage:
 
-- advertise_keys: every participant. Closing it keeps the clients that answered, pruned
-  until each has at least t such neighbours (fewer could not share a secret t-of-k).
-- share_keys: those; each gets its neighbours' keys. Closing keeps those that answered,
+- advertise_keys: every participant that has no unused `KeyOffer` (``offers``: keys a
+  client sent with an earlier share-keys reply); the offered keys count as advertised
+  for this attempt, so when every participant has one the stage is complete as soon as
+  it opens and the attempt costs three round trips. Closing it keeps the clients that
+  answered (or offered), pruned until each has at least t such neighbours (fewer could
+  not share a secret t-of-k).
+- share_keys: those; each gets its neighbours' keys (a client whose offer was used also
+  gets the setup and its own keys). Closing keeps those that answered,
   pruned the same way (a client with fewer than t sharing neighbours could never be
   unmasked, and its neighbours must not mask against it).
 - masked_input: those; each gets the shares sealed for it. The inputs accepted are the
@@ -52,6 +57,7 @@ from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
     EncryptedShare,
+    KeyOffer,
     MaskedInputReply,
     MaskedInputRequest,
     RevealedShare,
@@ -102,9 +108,17 @@ def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
 
 
 class SecAggServer:
-    """One SecAgg+ round attempt on the server (see the module docstring)."""
+    """One SecAgg+ round attempt on the server (see the module docstring).
 
-    def __init__(self, setup: RoundSetup, *, map_fn: MapFn = map) -> None:
+    Args:
+        setup: the attempt's public parameters.
+        offers: unused `KeyOffer` of some participants (each is used here, and must not
+            be used again); those clients skip advertise_keys.
+        map_fn: runs the final unmasking's ranges (a thread pool's ``map``: parallel).
+    """
+
+    def __init__(self, setup: RoundSetup, *, offers: dict[str, KeyOffer] | None = None,
+                 map_fn: MapFn = map) -> None:
         self.setup = setup
         self._map_fn = map_fn  # runs the unmasking's ranges (a thread pool's map: parallel)
         self.graph = neighbour_graph(setup)
@@ -115,6 +129,10 @@ class SecAggServer:
         self._answered: set[str] = set()
         self._gone: set[str] = set()
         self._advertised: dict[str, AdvertisedKeys] = {}
+        self._offered: frozenset[str] = frozenset()  # advertised by an offer
+        self._commitments: dict[str, bytes] = {}
+        #: client id -> the `KeyOffer` its share-keys reply carried (for a later attempt)
+        self.new_offers: dict[str, KeyOffer] = {}
         self._keys_seen: set[bytes] = set()
         self._roster: dict[str, frozenset[str]] = {}
         self._sealed: dict[str, ShareKeysReply] = {}
@@ -128,6 +146,7 @@ class SecAggServer:
         self._self_mask_shares: dict[str, dict[int, bytes]] = {}
         self._mask_key_shares: dict[str, dict[int, bytes]] = {}
         self._result: SecAggResult | None = None
+        self._take_offers(offers or {})
 
     # -- what the transport asks ------------------------------------------------------
 
@@ -167,8 +186,10 @@ class SecAggServer:
             return AdvertiseKeysRequest(self.setup)
         rid = self.setup.round_id
         if self._stage is Stage.SHARE_KEYS:
-            return ShareKeysRequest(
-                rid, tuple(self._advertised[v] for v in sorted(self._roster[client_id])))
+            neighbours = tuple(self._advertised[v] for v in sorted(self._roster[client_id]))
+            if client_id in self._offered:
+                return ShareKeysRequest(rid, neighbours, self.setup, self._advertised[client_id])
+            return ShareKeysRequest(rid, neighbours)
         if self._stage is Stage.MASKED_INPUT:
             return MaskedInputRequest(rid, self._inbox[client_id])
         neighbours = self.graph[client_id]
@@ -267,6 +288,20 @@ class SecAggServer:
 
     # -- stages -----------------------------------------------------------------------
 
+    def _take_offers(self, offers: dict[str, KeyOffer]) -> None:
+        """Count each participant's offered keys as advertised for this attempt."""
+        rid, taken = self.setup.round_id, set()
+        for client_id in sorted(offers):
+            if client_id not in self._expected:
+                continue
+            try:
+                self._take_keys(offers[client_id].advertised(rid, client_id))
+            except MessageRejectedError:
+                continue  # a repeated key: this client advertises afresh instead
+            taken.add(client_id)
+        self._offered = frozenset(taken)
+        self._answered.update(taken)
+
     def _take_keys(self, reply: AdvertisedKeys) -> None:
         keys = (reply.cipher_public_key, reply.mask_public_key)
         if keys[0] == keys[1] or any(k in self._keys_seen for k in keys):
@@ -282,7 +317,14 @@ class SecAggServer:
         for share in reply.shares:
             if share.sender != reply.client_id or len(share.ciphertext) != SEALED_SHARE_BYTES:
                 raise _reject(RejectReason.INVALID, "a share has the wrong sender or size")
+        offer = reply.next_keys
+        if offer is not None and {offer.cipher_public_key, offer.mask_public_key} & self._keys_seen:
+            raise _reject(RejectReason.INVALID, "the keys offered for the next attempt are "
+                          "not fresh")
         self._sealed[reply.client_id] = reply
+        self._commitments[reply.client_id] = reply.self_mask_commitment
+        if offer is not None:
+            self.new_offers[reply.client_id] = offer
 
     def _take_masked_input(self, reply: MaskedInputReply, digest: bytes | None) -> None:
         masked = reply.masked
@@ -310,8 +352,8 @@ class SecAggServer:
         self._total = np.zeros(0, dtype=np.uint32)
         try:
             unmask_sum(self.setup, self.graph, total, self._survivors, self._dropped,
-                       self._advertised, self._self_mask_shares, self._mask_key_shares,
-                       self._map_fn)
+                       self._advertised, self._commitments, self._self_mask_shares,
+                       self._mask_key_shares, self._map_fn)
             weighted, weight = dequantize(total, len(self._survivors), self.setup.clip_range,
                                           self.setup.bits)
         except SecureAggregationError as exc:

@@ -87,6 +87,7 @@ def unmask_sum(
     survivors: frozenset[str],
     dropped: frozenset[str],
     advertised: Mapping[str, AdvertisedKeys],
+    commitments: Mapping[str, bytes],
     self_mask_shares: Mapping[str, Mapping[int, bytes]],
     mask_key_shares: Mapping[str, Mapping[int, bytes]],
     map_fn: MapFn = map,
@@ -101,9 +102,8 @@ def unmask_sum(
     t = setup.threshold
     masks: list[tuple[bytes, int]] = []
     for v in sorted(survivors):
-        commitment = advertised[v].self_mask_commitment
         seed = reconstruct_checked(self_mask_shares.get(v, {}), t,
-                                   matches_commitment(setup, v, commitment),
+                                   matches_commitment(setup, v, commitments[v]),
                                    f"self-mask seed of {v!r}")
         masks.append((seed, -1))
     for u in sorted(dropped):

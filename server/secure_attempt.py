@@ -39,6 +39,7 @@ from fedloom.messages import MaskedInputHeader, ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.secagg import (
     STAGE_OF,
+    KeyOffer,
     MaskedInputReply,
     MaskedInputRequest,
     RoundSetup,
@@ -98,6 +99,8 @@ class SecureAttempt:
         wake: wakes a client's long-poll (it has a new task).
         spool_dir: where masked inputs are spooled while they arrive.
         unmask_map: runs the final unmasking's ranges (a thread pool's ``map``).
+        offers: participants' unused key offers, used by this attempt (see
+            `fedloom.server.secagg.SecAggServer`).
     """
 
     def __init__(
@@ -111,9 +114,10 @@ class SecureAttempt:
         wake: Callable[[str], None],
         spool_dir: Any,
         unmask_map: MapFn = map,
+        offers: dict[str, KeyOffer] | None = None,
     ) -> None:
         self.setup = setup
-        self.machine = SecAggServer(setup, map_fn=unmask_map)
+        self.machine = SecAggServer(setup, offers=offers, map_fn=unmask_map)
         self.complete = asyncio.Event()
         self.tasks: dict[str, StageTask] = {}  # task id -> task, every stage
         self._config = config

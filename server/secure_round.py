@@ -14,6 +14,13 @@ individual updates (median, trimmed mean, Krum, Bulyan) are refused when the ser
 built (`check_secure_strategy`); a norm bound becomes clipping on the client. Both steps
 live in `fedloom.server.secure_mean`, which the local simulation engine shares.
 
+Key offers: each client's share-keys reply offers fresh keys for its next attempt
+(`fedloom.secagg.KeyOffer`); they are kept here, per connected client, and each is
+handed to one attempt only. A round whose participants all have one skips the
+advertise keys stage (three round trips instead of four); a client without one (just
+joined, or its offer was used by a failed attempt) advertises as usual. Offers live in
+memory: after a server restart every client advertises once again.
+
 Dropouts: a client that leaves, stops its heartbeats, or whose long-poll stream breaks
 is dropped from the attempt at once (`drop`), not only at the stage's deadline. A round
 that cannot finish (too few survivors) fails cleanly: the global model is unchanged,
@@ -41,7 +48,7 @@ from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
-from fedloom.secagg import RoundId, RoundSetup, Stage
+from fedloom.secagg import KeyOffer, RoundId, RoundSetup, Stage
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.secagg import SecAggResult, SecAggStatus
@@ -88,6 +95,7 @@ class SecureRounds:
         self._attempt: SecureAttempt | None = None
         self._previous: SecureAttempt | None = None  # answers late results of the last one
         self._last_attempt = 0
+        self._offers: dict[str, KeyOffer] = {}  # client id -> its unused key offer
         #: What the server learned in the last secure round that succeeded (sums only).
         self.last_result: SecAggResult | None = None
         #: The public parameters of the last attempt (its round id, participants, ...).
@@ -197,9 +205,11 @@ class SecureRounds:
     async def _run_attempt(self, setup: RoundSetup, payload: memoryview,
                            payload_info: PayloadInfo, fit_config: Any) -> SecAggResult | str:
         """Run the stages of one attempt; its result, or why it failed."""
+        self._offers = {c: o for c, o in self._offers.items() if c in self.registry}
+        offers = {c: self._offers.pop(c) for c in setup.participants if c in self._offers}
         attempt = SecureAttempt(setup, self.config, payload, payload_info, fit_config,
                                 self._executor, self._wake, self._spool_dir,
-                                self._unmask_pool.map)
+                                self._unmask_pool.map, offers)
         self._attempt = attempt
         self.last_stage_s = {}
         try:
@@ -224,6 +234,7 @@ class SecureRounds:
             attempt.close_stage()
             for task in attempt.tasks.values():
                 task.payload = EMPTY_PAYLOAD  # keep no old model alive
+            self._offers.update(attempt.machine.new_offers)  # unused: for a later attempt
             self._previous, self._attempt = attempt, None
 
     def _wake(self, client_id: str) -> None:

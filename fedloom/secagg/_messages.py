@@ -12,6 +12,14 @@ masked_input       `MaskedInputRequest`           `MaskedInputReply`
 unmask             `UnmaskRequest`                `UnmaskReply`
 =================  =============================  ==============================
 
+Key offers: every `ShareKeysReply` may carry a `KeyOffer`, two fresh public keys the
+client made for its *next* round attempt (bound to no round yet). A server that holds
+an unused offer from a participant skips that client's advertise_keys stage: it
+presents the offered keys as the client's `AdvertisedKeys` for the new attempt, and the
+client's `ShareKeysRequest` then carries the round's setup and those keys (the client
+checks they are the ones it offered, and uses an offer once). When every participant
+has an offer, a round attempt runs three round trips instead of four.
+
 The messages are plain data (bytes, ints, strings, one uint32 array) so a transport can
 carry them in any envelope. Constructors check only the shape of a message (types and
 byte lengths) and raise `MessageRejectedError`; whether a message makes sense for the
@@ -216,35 +224,72 @@ class AdvertiseKeysRequest:
         return self.setup.round_id
 
 
+def _check_key_pair(cipher_public_key: Any, mask_public_key: Any) -> None:
+    _check_bytes(cipher_public_key, PUBLIC_KEY_BYTES, "cipher_public_key")
+    _check_bytes(mask_public_key, PUBLIC_KEY_BYTES, "mask_public_key")
+    if cipher_public_key == mask_public_key:
+        raise _invalid("the cipher and mask public keys must differ")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdvertisedKeys:
     """Stage advertise_keys, client -> server: two fresh X25519 public keys.
 
     ``cipher_public_key`` agrees the key that encrypts shares between two neighbours;
     ``mask_public_key`` agrees their pairwise mask seed (its secret is Shamir-shared).
-    ``self_mask_commitment`` is SHA-256 over the setup, the client id and its self-mask
-    seed, so that the server can check a reconstructed seed.
+    The server also builds one from a client's `KeyOffer` when it skips the stage.
     """
 
     round_id: RoundId
     client_id: str
     cipher_public_key: bytes
     mask_public_key: bytes
-    self_mask_commitment: bytes
 
     def __post_init__(self) -> None:
         _check_id(self.client_id, "client_id")
-        _check_bytes(self.cipher_public_key, PUBLIC_KEY_BYTES, "cipher_public_key")
-        _check_bytes(self.mask_public_key, PUBLIC_KEY_BYTES, "mask_public_key")
-        _check_bytes(self.self_mask_commitment, COMMITMENT_BYTES, "self_mask_commitment")
+        _check_key_pair(self.cipher_public_key, self.mask_public_key)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyOffer:
+    """Two fresh X25519 public keys a client made for its next round attempt.
+
+    Sent with a `ShareKeysReply`; bound to no round until the server uses it. The
+    client keeps the private halves of its latest offer only, and uses them for one
+    attempt at most.
+    """
+
+    cipher_public_key: bytes
+    mask_public_key: bytes
+
+    def __post_init__(self) -> None:
+        _check_key_pair(self.cipher_public_key, self.mask_public_key)
+
+    def advertised(self, round_id: RoundId, client_id: str) -> AdvertisedKeys:
+        """These keys as ``client_id``'s advertised keys for the attempt ``round_id``."""
+        return AdvertisedKeys(round_id, client_id, self.cipher_public_key, self.mask_public_key)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShareKeysRequest:
-    """Stage share_keys, server -> client: the advertised keys of its neighbours."""
+    """Stage share_keys, server -> client: the advertised keys of its neighbours.
+
+    ``setup`` and ``own_keys`` are set when the server skipped this client's
+    advertise_keys stage: the round's parameters (not seen yet) and the keys of the
+    client's `KeyOffer` the server presents as its own for this attempt.
+    """
 
     round_id: RoundId
     neighbours: tuple[AdvertisedKeys, ...]
+    setup: RoundSetup | None = None
+    own_keys: AdvertisedKeys | None = None
+
+    def __post_init__(self) -> None:
+        if (self.setup is None) != (self.own_keys is None):
+            raise _invalid("a share-keys request carries both the setup and the client's "
+                           "own keys, or neither")
+        if self.setup is not None and self.setup.round_id != self.round_id:
+            raise _invalid("a share-keys request's setup names another round attempt")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -270,14 +315,24 @@ class EncryptedShare:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShareKeysReply:
-    """Stage share_keys, client -> server: one `EncryptedShare` per neighbour."""
+    """Stage share_keys, client -> server: one `EncryptedShare` per neighbour.
+
+    ``self_mask_commitment`` is SHA-256 over the setup, the client id and the self-mask
+    seed it has just shared, so that the server can check a reconstructed seed.
+    ``next_keys``: the client's offer of keys for its next round attempt (optional).
+    """
 
     round_id: RoundId
     client_id: str
     shares: tuple[EncryptedShare, ...]
+    self_mask_commitment: bytes
+    next_keys: KeyOffer | None = None
 
     def __post_init__(self) -> None:
         _check_id(self.client_id, "client_id")
+        _check_bytes(self.self_mask_commitment, COMMITMENT_BYTES, "self_mask_commitment")
+        if self.next_keys is not None and not isinstance(self.next_keys, KeyOffer):
+            raise _invalid("next_keys must be a KeyOffer")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

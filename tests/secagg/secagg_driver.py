@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.errors import MessageRejectedError, SecureAggregationError
-from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, Stage
+from fedloom.secagg import KeyOffer, RoundId, RoundSetup, SecAggConfig, Stage
 from fedloom.server.secagg import SecAggServer, SecAggStatus
 
 
@@ -38,14 +38,15 @@ def ids_of(n: int) -> list[str]:
 
 def setup_round(config: SecAggConfig, inputs: Mapping[str, tuple[np.ndarray, int]],
                 round_id: RoundId | None = None,
-                clients: dict[str, SecAggClient] | None = None) -> Round:
+                clients: dict[str, SecAggClient] | None = None,
+                offers: dict[str, KeyOffer] | None = None) -> Round:
     length = len(next(iter(inputs.values()))[0])
     rid = round_id or RoundId("run-1", 1, 0)
     setup = RoundSetup.create(config, rid, list(inputs), length)
     if clients is None:
         clients = {cid: SecAggClient(cid, rng=np.random.default_rng(i))
                    for i, cid in enumerate(sorted(inputs))}
-    return Round(SecAggServer(setup), clients, dict(inputs))
+    return Round(SecAggServer(setup, offers=offers), clients, dict(inputs))
 
 
 Hook = Callable[[Stage, str, Any], Any]
@@ -100,3 +101,19 @@ def plaintext_mean(config: SecAggConfig, inputs: Mapping[str, tuple[np.ndarray, 
     total = sum(inputs[c][1] / config.max_weight for c in survivors)
     assert isinstance(weighted, np.ndarray)
     return weighted / total, weighted, float(total)
+
+
+def assert_matches_plaintext(config: SecAggConfig, rnd: Round,
+                             survivors: Sequence[str]) -> None:
+    result = rnd.server.result
+    assert result.survivors == tuple(sorted(survivors))
+    mean, weighted, weight = plaintext_mean(config, rnd.inputs, result.survivors)
+    n = len(survivors)
+    # at most one quantum per client per coordinate (clipping aside) ...
+    err_sum = n * config.quantum
+    err_weight = n / config.levels
+    assert np.abs(result.weighted_sum - weighted).max() <= err_sum * (1 + 1e-9)
+    assert abs(result.total_weight - weight) <= err_weight * (1 + 1e-9)
+    # ... and for the mean (A + ea) / (W + ew) - A / W, bounded by the two errors
+    bound = (err_sum + np.abs(mean) * err_weight) / (weight - err_weight)
+    assert (np.abs(result.mean - mean) <= bound * (1 + 1e-9)).all()

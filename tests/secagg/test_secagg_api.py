@@ -18,7 +18,7 @@ SECAGG_FILES = [
 
 EXPORTED = {
     "PRIME", "SEALED_SHARE_BYTES", "SHARE_BYTES", "STAGE_OF",
-    "AdvertiseKeysRequest", "AdvertisedKeys", "EncryptedShare", "MaskExpander",
+    "AdvertiseKeysRequest", "AdvertisedKeys", "EncryptedShare", "KeyOffer", "MaskExpander",
     "MaskedInputReply", "MaskedInputRequest", "RevealedShare", "RoundId", "RoundSetup",
     "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareKeysReply", "ShareKeysRequest",
     "Stage", "UnmaskReply", "UnmaskRequest", "aes_ctr_keystream", "agree", "ceil_log2",

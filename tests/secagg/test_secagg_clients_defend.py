@@ -20,6 +20,7 @@ from fedloom.secagg import (
     RoundId,
     RoundSetup,
     SecAggConfig,
+    ShareKeysReply,
     ShareKeysRequest,
     Stage,
     UnmaskReply,
@@ -114,6 +115,8 @@ def _split_attack(a: int) -> tuple[bool, bool]:
     setup = server.setup
     victim = ids_of(11)[0]
     keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
+    commitments = {r.client_id: r.self_mask_commitment
+                   for _, _, _, r in rnd.transcript if isinstance(r, ShareKeysReply)}
     seeds: dict[int, bytes] = {}
     mask_keys: dict[int, bytes] = {}
     for i, cid in enumerate(sorted(server.graph[victim])):
@@ -133,7 +136,7 @@ def _split_attack(a: int) -> tuple[bool, bool]:
                 mask_keys[x] = share.value
 
     def is_seed(b: bytes) -> bool:
-        return commit_self_mask(setup, victim, b) == keys[victim].self_mask_commitment
+        return commit_self_mask(setup, victim, b) == commitments[victim]
 
     def is_key(s: bytes) -> bool:
         return public_bytes(private_key_from_bytes(s)) == keys[victim].mask_public_key

@@ -114,7 +114,8 @@ def test_stale_keys_and_shares_are_rejected() -> None:
     server.advance()
     share = rnd.clients[ids[0]].handle(server.request_for(ids[0]))
     assert isinstance(share, ShareKeysReply)
-    missing_one = ShareKeysReply(share.round_id, share.client_id, share.shares[1:])
+    missing_one = ShareKeysReply(share.round_id, share.client_id, share.shares[1:],
+                                 share.self_mask_commitment)
     with pytest.raises(MessageRejectedError) as info:
         server.receive(ids[0], missing_one)
     assert info.value.reason is RejectReason.INVALID

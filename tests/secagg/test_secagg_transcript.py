@@ -21,6 +21,7 @@ from fedloom.secagg import (
     MaskExpander,
     RoundId,
     SecAggConfig,
+    ShareKeysReply,
     Stage,
     UnmaskReply,
     agree,
@@ -53,6 +54,8 @@ def _server_view_residual(rnd: Round, victim: str) -> np.ndarray:
     setup = next(r.setup for _, _, r, _ in rnd.transcript if isinstance(r, AdvertiseKeysRequest))
     graph = neighbour_graph(setup)
     keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
+    commitments = {r.client_id: r.self_mask_commitment
+                   for _, _, _, r in rnd.transcript if isinstance(r, ShareKeysReply)}
     masked = {r.client_id: r.masked for _, _, _, r in rnd.transcript
               if isinstance(r, MaskedInputReply)}
     seed_shares: dict[str, dict[int, bytes]] = {}
@@ -71,7 +74,7 @@ def _server_view_residual(rnd: Round, victim: str) -> np.ndarray:
     expander = MaskExpander(setup.masked_length)
     seed = reconstruct_checked(
         seed_shares[victim], setup.threshold,
-        lambda b: commit_self_mask(setup, victim, b) == keys[victim].self_mask_commitment,
+        lambda b: commit_self_mask(setup, victim, b) == commitments[victim],
         "seed")
     expander.subtract_from(residual, seed)
     for u, shares in key_shares.items():

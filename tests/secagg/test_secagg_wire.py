@@ -28,9 +28,12 @@ from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
+    KeyOffer,
     MaskedInputReply,
     RoundId,
     SecAggConfig,
+    ShareKeysReply,
+    ShareKeysRequest,
     Stage,
 )
 from fedloom.types import TaskKind
@@ -109,7 +112,7 @@ def test_the_setup_keeps_its_digest_through_the_wire(transcript) -> None:  # typ
 def _keys_result(**changes: Any) -> pb.ResultHeader:
     keys = pb.SecAggAdvertisedKeys(
         round_id=pb.SecAggRoundId(run_id="run-1", round=1, attempt=0), client_id="client-000",
-        cipher_public_key=b"a" * 32, mask_public_key=b"b" * 32, self_mask_commitment=b"c" * 32)
+        cipher_public_key=b"a" * 32, mask_public_key=b"b" * 32)
     for name, value in changes.items():
         setattr(keys, name, value)
     header = codec.result_to_proto(ResultHeader(SESSION, "t" * 32, 1, None, failure="x")).result
@@ -121,7 +124,7 @@ def _keys_result(**changes: Any) -> pb.ResultHeader:
     ("changes", "match"),
     [
         ({"cipher_public_key": b"short"}, "cipher_public_key must be 32 bytes"),
-        ({"self_mask_commitment": b""}, "self_mask_commitment must be 32 bytes"),
+        ({"mask_public_key": b"a" * 32}, "must differ"),
         ({"client_id": ""}, "client_id"),
         ({"client_id": "x" * 300}, "client_id"),
     ],
@@ -204,8 +207,58 @@ def test_too_many_listed_shares_are_invalid() -> None:
 
 
 def test_an_advertised_key_message_equals_its_domain_form() -> None:
-    keys = AdvertisedKeys(RoundId("run-1", 2, 7), "client-001", b"\1" * 32, b"\2" * 32,
-                          b"\3" * 32)
+    keys = AdvertisedKeys(RoundId("run-1", 2, 7), "client-001", b"\1" * 32, b"\2" * 32)
     assert _secagg_codec.advertised_keys_from_proto(
         _secagg_codec.advertised_keys_to_proto(keys)) == keys
     assert np.array_equal(np.frombuffer(keys.mask_public_key, np.uint8), np.full(32, 2))
+
+
+def test_a_share_keys_task_that_skips_advertising_round_trips(transcript) -> None:  # type: ignore[no-untyped-def]
+    setup = next(r for s, _, r, _ in transcript if s is Stage.ADVERTISE_KEYS).setup
+    share = next(r for s, _, r, _ in transcript if s is Stage.SHARE_KEYS)
+    own = KeyOffer(b"\5" * 32, b"\6" * 32).advertised(setup.round_id, setup.participants[0])
+    request = ShareKeysRequest(setup.round_id, share.neighbours, setup, own)
+    back = _through_wire_task(_task(request)).secagg
+    assert back == request
+    assert isinstance(back, ShareKeysRequest) and back.setup is not None
+    assert back.setup.digest == setup.digest
+
+
+def test_a_share_keys_task_with_a_setup_but_no_own_keys_is_invalid(transcript) -> None:  # type: ignore[no-untyped-def]
+    setup = next(r for s, _, r, _ in transcript if s is Stage.ADVERTISE_KEYS).setup
+    header = codec.task_to_proto(_task(ShareKeysRequest(setup.round_id, ()))).task
+    header.secagg_share_keys.setup.CopyFrom(_secagg_codec.round_setup_to_proto(setup))
+    with pytest.raises(MessageRejectedError, match="both the setup and the client's own keys"):
+        codec.task_from_proto(header)
+
+
+def test_share_keys_replies_carry_an_offer_and_a_commitment(transcript) -> None:  # type: ignore[no-untyped-def]
+    replies = [r for s, _, _, r in transcript if s is Stage.SHARE_KEYS]
+    assert replies
+    for reply in replies:
+        assert isinstance(reply, ShareKeysReply) and reply.next_keys is not None
+        back = _through_wire_result(ResultHeader(SESSION, "t" * 32, 1, TaskKind.SECAGG,
+                                                 secagg=reply)).secagg
+        assert back == reply
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("self_mask_commitment", b"c" * 31, "self_mask_commitment must be 32 bytes"),
+    ("next_keys", pb.SecAggKeyOffer(cipher_public_key=b"a" * 32, mask_public_key=b"b"),
+     "mask_public_key must be 32 bytes"),
+    ("next_keys", pb.SecAggKeyOffer(cipher_public_key=b"a" * 32, mask_public_key=b"a" * 32),
+     "must differ"),
+])
+def test_a_malformed_share_keys_result_is_invalid(field: str, value: Any, match: str) -> None:
+    result = pb.SecAggShareKeysResult(
+        round_id=pb.SecAggRoundId(run_id="run-1", round=1, attempt=0), client_id="client-000",
+        self_mask_commitment=b"c" * 32)
+    if isinstance(value, bytes):
+        setattr(result, field, value)
+    else:
+        getattr(result, field).CopyFrom(value)
+    header = codec.result_to_proto(ResultHeader(SESSION, "t" * 32, 1, None, failure="x")).result
+    header.secagg_share_keys.CopyFrom(result)
+    with pytest.raises(MessageRejectedError, match=match) as info:
+        codec.result_from_proto(header)
+    assert info.value.reason is RejectReason.INVALID

@@ -734,7 +734,9 @@ class SecAggRoundId(_message.Message):
     """---- secure aggregation (SecAgg+; fedloom.secagg) ---------------------------------
     One round attempt runs four stages, each a task (server -> client) and its result:
     advertise keys -> share keys -> masked input -> unmask. A client takes part only if
-    it sent the "secagg" capability in Join. The server learns only the sum of the
+    it sent the "secagg" capability in Join. A client's share-keys result may offer fresh
+    keys for its next attempt (SecAggKeyOffer); the server then skips that client's
+    advertise keys stage next time, sending the setup with the share-keys task. The server learns only the sum of the
     survivors' masked inputs; see docs/secure-aggregation.md.
     """
 
@@ -844,14 +846,11 @@ class SecAggAdvertisedKeys(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     CIPHER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     MASK_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
-    SELF_MASK_COMMITMENT_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     cipher_public_key: _builtins.bytes
     """X25519, 32 bytes"""
     mask_public_key: _builtins.bytes
     """X25519, 32 bytes"""
-    self_mask_commitment: _builtins.bytes
-    """SHA-256, 32 bytes"""
     @_builtins.property
     def round_id(self) -> Global___SecAggRoundId: ...
     def __init__(
@@ -861,37 +860,73 @@ class SecAggAdvertisedKeys(_message.Message):
         client_id: _builtins.str = ...,
         cipher_public_key: _builtins.bytes = ...,
         mask_public_key: _builtins.bytes = ...,
-        self_mask_commitment: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "client_id", b"client_id", "mask_public_key", b"mask_public_key", "round_id", b"round_id", "self_mask_commitment", b"self_mask_commitment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "client_id", b"client_id", "mask_public_key", b"mask_public_key", "round_id", b"round_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SecAggAdvertisedKeys: _TypeAlias = SecAggAdvertisedKeys  # noqa: Y015
 
 @_typing.final
+class SecAggKeyOffer(_message.Message):
+    """Two fresh public keys for the client's next round attempt (bound to no round yet)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CIPHER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    cipher_public_key: _builtins.bytes
+    """X25519, 32 bytes"""
+    mask_public_key: _builtins.bytes
+    """X25519, 32 bytes"""
+    def __init__(
+        self,
+        *,
+        cipher_public_key: _builtins.bytes = ...,
+        mask_public_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "mask_public_key", b"mask_public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggKeyOffer: _TypeAlias = SecAggKeyOffer  # noqa: Y015
+
+@_typing.final
 class SecAggShareKeysTask(_message.Message):
-    """Stage 2: the neighbours' advertised keys; the client answers with sealed shares."""
+    """Stage 2: the neighbours' advertised keys; the client answers with sealed shares.
+    When the server skipped this client's stage 1 (it used the client's key offer), the
+    task also carries the round's setup and the offered keys, as this client's own.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ROUND_ID_FIELD_NUMBER: _builtins.int
     NEIGHBOURS_FIELD_NUMBER: _builtins.int
+    SETUP_FIELD_NUMBER: _builtins.int
+    OWN_KEYS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def round_id(self) -> Global___SecAggRoundId: ...
     @_builtins.property
     def neighbours(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggAdvertisedKeys]: ...
+    @_builtins.property
+    def setup(self) -> Global___SecAggSetup: ...
+    @_builtins.property
+    def own_keys(self) -> Global___SecAggAdvertisedKeys: ...
     def __init__(
         self,
         *,
         round_id: Global___SecAggRoundId | None = ...,
         neighbours: _abc.Iterable[Global___SecAggAdvertisedKeys] | None = ...,
+        setup: Global___SecAggSetup | None = ...,
+        own_keys: Global___SecAggAdvertisedKeys | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["own_keys", b"own_keys", "round_id", b"round_id", "setup", b"setup"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["neighbours", b"neighbours", "round_id", b"round_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["neighbours", b"neighbours", "own_keys", b"own_keys", "round_id", b"round_id", "setup", b"setup"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -934,21 +969,31 @@ class SecAggShareKeysResult(_message.Message):
     ROUND_ID_FIELD_NUMBER: _builtins.int
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     SHARES_FIELD_NUMBER: _builtins.int
+    SELF_MASK_COMMITMENT_FIELD_NUMBER: _builtins.int
+    NEXT_KEYS_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
+    self_mask_commitment: _builtins.bytes
+    """SHA-256 of (setup, client, self-mask seed), 32 bytes"""
     @_builtins.property
     def round_id(self) -> Global___SecAggRoundId: ...
     @_builtins.property
     def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecAggEncryptedShare]: ...
+    @_builtins.property
+    def next_keys(self) -> Global___SecAggKeyOffer:
+        """optional: keys for the client's next attempt"""
+
     def __init__(
         self,
         *,
         round_id: Global___SecAggRoundId | None = ...,
         client_id: _builtins.str = ...,
         shares: _abc.Iterable[Global___SecAggEncryptedShare] | None = ...,
+        self_mask_commitment: _builtins.bytes = ...,
+        next_keys: Global___SecAggKeyOffer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next_keys", b"next_keys", "round_id", b"round_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "round_id", b"round_id", "shares", b"shares"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "next_keys", b"next_keys", "round_id", b"round_id", "self_mask_commitment", b"self_mask_commitment", "shares", b"shares"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
