@@ -16,6 +16,7 @@ Each client is a `BenchRunner`: an ordinary `ClientRunner` that also
 - drops out when told: in a plain round a fifth of the clients (by index and round)
   train and then report a failure instead of their update; in a secure round the
   clients `spread_dropouts` picks on the round's neighbour graph answer advertise keys
+  (when asked: from the second round on, the keys offered in the previous one are used)
   and share keys, then report a failure to their masked-input task (they drop after
   sharing their keys: the server removes their masks with their neighbours' shares).
 """
@@ -38,7 +39,12 @@ from fedloom.client_sdk import Client, ClientRunner, EvaluateOutput, FitOutput
 from fedloom.config import ClientConfig
 from fedloom.messages import ResultHeader, Session, TaskHeader
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
-from fedloom.secagg import AdvertiseKeysRequest, MaskedInputRequest, RoundSetup
+from fedloom.secagg import (
+    AdvertiseKeysRequest,
+    MaskedInputRequest,
+    RoundSetup,
+    ShareKeysRequest,
+)
 from fedloom.simulations.local_secure import spread_dropouts
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
@@ -191,8 +197,8 @@ class BenchRunner(ClientRunner):
     def _execute(self, session: Session, task: TaskHeader, weights: Weights
                  ) -> tuple[ResultHeader, memoryview | None]:
         request = task.secagg
-        if isinstance(request, AdvertiseKeysRequest):
-            self._setup = request.setup
+        if isinstance(request, AdvertiseKeysRequest | ShareKeysRequest) and request.setup:
+            self._setup = request.setup  # share keys has it when advertising was skipped
         if isinstance(request, MaskedInputRequest) and self.dropout and self._setup:
             setup = self._setup
             count = round(self.dropout * len(setup.participants))

@@ -49,6 +49,11 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     assert set(history[0]["secure_aggregation"]["stage_s"]) == {str(s) for s in Stage}
     assert {"train", *(str(s) for s in Stage)} == set(runners[0].secagg_cpu_s)
     assert all(v >= 0 for v in runners[0].secagg_cpu_s.values())
+    # round 2 runs on the keys each client offered in round 1: no advertise stage
+    for runner in runners:
+        early = [(r, s) for r, s in runner.stages_pushed if s is not Stage.UNMASK]
+        assert early == [(1, Stage.ADVERTISE_KEYS), (1, Stage.SHARE_KEYS),
+                         (1, Stage.MASKED_INPUT), (2, Stage.SHARE_KEYS), (2, Stage.MASKED_INPUT)]
     # the server's sums (last round) within one quantum per client per coordinate
     result = server.coordinator.secure.last_result  # type: ignore[union-attr]
     assert result is not None
