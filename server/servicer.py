@@ -149,7 +149,7 @@ class FleetServicer(pb_grpc.FleetServicer):
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """The session's tasks on one stream: each pending task once, in turn (see the
-        proto). Saves a call per task, which a secure round's four stages feel most."""
+        proto). Saves a call per task, which a secure round's stages feel most."""
         idle = IdleLimit(self.chunk_timeout_s)
         try:
             record = self._client(request.session)
