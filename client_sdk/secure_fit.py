@@ -148,9 +148,9 @@ class SecureFit:
         if isinstance(request, ShareKeysRequest) and request.setup is not None:
             # the server used this client's key offer: advertise keys was skipped
             self._setup = None
-            reply = self.protocol.share_keys(request)
+            shared = self.protocol.share_keys(request)
             self._setup = request.setup
-            return reply, None, None
+            return shared, None, None
         return self.protocol.handle(request), None, None
 
     def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights

@@ -186,10 +186,10 @@ class SecAggServer:
             return AdvertiseKeysRequest(self.setup)
         rid = self.setup.round_id
         if self._stage is Stage.SHARE_KEYS:
-            neighbours = tuple(self._advertised[v] for v in sorted(self._roster[client_id]))
+            keys = tuple(self._advertised[v] for v in sorted(self._roster[client_id]))
             if client_id in self._offered:
-                return ShareKeysRequest(rid, neighbours, self.setup, self._advertised[client_id])
-            return ShareKeysRequest(rid, neighbours)
+                return ShareKeysRequest(rid, keys, self.setup, self._advertised[client_id])
+            return ShareKeysRequest(rid, keys)
         if self._stage is Stage.MASKED_INPUT:
             return MaskedInputRequest(rid, self._inbox[client_id])
         neighbours = self.graph[client_id]

@@ -19,10 +19,12 @@ from fedloom.payload import PayloadInfo, serialize
 from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
+    KeyOffer,
     MaskedInputRequest,
     RoundId,
     RoundSetup,
     SecAggConfig,
+    ShareKeysRequest,
 )
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
@@ -138,3 +140,17 @@ def test_the_masked_payload_is_one_uint32_vector() -> None:
     assert bytes(payload) == masked.astype("<u4").tobytes()
     assert info.specs[0].dtype == "uint32" and info.specs[0].shape == (16,)
     assert info.sha256 == hashlib.sha256(masked.tobytes()).digest()
+
+
+def test_a_share_task_on_keys_never_offered_is_refused_and_nothing_trains() -> None:
+    setup = _advertise().setup
+    own = KeyOffer(b"\1" * 32, b"\2" * 32).advertised(setup.round_id, "c0")
+    client = RecordingClient(seed=0, num_examples=10)
+    fit = SecureFit(client, "c0")
+    result, _ = fit.execute(SESSION, _task(ShareKeysRequest(setup.round_id, (), setup, own)),
+                            small_weights())
+    assert result.kind is None and "never offered" in result.failure
+    masked = MaskedInputRequest(setup.round_id, ())
+    result, _ = fit.execute(SESSION, _task(masked), small_weights())
+    assert result.kind is None and "no keys were advertised" in result.failure
+    assert client.sent == []
