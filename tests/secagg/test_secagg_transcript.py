@@ -22,6 +22,7 @@ from fedloom.secagg import (
     RoundId,
     SecAggConfig,
     ShareKeysReply,
+    ShareKeysRequest,
     Stage,
     UnmaskReply,
     agree,
@@ -41,19 +42,31 @@ LENGTH = 4096
 VICTIM = "client-005"
 
 
-def _round(victim_value: float, attempt: int = 0) -> Round:
+def _round(victim_value: float, attempt: int = 0, on_offers: bool = False) -> Round:
+    """One round with client-001 dropping after sharing keys; ``on_offers``: after a
+    first round, on the keys the clients offered in it (no advertise stage)."""
     ids = ids_of(10)
     inputs = make_inputs(ids, LENGTH, seed=attempt)
     inputs[VICTIM] = (np.full(LENGTH, victim_value), 100)
-    rnd = setup_round(CONFIG, inputs, round_id=RoundId("run-1", 1, attempt))
+    clients, offers = None, None
+    if on_offers:
+        first = run(setup_round(CONFIG, make_inputs(ids, LENGTH, seed=99),
+                                round_id=RoundId("run-1", 0, attempt)))
+        clients, offers = first.clients, first.server.new_offers
+    rnd = setup_round(CONFIG, inputs, round_id=RoundId("run-1", 1, attempt), clients=clients,
+                      offers=offers)
     return run(rnd, drop_at={"client-001": Stage.MASKED_INPUT})
 
 
 def _server_view_residual(rnd: Round, victim: str) -> np.ndarray:
     """y_victim minus every mask the transcript lets the server remove."""
-    setup = next(r.setup for _, _, r, _ in rnd.transcript if isinstance(r, AdvertiseKeysRequest))
+    requests = [r for _, _, r, _ in rnd.transcript]
+    setup = next(r.setup for r in requests if isinstance(r, AdvertiseKeysRequest | ShareKeysRequest)
+                 and r.setup is not None)
     graph = neighbour_graph(setup)
     keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
+    keys.update({r.own_keys.client_id: r.own_keys for r in requests  # keys from offers
+                 if isinstance(r, ShareKeysRequest) and r.own_keys is not None})
     commitments = {r.client_id: r.self_mask_commitment
                    for _, _, _, r in rnd.transcript if isinstance(r, ShareKeysReply)}
     masked = {r.client_id: r.masked for _, _, _, r in rnd.transcript
@@ -101,8 +114,10 @@ def _top_byte_chi2(values: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_residual_after_removing_all_removable_masks_hides_the_input() -> None:
-    rnd = _round(0.0)
+@pytest.mark.parametrize("on_offers", [False, True])
+def test_residual_after_removing_all_removable_masks_hides_the_input(on_offers: bool) -> None:
+    rnd = _round(0.0, on_offers=on_offers)
+    assert any(isinstance(r, AdvertiseKeysRequest) for _, _, r, _ in rnd.transcript) != on_offers
     result = rnd.server.result
     assert VICTIM in result.survivors and result.dropped == ("client-001",)
     assert "client-001" in rnd.server.graph[VICTIM]  # one pairwise mask is removable
