@@ -71,6 +71,7 @@ from fedloom.secagg import (
     UnmaskRequest,
     dequantize,
     neighbour_graph,
+    usable_public_key,
 )
 from fedloom.server.secagg_unmask import MapFn, unmask_sum
 
@@ -306,6 +307,9 @@ class SecAggServer:
         keys = (reply.cipher_public_key, reply.mask_public_key)
         if keys[0] == keys[1] or any(k in self._keys_seen for k in keys):
             raise _reject(RejectReason.INVALID, "an advertised public key is not fresh")
+        if not all(usable_public_key(k) for k in keys):  # or every neighbour would refuse
+            raise _reject(RejectReason.INVALID, "an advertised public key is a point of small "
+                          "order (no shared secret can be agreed with it)")
         self._keys_seen.update(keys)
         self._advertised[reply.client_id] = reply
 
@@ -318,9 +322,14 @@ class SecAggServer:
             if share.sender != reply.client_id or len(share.ciphertext) != SEALED_SHARE_BYTES:
                 raise _reject(RejectReason.INVALID, "a share has the wrong sender or size")
         offer = reply.next_keys
-        if offer is not None and {offer.cipher_public_key, offer.mask_public_key} & self._keys_seen:
-            raise _reject(RejectReason.INVALID, "the keys offered for the next attempt are "
-                          "not fresh")
+        if offer is not None:
+            offered = (offer.cipher_public_key, offer.mask_public_key)
+            if set(offered) & self._keys_seen:
+                raise _reject(RejectReason.INVALID, "the keys offered for the next attempt are "
+                              "not fresh")
+            if not all(usable_public_key(k) for k in offered):
+                raise _reject(RejectReason.INVALID, "a key offered for the next attempt is a "
+                              "point of small order")
         self._sealed[reply.client_id] = reply
         self._commitments[reply.client_id] = reply.self_mask_commitment
         if offer is not None:

@@ -45,6 +45,7 @@ from fedloom.secagg._crypto import (
     private_key_from_bytes,
     public_bytes,
     seal_share,
+    usable_public_key,
 )
 from fedloom.secagg._graph import neighbour_graph, ring_offsets, ring_order
 from fedloom.secagg._messages import (
@@ -121,4 +122,5 @@ __all__ = [
     "split",
     "split_mask_seed",
     "unflatten",
+    "usable_public_key",
 ]

@@ -59,6 +59,19 @@ def agree(private_key: X25519PrivateKey, peer_public_key: bytes) -> bytes:
         raise SecureAggregationError(f"unusable X25519 public key: {exc}") from exc
 
 
+_PROBE = X25519PrivateKey.generate()  # any scalar: clamping makes it a multiple of 8
+
+
+def usable_public_key(public_key: bytes) -> bool:
+    """Whether neighbours can agree with ``public_key``: 32 bytes and not a point of
+    small order (those give an all-zero X25519 secret for every private key)."""
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(public_key))
+    except ValueError:
+        return False
+    return True
+
+
 def _pair_info(purpose: bytes, setup: RoundSetup, a: str, b: str) -> bytes:
     first, second = sorted((a, b))
     return PROTOCOL_LABEL + purpose + pack(setup.round_id.encode(), setup.digest, first, second)

@@ -27,6 +27,7 @@ EXPORTED = {
     "flatten", "generate_private_key", "neighbour_graph", "new_seed", "open_share",
     "private_bytes", "private_key_from_bytes", "public_bytes", "quantize", "reconstruct",
     "ring_offsets", "ring_order", "seal_share", "split", "split_mask_seed", "unflatten",
+    "usable_public_key",
 }
 
 

@@ -12,6 +12,7 @@ from secagg_driver import Hook, ids_of, make_inputs, run, setup_round
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.secagg import (
     AdvertisedKeys,
+    KeyOffer,
     MaskedInputReply,
     RoundId,
     SecAggConfig,
@@ -134,3 +135,38 @@ def test_duplicate_public_keys_across_clients_are_rejected() -> None:
         server.receive(ids[1], copied)
     assert info.value.reason is RejectReason.INVALID
     server.receive(ids[1], second)  # the client's own keys are still welcome
+
+
+# u = 0 and u = 1 are points of small order on Curve25519: every agreement with them
+# gives the all-zero secret, so an honest neighbour would refuse the whole attempt.
+SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little")]
+
+
+@pytest.mark.parametrize("bad", SMALL_ORDER)
+def test_an_advertised_key_of_small_order_is_refused_before_neighbours_see_it(
+        bad: bytes) -> None:
+    ids = ids_of(8)
+    rnd = setup_round(CONFIG, make_inputs(ids, 5))
+    keys = rnd.clients[ids[0]].handle(rnd.server.request_for(ids[0]))
+    assert isinstance(keys, AdvertisedKeys)
+    with pytest.raises(MessageRejectedError, match="small order") as info:
+        rnd.server.receive(ids[0], dataclasses.replace(keys, mask_public_key=bad))
+    assert info.value.reason is RejectReason.INVALID
+    rnd.server.receive(ids[0], keys)  # the honest reply is still taken
+
+
+@pytest.mark.parametrize("bad", SMALL_ORDER)
+def test_a_key_offer_of_small_order_is_refused_and_never_used(bad: bytes) -> None:
+    ids = ids_of(8)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 5)), stop_at=Stage.SHARE_KEYS)
+    share = rnd.clients[ids[0]].handle(rnd.server.request_for(ids[0]))
+    assert isinstance(share, ShareKeysReply) and share.next_keys is not None
+    spoiled = dataclasses.replace(share, next_keys=KeyOffer(share.next_keys.cipher_public_key,
+                                                            bad))
+    with pytest.raises(MessageRejectedError, match="small order"):
+        rnd.server.receive(ids[0], spoiled)
+    # and an attempt handed such an offer (by a careless caller) has the client advertise
+    offers = {ids[0]: KeyOffer(bad, share.next_keys.mask_public_key)}
+    later = setup_round(CONFIG, rnd.inputs, round_id=RoundId("run-1", 2, 0),
+                        clients=rnd.clients, offers=offers)
+    assert ids[0] in later.server.pending()
