@@ -113,8 +113,9 @@ class SecAggServer:
 
     Args:
         setup: the attempt's public parameters.
-        offers: unused `KeyOffer` of some participants (each is used here, and must not
-            be used again); those clients skip advertise_keys.
+        offers: unused `KeyOffer` of some participants, as an earlier attempt's
+            `new_offers` took them (their keys were checked there); each is used here and
+            must not be used again. Those clients skip advertise_keys.
         map_fn: runs the final unmasking's ranges (a thread pool's ``map``: parallel).
     """
 
@@ -296,18 +297,19 @@ class SecAggServer:
             if client_id not in self._expected:
                 continue
             try:
-                self._take_keys(offers[client_id].advertised(rid, client_id))
+                self._take_keys(offers[client_id].advertised(rid, client_id), checked=True)
             except MessageRejectedError:
                 continue  # a repeated key: this client advertises afresh instead
             taken.add(client_id)
         self._offered = frozenset(taken)
         self._answered.update(taken)
 
-    def _take_keys(self, reply: AdvertisedKeys) -> None:
+    def _take_keys(self, reply: AdvertisedKeys, checked: bool = False) -> None:
         keys = (reply.cipher_public_key, reply.mask_public_key)
         if keys[0] == keys[1] or any(k in self._keys_seen for k in keys):
             raise _reject(RejectReason.INVALID, "an advertised public key is not fresh")
-        if not all(usable_public_key(k) for k in keys):  # or every neighbour would refuse
+        # a key of small order would make every neighbour refuse the attempt
+        if not checked and not all(usable_public_key(k) for k in keys):
             raise _reject(RejectReason.INVALID, "an advertised public key is a point of small "
                           "order (no shared secret can be agreed with it)")
         self._keys_seen.update(keys)

@@ -74,7 +74,7 @@ def usable_public_key(public_key: bytes) -> bool:
 
 def _pair_info(purpose: bytes, setup: RoundSetup, a: str, b: str) -> bytes:
     first, second = sorted((a, b))
-    return PROTOCOL_LABEL + purpose + pack(setup.round_id.encode(), setup.digest, first, second)
+    return PROTOCOL_LABEL + purpose + setup.binding + pack(first, second)
 
 
 def _hkdf(shared_secret: bytes, info: bytes) -> bytes:
@@ -92,8 +92,7 @@ def derive_mask_seed(shared_secret: bytes, setup: RoundSetup, a: str, b: str) ->
 
 
 def _share_aad(setup: RoundSetup, sender: str, receiver: str) -> bytes:
-    return PROTOCOL_LABEL + b"share-aad" + pack(setup.round_id.encode(), setup.digest, sender,
-                                                receiver)
+    return PROTOCOL_LABEL + b"share-aad" + setup.binding + pack(sender, receiver)
 
 
 def seal_share(key: bytes, setup: RoundSetup, sender: str, receiver: str,
@@ -124,5 +123,5 @@ def new_seed() -> bytes:
 def commit_self_mask(setup: RoundSetup, client_id: str, seed: bytes) -> bytes:
     """SHA-256 commitment to a self-mask seed (hiding: the seed is 256 random bits)."""
     return hashlib.sha256(
-        PROTOCOL_LABEL + b"self-mask" + pack(setup.round_id.encode(), setup.digest, client_id, seed)
+        PROTOCOL_LABEL + b"self-mask" + setup.binding + pack(client_id, seed)
     ).digest()

@@ -114,6 +114,9 @@ class RoundSetup:
     vector_length: int
     graph_seed: bytes
     digest: bytes = dataclasses.field(init=False, repr=False, compare=False)
+    #: ``pack(round_id.encode(), digest)``: the prefix every derivation of the attempt
+    #: binds (computed once; `pack` of more fields is this plus their encodings)
+    binding: bytes = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.round_id, RoundId):
@@ -137,6 +140,7 @@ class RoundSetup:
         except ConfigError as exc:
             raise _invalid(f"round parameters refused: {exc}") from exc
         object.__setattr__(self, "digest", hashlib.sha256(self._encode()).digest())
+        object.__setattr__(self, "binding", pack(self.round_id.encode(), self.digest))
 
     @classmethod
     def create(
