@@ -242,7 +242,9 @@ class LocalSecureAggregation:
             server = SecAggServer(setup, map_fn=map_fn)
             for cid in set(setup.participants) - set(participants):
                 server.drop(cid)  # failed to train: never answers stage 1
-            clients = {cid: SecAggClient(cid, rng=self._rounding_rng(server_round, cid))
+            # new clients every round, so no key offers (they could never be used)
+            clients = {cid: SecAggClient(cid, rng=self._rounding_rng(server_round, cid),
+                                         offer_keys=False)
                        for cid in participants}
             vanishing = self._vanishing(setup, server_round, participants)
             report.vanished = tuple(sorted(vanishing))
