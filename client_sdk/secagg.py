@@ -112,6 +112,7 @@ class _Attempt:
     cipher_key: X25519PrivateKey | None
     mask_key: X25519PrivateKey | None
     self_mask_seed: bytes | None
+    public_keys: tuple[bytes, bytes]  # (cipher, mask), as the server presents them
     roster: dict[str, AdvertisedKeys] = dataclasses.field(default_factory=dict)
     # neighbour -> X25519 secret of the cipher keys (agreed to seal, reused to open; as
     # secret as cipher_key, and dropped with it)
@@ -207,8 +208,8 @@ class SecAggClient:
         if current is not None and current.setup.round_id == rid and not finished:
             return self._replay(current, Stage.ADVERTISE_KEYS, request)  # type: ignore[return-value]
         self._begin(setup, generate_private_key(), generate_private_key())
-        reply = AdvertisedKeys(rid, self.client_id, *self._public_keys())
         assert self._attempt is not None
+        reply = AdvertisedKeys(rid, self.client_id, *self._attempt.public_keys)
         self._attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
         return reply
 
@@ -229,13 +230,8 @@ class SecAggClient:
         self._attempt = _Attempt(setup=setup,
                                  graph_neighbours=neighbour_graph(setup)[self.client_id],
                                  cipher_key=cipher_key, mask_key=mask_key,
-                                 self_mask_seed=new_seed())
-
-    def _public_keys(self) -> tuple[bytes, bytes]:
-        attempt = self._attempt
-        assert attempt is not None and attempt.cipher_key is not None
-        assert attempt.mask_key is not None
-        return public_bytes(attempt.cipher_key), public_bytes(attempt.mask_key)
+                                 self_mask_seed=new_seed(),
+                                 public_keys=(public_bytes(cipher_key), public_bytes(mask_key)))
 
     def _begin_from_offer(self, request: ShareKeysRequest) -> None:
         """A share request that skips advertise_keys: start its attempt with the keys of
@@ -268,10 +264,10 @@ class SecAggClient:
             self._refuse("the share-keys request's setup differs from this attempt's")
         own = request.own_keys
         if own is not None and (own.client_id != self.client_id or (
-                own.cipher_public_key, own.mask_public_key) != self._public_keys()):
+                own.cipher_public_key, own.mask_public_key) != attempt.public_keys):
             self._refuse("the keys the server presents as this client's are not its own")
         roster: dict[str, AdvertisedKeys] = {}
-        seen_keys: set[bytes] = set(self._public_keys())
+        seen_keys: set[bytes] = set(attempt.public_keys)
         for keys in request.neighbours:
             if keys.round_id != setup.round_id:
                 self._refuse(f"the keys of {keys.client_id!r} are for another round attempt")
