@@ -26,14 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.secagg import (
     RoundId,
     RoundSetup,
+    SecAggClient,
     SecAggConfig,
+    SecAggServer,
+    SecAggStatus,
     Stage,
 )
-from fedloom.server.secagg import SecAggServer, SecAggStatus
 from fedloom.simulations.local_secure import payload_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"

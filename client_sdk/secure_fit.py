@@ -27,13 +27,11 @@ are not sent: under secure aggregation the server learns only sums.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
 
 from fedloom.client_sdk._client import Client
-from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.errors import SecureAggregationError
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
@@ -43,42 +41,18 @@ from fedloom.secagg import (
     MaskedInputReply,
     MaskedInputRequest,
     RoundSetup,
+    SecAggClient,
     SecAggConfig,
     SecAggReply,
     SecAggRequest,
     ShareKeysRequest,
+    clip_delta,
     flatten,
 )
-from fedloom.types import TaskKind
+from fedloom.types import MAX_NORM_KEY, TaskKind
 from fedloom.weights import TensorSpec, Weights
 
 log = logging.getLogger("fedloom.client")
-
-#: The fit-config key of the norm bound (`fedloom.strategies.NormBoundedStrategy`).
-MAX_NORM_KEY = "max_update_norm"
-
-
-def clip_delta(delta: Weights, max_norm: float) -> Weights:
-    """Scale the floating tensors of ``delta`` so their global L2 norm is <= ``max_norm``.
-
-    The client-side form of the server's norm bound (Sun et al., 2019; the clipping of
-    DP-FedAvg, McMahan et al., ICLR 2018); integer tensors are neither counted nor
-    scaled, as in `fedloom.strategies.clip_update`.
-    """
-    if not (math.isfinite(max_norm) and max_norm > 0):
-        raise SecureAggregationError(f"max_update_norm must be a positive number, got {max_norm}")
-    total = 0.0
-    for arr in delta.values():
-        if arr.dtype.kind == "f":
-            flat = arr.astype(np.float64, copy=False).ravel()
-            total += float(np.dot(flat, flat))
-    norm = math.sqrt(total)
-    if norm <= max_norm:
-        return delta
-    scale = max_norm / norm
-    return Weights((name, arr.astype(np.float64) * scale if arr.dtype.kind == "f" else arr)
-                   for name, arr in delta.items())
-
 
 class SecureFit:
     """Runs the secure-aggregation stage tasks of one session (one client id).

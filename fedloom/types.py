@@ -20,6 +20,8 @@ Config = Mapping[str, Scalar]
 Metrics = Mapping[str, Scalar]
 
 MAX_KEY_LENGTH = 256
+#: The fit-config key of the update-norm bound: clients clip their delta to it.
+MAX_NORM_KEY = "max_update_norm"
 MAX_STRING_VALUE = 4096
 MAX_ENTRIES = 256
 

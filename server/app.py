@@ -35,11 +35,10 @@ from fedloom.server.memory import tune_allocator
 from fedloom.server.observability import MetricsEndpoint, Probes
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
-from fedloom.server.secure_round import check_secure_strategy
 from fedloom.server.servicer import FleetServicer
 from fedloom.server.tls import server_credentials
 from fedloom.server.wire import add_fleet_servicer
-from fedloom.strategies import Strategy, build_strategy
+from fedloom.strategies import Strategy, build_strategy, check_secure_strategy
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.server")

@@ -10,7 +10,7 @@ global model unchanged and the next round starts.
 The servicer calls `join`, `pull`, `accept_result`, `finish_upload`, `heartbeat` and
 `leave`; each validates its input and raises `MessageRejectedError` with a reason.
 
-Under ``[secure_aggregation] enabled`` a fit round runs in `fedloom.server.secure_round`
+Under ``[secure_aggregation] enabled`` a fit round runs in `fedloom.server.secure`
 instead (SecAgg+ stage tasks through the same mailboxes; the server sees only the sum),
 and its result is committed here like any other round.
 """
@@ -45,8 +45,7 @@ from fedloom.server.progress import RoundReporter
 from fedloom.server.quarantine import Quarantine
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.rounds import IssuedTask, RoundTasks, TaskStatus, updates_from_queue
-from fedloom.server.secure_attempt import StageTask
-from fedloom.server.secure_round import SECAGG_CAPABILITY, SecureRounds
+from fedloom.server.secure import SECAGG_CAPABILITY, SecureRounds, StageTask
 from fedloom.server.stragglers import ClosedTasks, over_select
 from fedloom.server.uploads import Spool, SpooledWeights
 from fedloom.strategies import Strategy
@@ -424,7 +423,7 @@ class Coordinator:
         await self._wait_for_clients()
         started = time.time()
         current = self.global_weights
-        if self.secure.enabled:  # SecAgg+: server/secure_round.py
+        if self.secure.enabled:  # SecAgg+: server/secure/
             self.reporter.round_started(server_round, self.config.num_rounds,
                                         self.config.min_fit_clients)
             secure_result, secure_record = await self.secure.run_round(

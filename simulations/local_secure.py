@@ -2,8 +2,8 @@
 
 `LocalSecureAggregation` runs each fit round of `fedloom.simulations.local_engine.run_local`
 as a SecAgg+ round (Bell et al., CCS 2020, over Bonawitz et al., CCS 2017), driving the
-same pure state machines a deployment runs: one `fedloom.server.SecAggServer` per round
-and one `fedloom.client_sdk.secagg.SecAggClient` per sampled client. Nothing is
+same pure state machines a deployment runs: one `fedloom.secagg.SecAggServer` per round
+and one `fedloom.secagg.SecAggClient` per sampled client. Nothing is
 simplified: keys are agreed, shares sealed and opened, inputs clipped, weighted,
 quantized and masked, and the server unmasks the sum; only the transport is gone.
 
@@ -56,8 +56,6 @@ from typing import Any
 
 import numpy as np
 
-from fedloom.client_sdk.secagg import SecAggClient
-from fedloom.client_sdk.secure_fit import MAX_NORM_KEY, clip_delta
 from fedloom.errors import ConfigError, MessageRejectedError, SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
@@ -67,27 +65,25 @@ from fedloom.secagg import (
     MaskedInputRequest,
     RoundId,
     RoundSetup,
+    SecAggClient,
     SecAggConfig,
     SecAggReply,
     SecAggRequest,
+    SecAggServer,
+    SecAggStatus,
     ShareKeysReply,
     ShareKeysRequest,
     Stage,
     UnmaskReply,
     UnmaskRequest,
+    clip_delta,
     flatten,
     neighbour_graph,
     ring_order,
 )
-from fedloom.server import (
-    SecAggServer,
-    SecAggStatus,
-    aggregate_secure_mean,
-    check_secure_strategy,
-)
 from fedloom.simulations.secure_dropout import SecureDropout
-from fedloom.strategies import Strategy
-from fedloom.types import AggregateResult, ClientUpdate, FitPlan
+from fedloom.strategies import Strategy, aggregate_secure_mean, check_secure_strategy
+from fedloom.types import MAX_NORM_KEY, AggregateResult, ClientUpdate, FitPlan
 from fedloom.weights import Weights
 
 logger = logging.getLogger(__name__)

@@ -8,6 +8,8 @@ Linear strategies (FedAvg, FedAvgM, FedProx, FedAdagrad, FedAdam, FedYogi) aggre
 a stream; the robust ones (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) hold the
 round's updates (their aggregator's ``holds_all_updates`` is true). `NormBoundedStrategy`
 bounds update norms for any of them; `clip_update` is the client-side form.
+`aggregate_secure_mean` hands a secure round's mean (SecAgg+: the server holds only the
+sum) to a mean-based strategy, and `check_secure_strategy` refuses the others.
 """
 
 from fedloom.strategies._adaptive import (
@@ -36,9 +38,15 @@ from fedloom.strategies._registry import (
     strategy_settings,
 )
 from fedloom.strategies._sampling import ClientSampler
+from fedloom.strategies._secure_mean import (
+    MEAN_STRATEGIES,
+    aggregate_secure_mean,
+    check_secure_strategy,
+)
 from fedloom.strategies._trimmed_mean import FedTrimmedAvg, TrimmedMeanAggregator
 
 __all__ = [
+    "MEAN_STRATEGIES",
     "STRATEGIES",
     "AdaptiveServerOptimizer",
     "Aggregator",
@@ -72,7 +80,9 @@ __all__ = [
     "TrimmedMeanAggregator",
     "WeightedMeanAggregator",
     "add_delta",
+    "aggregate_secure_mean",
     "build_strategy",
+    "check_secure_strategy",
     "clip_update",
     "describe_strategies",
     "strategy_settings",

@@ -29,6 +29,7 @@ import numpy as np
 from fedloom.errors import ConfigError
 from fedloom.strategies._base import StateDict, Strategy
 from fedloom.types import (
+    MAX_NORM_KEY,
     AggregateResult,
     ClientInfo,
     ClientUpdate,
@@ -41,8 +42,8 @@ from fedloom.weights import Weights
 
 NormBoundMode = Literal["clip", "reject"]
 NORM_BOUND_MODES: tuple[str, ...] = ("clip", "reject")
-#: Fit-config keys that tell clients the bound (clients clip with `clip_update`).
-MAX_NORM_KEY = "max_update_norm"
+#: Fit-config keys that tell clients the bound (`MAX_NORM_KEY`; clients clip with
+#: `clip_update`) and what the server does with a larger update.
 MODE_KEY = "norm_bound_mode"
 
 

@@ -21,9 +21,7 @@ PINNED = {
         "Weights", "__version__",
     ],
     "fedloom.server": [
-        "EvaluateFn", "SecAggResult", "SecAggServer", "SecAggStatus", "Server",
-        "ServerHandle", "aggregate_secure_mean", "check_secure_strategy", "load_weights",
-        "save_weights",
+        "EvaluateFn", "Server", "ServerHandle", "load_weights", "save_weights",
     ],
     "fedloom.client_sdk": [
         "AccessDeniedError", "Backoff", "Client", "ClientRunner", "ClientStats",

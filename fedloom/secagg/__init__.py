@@ -3,9 +3,10 @@
 SecAgg+ (Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic
 Overhead", CCS 2020) over the masking scheme of Bonawitz et al. ("Practical Secure
 Aggregation for Privacy-Preserving Machine Learning", CCS 2017). The server state
-machine is `fedloom.server.secagg.SecAggServer`, the client half
-`fedloom.client_sdk.secagg.SecAggClient`; both are pure objects driven by the messages
-defined here, so any transport can carry them.
+machine is `SecAggServer`, the client half `SecAggClient`; both are pure objects driven
+by the messages defined here, so any transport can carry them (the gRPC server's in
+`fedloom.server.secure`, the client SDK's in `fedloom.client_sdk.secure_fit`, the local
+simulation engine's in `fedloom.simulations.local_secure`).
 
 This package holds no state machine and does no I/O: X25519 + HKDF-SHA256 +
 ChaCha20-Poly1305 (`_crypto`), the AES-128-CTR mask PRG (`_prg`), Shamir sharing over
@@ -32,8 +33,10 @@ Threat model (what it protects, and against whom):
   privacy for that).
 """
 
+from fedloom.secagg._client import SecAggClient
 from fedloom.secagg._config import SecAggConfig, ceil_log2, dropout_failure_bound
 from fedloom.secagg._crypto import (
+    SEALED_SHARE_BYTES,
     agree,
     commit_self_mask,
     derive_mask_seed,
@@ -68,11 +71,9 @@ from fedloom.secagg._messages import (
     UnmaskRequest,
 )
 from fedloom.secagg._prg import MaskExpander, aes_ctr_keystream, expand_mask, split_mask_seed
-from fedloom.secagg._quantize import dequantize, flatten, quantize, unflatten
+from fedloom.secagg._quantize import clip_delta, dequantize, flatten, quantize, unflatten
+from fedloom.secagg._server import SecAggResult, SecAggServer, SecAggStatus
 from fedloom.secagg._shamir import PRIME, SHARE_BYTES, reconstruct, split
-
-#: Bytes of one sealed share: two 66-byte Shamir shares plus the 16-byte Poly1305 tag.
-SEALED_SHARE_BYTES = 2 * SHARE_BYTES + 16
 
 __all__ = [
     "PRIME",
@@ -89,9 +90,13 @@ __all__ = [
     "RevealedShare",
     "RoundId",
     "RoundSetup",
+    "SecAggClient",
     "SecAggConfig",
     "SecAggReply",
     "SecAggRequest",
+    "SecAggResult",
+    "SecAggServer",
+    "SecAggStatus",
     "ShareKeysReply",
     "ShareKeysRequest",
     "Stage",
@@ -100,6 +105,7 @@ __all__ = [
     "aes_ctr_keystream",
     "agree",
     "ceil_log2",
+    "clip_delta",
     "commit_self_mask",
     "dequantize",
     "derive_mask_seed",

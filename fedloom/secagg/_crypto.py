@@ -26,11 +26,15 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg._encoding import pack
 from fedloom.secagg._messages import NONCE_BYTES, SEED_BYTES, RoundSetup
+from fedloom.secagg._shamir import SHARE_BYTES
 
 #: Every derivation, seal and commitment is bound to the protocol version: v3 expands
 #: masks with AES-128-CTR (v2: AES-256-CTR, v1: ChaCha20), so parties of different
 #: versions cannot mix masks.
 PROTOCOL_LABEL = b"fedloom/secagg/v3/"
+
+#: Bytes of one sealed share: two 66-byte Shamir shares plus the 16-byte Poly1305 tag.
+SEALED_SHARE_BYTES = 2 * SHARE_BYTES + 16
 
 
 def generate_private_key() -> X25519PrivateKey:

@@ -14,6 +14,7 @@ ICML 2017.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,3 +127,25 @@ def unflatten(vector: np.ndarray, specs: Sequence[TensorSpec]) -> Weights:
         out.append((spec.name, vector[pos : pos + spec.size].reshape(spec.shape)))
         pos += spec.size
     return Weights(out)
+
+
+def clip_delta(delta: Weights, max_norm: float) -> Weights:
+    """Scale the floating tensors of ``delta`` so their global L2 norm is <= ``max_norm``.
+
+    The client-side form of the server's norm bound (Sun et al., 2019; the clipping of
+    DP-FedAvg, McMahan et al., ICLR 2018); integer tensors are neither counted nor
+    scaled, as in `fedloom.strategies.clip_update`.
+    """
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise SecureAggregationError(f"max_update_norm must be a positive number, got {max_norm}")
+    total = 0.0
+    for arr in delta.values():
+        if arr.dtype.kind == "f":
+            flat = arr.astype(np.float64, copy=False).ravel()
+            total += float(np.dot(flat, flat))
+    norm = math.sqrt(total)
+    if norm <= max_norm:
+        return delta
+    scale = max_norm / norm
+    return Weights((name, arr.astype(np.float64) * scale if arr.dtype.kind == "f" else arr)
+                   for name, arr in delta.items())

@@ -33,7 +33,8 @@ CLIENTS = 5
 
 def _wired() -> bool:
     try:
-        from fedloom.server import secure_attempt, secure_round
+        from fedloom.server.secure import attempt as secure_attempt
+        from fedloom.server.secure import rounds as secure_round
     except ImportError:
         return False
     sources = inspect.getsource(secure_round) + inspect.getsource(secure_attempt)

@@ -8,10 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.errors import MessageRejectedError, SecureAggregationError
-from fedloom.secagg import KeyOffer, RoundId, RoundSetup, SecAggConfig, Stage
-from fedloom.server.secagg import SecAggServer, SecAggStatus
+from fedloom.secagg import (
+    KeyOffer,
+    RoundId,
+    RoundSetup,
+    SecAggClient,
+    SecAggConfig,
+    SecAggServer,
+    SecAggStatus,
+    Stage,
+)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from secagg_driver import Hook, Round, ids_of, make_inputs, plaintext_mean, run, setup_round
 
-from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
@@ -19,7 +18,9 @@ from fedloom.secagg import (
     MaskedInputRequest,
     RoundId,
     RoundSetup,
+    SecAggClient,
     SecAggConfig,
+    SecAggServer,
     ShareKeysReply,
     ShareKeysRequest,
     Stage,
@@ -29,8 +30,7 @@ from fedloom.secagg import (
     private_key_from_bytes,
     public_bytes,
 )
-from fedloom.server.secagg import SecAggServer
-from fedloom.server.secagg_unmask import reconstruct_checked
+from fedloom.secagg._unmask import reconstruct_checked
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
                       max_weight=100.0, max_participants=64)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from secagg_driver import Round, assert_matches_plaintext, ids_of, make_inputs, run, setup_round
 
-from fedloom.client_sdk.secagg import SecAggClient
 from fedloom.errors import MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
@@ -18,13 +17,14 @@ from fedloom.secagg import (
     KeyOffer,
     RoundId,
     RoundSetup,
+    SecAggClient,
     SecAggConfig,
+    SecAggStatus,
     ShareKeysReply,
     ShareKeysRequest,
     Stage,
     public_bytes,
 )
-from fedloom.server.secagg import SecAggStatus
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
                       max_weight=100.0, max_participants=64)

@@ -23,6 +23,7 @@ from fedloom.secagg import (
     MaskedInputReply,
     RoundId,
     SecAggConfig,
+    SecAggStatus,
     ShareKeysReply,
     Stage,
     UnmaskReply,
@@ -30,8 +31,7 @@ from fedloom.secagg import (
     private_key_from_bytes,
     public_bytes,
 )
-from fedloom.server.secagg import SecAggStatus
-from fedloom.server.secagg_unmask import reconstruct_checked
+from fedloom.secagg._unmask import reconstruct_checked
 from fedloom.strategies import WeightedMeanAggregator
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,

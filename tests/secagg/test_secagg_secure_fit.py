@@ -13,7 +13,7 @@ import numpy as np
 from e2e_harness import RecordingClient
 from helpers import small_weights
 
-from fedloom.client_sdk.secure_fit import SecureFit, clip_delta
+from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.messages import MaskedInputHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.secagg import (
@@ -25,6 +25,7 @@ from fedloom.secagg import (
     RoundSetup,
     SecAggConfig,
     ShareKeysRequest,
+    clip_delta,
 )
 from fedloom.types import TaskKind
 from fedloom.weights import Weights

@@ -34,7 +34,7 @@ from fedloom.secagg import (
     public_bytes,
     quantize,
 )
-from fedloom.server.secagg_unmask import matches_public_key, reconstruct_checked
+from fedloom.secagg._unmask import matches_public_key, reconstruct_checked
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=1.0, bits=20,
                       max_weight=100.0, max_participants=64)

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from secagg_driver import ids_of, make_inputs, run, setup_round
 
-from fedloom.secagg import RoundId, SecAggConfig, Stage
-from fedloom.server.secagg import SecAggServer
-from fedloom.server.secagg_unmask import RANGE_WORDS
+from fedloom.secagg import RoundId, SecAggConfig, SecAggServer, Stage
+from fedloom.secagg._unmask import RANGE_WORDS
 
 CONFIG = SecAggConfig(enabled=True, neighbours=4, threshold=3, bits=20, max_weight=100.0,
                       max_participants=16)

@@ -133,14 +133,16 @@ def test_every_setting_is_documented() -> None:
 
 def test_exported_names_are_pinned() -> None:
     assert sorted(strategies_pkg.__all__) == sorted([
-        "STRATEGIES", "AdaptiveServerOptimizer", "Aggregator", "Bulyan", "BulyanAggregator",
+        "MEAN_STRATEGIES", "STRATEGIES", "AdaptiveServerOptimizer", "Aggregator", "Bulyan",
+        "BulyanAggregator",
         "ClientSampler", "ComposedStrategy", "CoordinateMedianAggregator", "FedAdagrad",
         "FedAdam", "FedAvg", "FedAvgM", "FedMedian", "FedProx", "FedTrimmedAvg", "FedYogi",
         "HoldingAggregator", "Krum", "KrumAggregator", "MeanUpdate", "MultiKrum",
         "NormBoundedStrategy", "ServerAdagrad", "ServerAdam", "ServerMomentum",
         "ServerOptimizer", "ServerSGD", "ServerYogi", "StateDict", "Strategy",
-        "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta", "build_strategy",
-        "clip_update", "describe_strategies", "strategy_settings", "update_norm",
+        "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta",
+        "aggregate_secure_mean", "build_strategy", "check_secure_strategy", "clip_update",
+        "describe_strategies", "strategy_settings", "update_norm",
     ])
     for name in strategies_pkg.__all__:
         assert hasattr(strategies_pkg, name), name

@@ -49,10 +49,9 @@ from typing import NoReturn
 import numpy as np
 
 from fedloom.errors import MessageRejectedError, RejectReason, SecureAggregationError
-from fedloom.secagg import (
-    PRIME,
-    SEALED_SHARE_BYTES,
-    SHARE_BYTES,
+from fedloom.secagg._crypto import SEALED_SHARE_BYTES, usable_public_key
+from fedloom.secagg._graph import neighbour_graph
+from fedloom.secagg._messages import (
     STAGE_OF,
     AdvertisedKeys,
     AdvertiseKeysRequest,
@@ -69,11 +68,10 @@ from fedloom.secagg import (
     Stage,
     UnmaskReply,
     UnmaskRequest,
-    dequantize,
-    neighbour_graph,
-    usable_public_key,
 )
-from fedloom.server.secagg_unmask import MapFn, unmask_sum
+from fedloom.secagg._quantize import dequantize
+from fedloom.secagg._shamir import PRIME, SHARE_BYTES
+from fedloom.secagg._unmask import MapFn, unmask_sum
 
 
 class SecAggStatus(enum.StrEnum):

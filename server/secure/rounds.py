@@ -3,7 +3,7 @@ server's real rounds.
 
 With ``[secure_aggregation] enabled``, the coordinator hands each fit round to
 `SecureRounds.run_round`: it samples among the clients that joined with the ``secagg``
-capability, runs one round attempt (`fedloom.server.secure_attempt.SecureAttempt`)
+capability, runs one round attempt (`fedloom.server.secure.attempt.SecureAttempt`)
 stage by stage — each stage with its own deadline, closed as soon as no connected
 client owes a reply — and gets back only the weighted mean over the survivors. That
 mean is the aggregate of the strategy's round: it is handed, as the round's one
@@ -12,7 +12,7 @@ FedOpt family apply their ServerOptimizer to it as usual (their weighted-mean
 aggregator of one update returns it unchanged). Strategies whose aggregator needs the
 individual updates (median, trimmed mean, Krum, Bulyan) are refused when the server is
 built (`check_secure_strategy`); a norm bound becomes clipping on the client. Both steps
-live in `fedloom.server.secure_mean`, which the local simulation engine shares.
+live in `fedloom.strategies` (`aggregate_secure_mean`), which the local engine shares.
 
 Key offers: each client's share-keys reply offers fresh keys for its next attempt
 (`fedloom.secagg.KeyOffer`); they are kept here, per connected client, and each is
@@ -48,24 +48,17 @@ from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
-from fedloom.secagg import KeyOffer, RoundId, RoundSetup, Stage
+from fedloom.secagg import KeyOffer, RoundId, RoundSetup, SecAggResult, SecAggStatus, Stage
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.registry import ClientRecord, ClientRegistry
-from fedloom.server.secagg import SecAggResult, SecAggStatus
-from fedloom.server.secure_attempt import (
+from fedloom.server.secure.attempt import (
     EMPTY_PAYLOAD,
     SecureAttempt,
     StageTask,
     stage_deadline_s,
 )
-from fedloom.server.secure_mean import (
-    AGGREGATE_ID,
-    MEAN_STRATEGIES,
-    aggregate_secure_mean,
-    check_secure_strategy,
-)
 from fedloom.server.uploads import Spool, SpooledWeights
-from fedloom.strategies import Strategy
+from fedloom.strategies import Strategy, aggregate_secure_mean
 from fedloom.types import AggregateResult
 from fedloom.weights import Weights
 
@@ -73,8 +66,7 @@ log = logging.getLogger("fedloom.server")
 
 #: The capability a client sends in Join when it can run SecAgg+ stages.
 SECAGG_CAPABILITY = "secagg"
-__all__ = ["AGGREGATE_ID", "MEAN_STRATEGIES", "SECAGG_CAPABILITY", "SecureRounds",
-           "check_secure_strategy"]
+__all__ = ["SECAGG_CAPABILITY", "SecureRounds"]
 
 
 class SecureRounds:

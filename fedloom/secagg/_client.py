@@ -45,18 +45,29 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedloom.errors import SecureAggregationError
-from fedloom.secagg import (
-    SHARE_BYTES,
+from fedloom.secagg._config import SecAggConfig
+from fedloom.secagg._crypto import (
+    agree,
+    commit_self_mask,
+    derive_mask_seed,
+    derive_share_key,
+    generate_private_key,
+    new_seed,
+    open_share,
+    private_bytes,
+    public_bytes,
+    seal_share,
+)
+from fedloom.secagg._graph import neighbour_graph
+from fedloom.secagg._messages import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
     EncryptedShare,
     KeyOffer,
     MaskedInputReply,
     MaskedInputRequest,
-    MaskExpander,
     RevealedShare,
     RoundSetup,
-    SecAggConfig,
     SecAggReply,
     SecAggRequest,
     ShareKeysReply,
@@ -64,20 +75,10 @@ from fedloom.secagg import (
     Stage,
     UnmaskReply,
     UnmaskRequest,
-    agree,
-    commit_self_mask,
-    derive_mask_seed,
-    derive_share_key,
-    generate_private_key,
-    neighbour_graph,
-    new_seed,
-    open_share,
-    private_bytes,
-    public_bytes,
-    quantize,
-    seal_share,
-    split,
 )
+from fedloom.secagg._prg import MaskExpander
+from fedloom.secagg._quantize import quantize
+from fedloom.secagg._shamir import SHARE_BYTES, split
 
 _R = TypeVar("_R")
 

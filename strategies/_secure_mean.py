@@ -1,14 +1,14 @@
 """The secure mean as a strategy's round: shared by the gRPC rounds and the local engine.
 
 Under secure aggregation the server learns only the weighted mean of the survivors'
-clipped deltas (`fedloom.server.secagg.SecAggResult`). `aggregate_secure_mean` hands
+clipped deltas (`fedloom.secagg.SecAggResult`). `aggregate_secure_mean` hands
 that mean, as the round's one update, to the strategy's own ``aggregate_fit``, so
 FedAvg, FedAvgM, FedProx and the FedOpt family apply their ServerOptimizer to it as
 usual (their weighted-mean aggregator of one update returns it unchanged). A norm bound
 (`NormBoundedStrategy`) is not applied again: the clients clipped their own deltas.
 `check_secure_strategy` refuses the strategies that cannot run this way.
 
-The gRPC rounds (`fedloom.server.secure_round`) and the local simulation engine
+The gRPC rounds (`fedloom.server.secure`) and the local simulation engine
 (`fedloom.simulations.local_secure`) both call these two functions, so a simulated
 secure round composes with the strategy exactly as a deployed one.
 """
@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from fedloom.errors import ConfigError
-from fedloom.secagg import SecAggConfig, unflatten
-from fedloom.server.secagg import SecAggResult
-from fedloom.strategies import NormBoundedStrategy, Strategy, WeightedMeanAggregator
+from fedloom.secagg import SecAggConfig, SecAggResult, unflatten
+from fedloom.strategies._base import Strategy
+from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._norm_bound import NormBoundedStrategy
 from fedloom.types import AggregateResult, ClientUpdate
 from fedloom.weights import Weights
 

@@ -23,17 +23,16 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from fedloom.errors import SecureAggregationError
-from fedloom.secagg import (
-    AdvertisedKeys,
-    MaskExpander,
-    RoundSetup,
+from fedloom.secagg._crypto import (
     agree,
     commit_self_mask,
     derive_mask_seed,
     private_key_from_bytes,
     public_bytes,
-    reconstruct,
 )
+from fedloom.secagg._messages import AdvertisedKeys, RoundSetup
+from fedloom.secagg._prg import MaskExpander
+from fedloom.secagg._shamir import reconstruct
 
 #: How many threshold-sized subsets to try when a reconstruction fails its check
 #: (a neighbour sent a wrong share); each try costs t field inversions.

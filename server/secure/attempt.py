@@ -1,7 +1,7 @@
 """One SecAgg+ round attempt over the Fleet protocol's mailboxes.
 
 `SecureAttempt` wraps one `SecAggServer` (the pure state machine of
-`fedloom.server.secagg`) and turns each stage into tasks that clients pull and answer
+`fedloom.secagg`) and turns each stage into tasks that clients pull and answer
 through the ordinary Pull/Push calls: stages 1 and 2 (advertise keys, share keys) carry
 only their small stage messages, stage 3 (masked input) also carries the global weights
 and the fit config (a client downloads, trains, masks and uploads in that one stage, so
@@ -45,11 +45,12 @@ from fedloom.secagg import (
     RoundSetup,
     SecAggReply,
     SecAggRequest,
+    SecAggServer,
+    SecAggStatus,
     Stage,
 )
+from fedloom.secagg._unmask import MapFn
 from fedloom.server.rounds import IssuedTask, TaskStatus
-from fedloom.server.secagg import SecAggServer, SecAggStatus
-from fedloom.server.secagg_unmask import MapFn
 from fedloom.server.uploads import Spool, SpooledWeights
 from fedloom.types import Config, TaskKind
 
@@ -100,7 +101,7 @@ class SecureAttempt:
         spool_dir: where masked inputs are spooled while they arrive.
         unmask_map: runs the final unmasking's ranges (a thread pool's ``map``).
         offers: participants' unused key offers, used by this attempt (see
-            `fedloom.server.secagg.SecAggServer`).
+            `fedloom.secagg.SecAggServer`).
     """
 
     def __init__(
