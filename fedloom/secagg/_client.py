@@ -1,38 +1,50 @@
 """The client half of SecAgg+ (Bonawitz et al., CCS 2017; Bell et al., CCS 2020).
 
-`SecAggClient` is a pure state machine: give it the server's stage requests (from
-`fedloom.secagg`) and it returns its replies; it does no I/O, so any transport can
-carry the messages. The security of a client's input rests on the checks made here,
-not on the server behaving:
+`SecAggClient` is a pure state machine: give it the server's stage requests and it
+returns its replies; it does no I/O, so any transport can carry the messages. The
+security of a client's input rests on the checks made here, not on the server:
 
-- per round attempt it uses two fresh X25519 key pairs and a fresh self-mask seed;
-  a request for an attempt it has already finished, or for an older attempt, is refused,
-  so masks are never reused. The key pairs are made at advertise_keys, or ahead of time
-  as a `KeyOffer` sent with the previous share_keys reply: an offer is used for one
-  attempt at most (it is gone the moment a request names it), and only the latest
-  offer is kept;
-- it only pairs with neighbours of the public graph, and refuses to go on with fewer
-  than t of them;
-- shares it receives must authenticate (sender, receiver, run, round, attempt);
-- it answers one unmask request per attempt, and refuses one whose survivor and dropped
-  lists overlap, name a client that is not its neighbour (or whose share it lacks),
-  leave a neighbour out, or hold fewer than t survivors. It never reveals both the
+- **fresh keys**: per round attempt it uses two fresh X25519 key pairs and a fresh
+  self-mask seed; a request for an attempt it has finished, or an older one, is refused,
+  so masks are never reused; it takes part in at most ``max_attempts`` attempts of one
+  round. (Unauthenticated attempts may use keys offered with the previous share-keys
+  reply, a `KeyOffer`, once.)
+- **signed keys** (authenticated attempts, when the client holds a `SigningIdentity`):
+  it signs its keys, bound to the setup, its id and identity; it checks every other
+  participant's certificate against the client CA (`PeerVerifier`), its name against
+  the identity the setup seats there, and its signature, and refuses a roster that
+  leaves a participant out or lists a key twice. A server that substitutes a key is
+  caught. A client with a certificate refuses unauthenticated attempts.
+- **the graph is derived, not told**: it computes the neighbour graph from the setup and
+  every participant's keys (`graph_seed`), and pairs only with its neighbours there.
+- **shares**: those it receives must authenticate (sender, receiver, run, round,
+  attempt, setup) and match the commitments their dealer published; it needs at least
+  t of them before it masks.
+- **one survivor set** (authenticated attempts): it confirms (signs) one survivor set
+  per attempt, and only a set that contains it, names no client that is not a
+  participant, includes every neighbour whose shares the server delivered to it only if
+  it holds their shares, counts at least t of its neighbours and ``min_survivors`` in
+  all, and is connected in the graph (a disconnected set would let the server read each
+  part's sum). In unmask it needs the confirmations of at least t of its neighbours on
+  that same set, and reveals a survivor's self-mask share only with that survivor's own
+  confirmation. Unauthenticated attempts run the same set checks in unmask.
+- **one answer**: it answers one unmask request per attempt and never reveals both the
   self-mask share and the mask-key share of one client.
 
-Any refusal raises `SecureAggregationError` and ends the attempt for this client (its
-secrets are erased); to the server it is a dropout. Repeating an identical request
-returns the identical reply (transport retries are safe and reveal nothing new).
+Any refusal raises `SecureAggregationError` that says what was wrong, and ends the
+attempt for this client (its secrets are dropped); to the server it is a dropout.
+Repeating an identical request returns the identical reply (transport retries are safe
+and reveal nothing new).
 
-Example, one attempt (``reply`` goes back to the server)::
+Example, one authenticated attempt (``reply`` goes back to the server)::
 
-    client = SecAggClient("client-3")
+    client = SecAggClient("client-3", identity=SigningIdentity.from_files(cert, key),
+                          peers=PeerVerifier.from_pem_file("ca.pem"))
     reply = client.handle(advertise_request)                   # AdvertisedKeys
     reply = client.handle(share_request)                       # ShareKeysReply
     reply = client.handle(masked_request, vector=delta_flat, num_examples=120)
+    reply = client.handle(consistency_request)                 # ConsistencyReply
     reply = client.handle(unmask_request)                      # UnmaskReply
-
-In the next attempt the server may skip advertise_keys: its share request then carries
-the setup and the keys of ``reply.next_keys`` from the share-keys reply above.
 """
 
 from __future__ import annotations
@@ -47,21 +59,29 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg._config import SecAggConfig
 from fedloom.secagg._crypto import (
+    MASK_KEY,
+    SELF_MASK,
     agree,
     commit_self_mask,
+    commit_share,
     derive_mask_seed,
     derive_share_key,
     generate_private_key,
+    key_statement,
     new_seed,
     open_share,
     private_bytes,
     public_bytes,
     seal_share,
+    survivors_statement,
 )
-from fedloom.secagg._graph import neighbour_graph
+from fedloom.secagg._graph import Graph, graph_seed, is_connected, neighbour_graph
+from fedloom.secagg._identity import PeerVerifier, SigningIdentity, VerifiedPeer
 from fedloom.secagg._messages import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
+    ConsistencyReply,
+    ConsistencyRequest,
     EncryptedShare,
     KeyOffer,
     MaskedInputReply,
@@ -70,6 +90,7 @@ from fedloom.secagg._messages import (
     RoundSetup,
     SecAggReply,
     SecAggRequest,
+    ShareCommitment,
     ShareKeysReply,
     ShareKeysRequest,
     Stage,
@@ -85,9 +106,6 @@ _R = TypeVar("_R")
 
 class _NotThisAttempt(SecureAggregationError):
     """A request for another (older, used or foreign) round attempt."""
-
-
-_ORDER = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,17 +127,20 @@ class _Attempt:
     """What one client holds during one round attempt (secrets are dropped early)."""
 
     setup: RoundSetup
-    graph_neighbours: frozenset[str]
     cipher_key: X25519PrivateKey | None
     mask_key: X25519PrivateKey | None
     self_mask_seed: bytes | None
     public_keys: tuple[bytes, bytes]  # (cipher, mask), as the server presents them
+    graph: Graph = dataclasses.field(default_factory=dict)
+    neighbours: frozenset[str] = frozenset()
     roster: dict[str, AdvertisedKeys] = dataclasses.field(default_factory=dict)
+    peers: dict[str, VerifiedPeer] = dataclasses.field(default_factory=dict)
     # neighbour -> X25519 secret of the cipher keys (agreed to seal, reused to open; as
     # secret as cipher_key, and dropped with it)
     cipher_secrets: dict[str, bytes] = dataclasses.field(default_factory=dict)
     # owner -> (share of owner's mask key, share of owner's self-mask seed)
     held: dict[str, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict)
+    view: tuple[str, ...] | None = None  # the survivor set this client confirmed
     answered: dict[Stage, tuple[SecAggRequest, SecAggReply]] = dataclasses.field(
         default_factory=dict
     )
@@ -130,23 +151,37 @@ class SecAggClient:
 
     Args:
         client_id: this client's id, as the server lists it among the participants.
-        policy: when given, the server's round parameters must equal these (the
-            client's own ``[secure_aggregation]`` settings); otherwise any parameters
-            that pass `SecAggConfig`'s rules are accepted.
+        policy: when given, the round's parameters (k, t, clip range, bits, max weight)
+            must equal these, its ``max_participants`` bounds the round's size, its
+            survivor floor bounds the setup's from below, and its ``max_attempts``
+            caps the attempts per round; otherwise the defaults of `SecAggConfig` cap
+            the attempts and any parameters that pass its rules are accepted.
+        identity: this client's certificate and key. With one, the client takes part
+            only in authenticated attempts, signs its keys and confirmations, and
+            checks everyone else's with ``peers``.
+        peers: the client CA, to check other participants' certificates.
         rng: randomness for stochastic rounding (not secret); seeded from the OS if None.
-        offer_keys: send a `KeyOffer` for the next attempt with each share-keys reply
-            (lets the server skip the next advertise_keys stage).
+        offer_keys: send a `KeyOffer` for the next attempt with each share-keys reply of
+            an unauthenticated attempt (lets the server skip the next advertise_keys).
     """
 
     def __init__(self, client_id: str, *, policy: SecAggConfig | None = None,
+                 identity: SigningIdentity | None = None, peers: PeerVerifier | None = None,
                  rng: np.random.Generator | None = None, offer_keys: bool = True) -> None:
+        if identity is not None and peers is None:
+            raise SecureAggregationError(
+                "a client with a certificate needs the client CA (peers) to check the other "
+                "participants' signatures")
         self.client_id = client_id
         self.policy = policy
+        self.identity = identity
+        self.peers = peers
         self.offer_keys = offer_keys
         self._rng = rng if rng is not None else np.random.default_rng()
         self._attempt: _Attempt | None = None
         self._offer: _Offer | None = None  # the latest KeyOffer sent, not used yet
         self._latest: dict[tuple[str, int], int] = {}  # (run, round) -> newest attempt
+        self._attempts: dict[tuple[str, int], int] = {}  # (run, round) -> attempts begun
 
     # -- dispatch -------------------------------------------------------------------
 
@@ -161,16 +196,23 @@ class SecAggClient:
             if vector is None or num_examples is None:
                 raise SecureAggregationError("masked_input needs the vector and num_examples")
             return self.masked_input(request, vector, num_examples)
+        if isinstance(request, ConsistencyRequest):
+            return self.consistency(request)
         if isinstance(request, UnmaskRequest):
             return self.unmask(request)
         raise SecureAggregationError(f"not a SecAgg+ request: {type(request).__name__}")
 
     def abort(self) -> None:
-        """Forget the current attempt and erase its secrets (e.g. the round was cancelled)."""
+        """Forget the current attempt and drop its secrets (e.g. the round was cancelled)."""
         self._attempt = None
 
+    @property
+    def setup(self) -> RoundSetup | None:
+        """The setup of the attempt in progress, if any."""
+        return self._attempt.setup if self._attempt is not None else None
+
     # -- stages ---------------------------------------------------------------------
-    # Each refusal ends the current attempt (its secrets are erased), except for a request
+    # Each refusal ends the current attempt (its secrets are dropped), except for a request
     # that does not belong to the current attempt at all (stale or foreign): that one is
     # refused and the attempt in progress goes on.
 
@@ -187,6 +229,10 @@ class SecAggClient:
         """Stage masked_input: open the neighbours' shares, mask the weighted update."""
         return self._guarded(self._masked_input, request, vector, num_examples)
 
+    def consistency(self, request: ConsistencyRequest) -> ConsistencyReply:
+        """Stage consistency: confirm (sign) the survivor set, once per attempt."""
+        return self._guarded(self._consistency, request)
+
     def unmask(self, request: UnmaskRequest) -> UnmaskReply:
         """Stage unmask: reveal survivors' seed shares and dropped clients' key shares."""
         return self._guarded(self._unmask, request)
@@ -200,19 +246,28 @@ class SecAggClient:
             self.abort()
             raise
 
-
     def _advertise_keys(self, request: AdvertiseKeysRequest) -> AdvertisedKeys:
         setup = request.setup
-        rid = setup.round_id
         current = self._attempt
         finished = current is not None and Stage.UNMASK in current.answered
-        if current is not None and current.setup.round_id == rid and not finished:
+        if current is not None and current.setup.round_id == setup.round_id and not finished:
             return self._replay(current, Stage.ADVERTISE_KEYS, request)  # type: ignore[return-value]
         self._begin(setup, generate_private_key(), generate_private_key())
-        assert self._attempt is not None
-        reply = AdvertisedKeys(rid, self.client_id, *self._attempt.public_keys)
-        self._attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
+        attempt = self._attempt
+        assert attempt is not None
+        reply = self._own_keys(attempt)
+        attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
         return reply
+
+    def _own_keys(self, attempt: _Attempt) -> AdvertisedKeys:
+        """This client's advertised keys for the attempt (signed when authenticated)."""
+        setup, (cipher, mask) = attempt.setup, attempt.public_keys
+        if not setup.authenticated:
+            return AdvertisedKeys(setup.round_id, self.client_id, cipher, mask)
+        assert self.identity is not None
+        signature = self.identity.sign(key_statement(setup, self.client_id, cipher, mask))
+        return AdvertisedKeys(setup.round_id, self.client_id, cipher, mask,
+                              self.identity.certificate_der, signature)
 
     def _begin(self, setup: RoundSetup, cipher_key: X25519PrivateKey,
                mask_key: X25519PrivateKey) -> None:
@@ -224,15 +279,35 @@ class SecAggClient:
                          "is older than one seen; a restarted round needs a new attempt id")
         if self.client_id not in setup.participants:
             self._ignore("this client is not among the round's participants")
+        limit = (self.policy or SecAggConfig()).max_attempts
+        if self._attempts.get(key, 0) >= limit:
+            self._ignore(f"this client already took part in {limit} attempts of round "
+                         f"{rid.server_round} (max_attempts): every attempt shows the server a "
+                         "sum over its survivors, so it takes part in no more")
         if self.policy is not None:
             self._check_policy(setup)
+        self._check_authentication(setup)
         self.abort()  # a new attempt supersedes any older one
         self._latest[key] = rid.attempt
-        self._attempt = _Attempt(setup=setup,
-                                 graph_neighbours=neighbour_graph(setup)[self.client_id],
-                                 cipher_key=cipher_key, mask_key=mask_key,
+        self._attempts[key] = self._attempts.get(key, 0) + 1
+        self._attempt = _Attempt(setup=setup, cipher_key=cipher_key, mask_key=mask_key,
                                  self_mask_seed=new_seed(),
                                  public_keys=(public_bytes(cipher_key), public_bytes(mask_key)))
+
+    def _check_authentication(self, setup: RoundSetup) -> None:
+        if self.identity is None:
+            if setup.authenticated:
+                self._ignore("the round signs its keys (authenticated), but this client has no "
+                             "certificate to sign with: give it its client certificate and key")
+            return
+        if not setup.authenticated:
+            self._ignore("this client holds a certificate and takes part only in rounds whose "
+                         "keys are signed; an unauthenticated round would let the server "
+                         "substitute keys unseen")
+        seated = setup.identity_of(self.client_id)
+        if seated != self.identity.name:
+            self._ignore(f"the setup seats this client as {seated!r}, but its certificate "
+                         f"names {self.identity.name!r}")
 
     def _begin_from_offer(self, request: ShareKeysRequest) -> None:
         """A share request that skips advertise_keys: start its attempt with the keys of
@@ -240,6 +315,9 @@ class SecAggClient:
         offer, self._offer = self._offer, None
         setup, own = request.setup, request.own_keys
         assert setup is not None and own is not None
+        if setup.authenticated:
+            self._ignore("an authenticated round never uses key offers: its keys must be made "
+                         "after the setup is known")
         if offer is None:
             self._ignore("the server presents keys this client never offered (or offered "
                          "for an attempt that already used them)")
@@ -267,55 +345,100 @@ class SecAggClient:
         if own is not None and (own.client_id != self.client_id or (
                 own.cipher_public_key, own.mask_public_key) != attempt.public_keys):
             self._refuse("the keys the server presents as this client's are not its own")
-        roster: dict[str, AdvertisedKeys] = {}
-        seen_keys: set[bytes] = set(attempt.public_keys)
-        for keys in request.neighbours:
-            if keys.round_id != setup.round_id:
-                self._refuse(f"the keys of {keys.client_id!r} are for another round attempt")
-            if keys.client_id not in attempt.graph_neighbours:
-                self._refuse(f"{keys.client_id!r} is not a neighbour of this client")
-            if keys.client_id in roster:
-                self._refuse(f"{keys.client_id!r} is listed twice")
-            for k in (keys.cipher_public_key, keys.mask_public_key):
-                if k in seen_keys:
-                    self._refuse("two advertised public keys are equal (keys were substituted)")
-                seen_keys.add(k)
-            roster[keys.client_id] = keys
-        if len(roster) < threshold:
-            self._refuse(f"only {len(roster)} neighbours advertised keys; at least the "
-                         f"threshold ({threshold}) is needed to share secrets")
+        self._take_roster(attempt, request.roster)
+        attempt.graph = neighbour_graph(attempt.roster, setup.neighbours,
+                                        graph_seed(setup, request.roster))
+        attempt.neighbours = attempt.graph[self.client_id]
+        if len(attempt.neighbours) < threshold:
+            self._refuse(f"only {len(attempt.neighbours)} neighbours advertised keys; at least "
+                         f"the threshold ({threshold}) is needed to share secrets")
         assert attempt.mask_key is not None and attempt.self_mask_seed is not None
-        receivers = sorted(roster)
+        receivers = sorted(attempt.neighbours)
         xs = [setup.x_coordinate(v) for v in receivers]
         key_shares = split(private_bytes(attempt.mask_key), threshold, xs)
         seed_shares = split(attempt.self_mask_seed, threshold, xs)
-        sealed, secrets = [], {}
+        sealed, secrets, commitments = [], {}, []
+        assert attempt.cipher_key is not None
         for v, key_share, seed_share in zip(receivers, key_shares, seed_shares, strict=True):
-            assert attempt.cipher_key is not None
-            shared = secrets[v] = agree(attempt.cipher_key, roster[v].cipher_public_key)
+            shared = secrets[v] = agree(attempt.cipher_key,
+                                        attempt.roster[v].cipher_public_key)
             nonce, ciphertext = seal_share(derive_share_key(shared, setup, self.client_id, v),
                                            setup, self.client_id, v, key_share + seed_share)
             sealed.append(EncryptedShare(self.client_id, v, nonce, ciphertext))
+            commitments.append(ShareCommitment(
+                v, commit_share(setup, self.client_id, v, MASK_KEY, key_share),
+                commit_share(setup, self.client_id, v, SELF_MASK, seed_share)))
         offer = None
-        if self.offer_keys:  # the keys of this client's next attempt
+        if self.offer_keys and not setup.authenticated:  # keys of this client's next attempt
             self._offer = _new_offer()
             offer = self._offer.public
         reply = ShareKeysReply(setup.round_id, self.client_id, tuple(sealed),
                                commit_self_mask(setup, self.client_id, attempt.self_mask_seed),
-                               offer)
-        attempt.roster, attempt.cipher_secrets = roster, secrets
+                               tuple(commitments), offer)
+        attempt.cipher_secrets = secrets
         attempt.answered[Stage.SHARE_KEYS] = (request, reply)
         return reply
 
+    def _take_roster(self, attempt: _Attempt, roster: tuple[AdvertisedKeys, ...]) -> None:
+        """Check every participant's advertised keys; keep them (and their certificates)."""
+        setup = attempt.setup
+        seen_keys: set[bytes] = set()
+        for keys in roster:
+            who = keys.client_id
+            if keys.round_id != setup.round_id:
+                self._refuse(f"the keys of {who!r} are for another round attempt")
+            if who not in setup.participants:
+                self._refuse(f"{who!r} advertised keys but is not a participant")
+            for k in (keys.cipher_public_key, keys.mask_public_key):
+                if k in seen_keys:
+                    self._refuse(f"{who!r} advertised a public key listed before (keys were "
+                                 "substituted or replayed)")
+                seen_keys.add(k)
+            if setup.authenticated:
+                attempt.peers[who] = self._check_signed(setup, keys)
+            elif keys.signed:
+                self._refuse("an unauthenticated round carries signed keys")
+            attempt.roster[who] = keys
+        mine = attempt.roster.get(self.client_id)
+        if mine is None or (mine.cipher_public_key, mine.mask_public_key) != attempt.public_keys:
+            self._refuse("the keys the roster lists as this client's are not its own")
+        if setup.authenticated and len(attempt.roster) != len(setup.participants):
+            missing = sorted(set(setup.participants) - set(attempt.roster))
+            self._refuse(f"the roster leaves out {len(missing)} participants ({missing[:5]}): "
+                         "in an authenticated round every participant's keys shape the graph, so "
+                         "the server must start a new attempt without them rather than choose "
+                         "which keys count")
+        if len(attempt.roster) < setup.threshold + 1:
+            self._refuse(f"only {len(attempt.roster)} participants advertised keys; at least "
+                         f"threshold + 1 = {setup.threshold + 1} are needed")
+
+    def _check_signed(self, setup: RoundSetup, keys: AdvertisedKeys) -> VerifiedPeer:
+        who = keys.client_id
+        if not keys.signed:
+            self._refuse(f"the keys of {who!r} are not signed in an authenticated round")
+        assert self.peers is not None
+        try:
+            peer = self.peers.verify_certificate(keys.certificate)
+        except SecureAggregationError as exc:
+            self._refuse(f"the certificate of {who!r}: {exc}")
+        if peer.name != setup.identity_of(who):
+            self._refuse(f"the certificate of {who!r} names {peer.name!r}, but the setup seats "
+                         f"{setup.identity_of(who)!r} there")
+        statement = key_statement(setup, who, keys.cipher_public_key, keys.mask_public_key)
+        if not self.peers.verify(peer, keys.signature, statement):
+            self._refuse(f"the signature on the keys of {who!r} does not verify (keys "
+                         "substituted, or signed for another attempt)")
+        return peer
+
     def _masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
-                     num_examples: int) -> MaskedInputReply:
+                      num_examples: int) -> MaskedInputReply:
         attempt = self._enter(Stage.MASKED_INPUT, request)
         if isinstance(attempt, MaskedInputReply):
             return attempt
         setup = attempt.setup
         held: dict[str, tuple[bytes, bytes]] = {}
-        for share in request.shares:
-            held[share.sender] = self._open(attempt, share, held)
+        for share, commitment in zip(request.shares, request.commitments, strict=True):
+            held[share.sender] = self._open(attempt, share, commitment, held)
         if len(held) < setup.threshold:
             self._refuse(f"only {len(held)} neighbours shared keys; at least the threshold "
                          f"({setup.threshold}) must survive for this input to be unmasked")
@@ -341,39 +464,102 @@ class SecAggClient:
         attempt.answered[Stage.MASKED_INPUT] = (request, reply)
         return reply
 
+    def _consistency(self, request: ConsistencyRequest) -> ConsistencyReply:
+        attempt = self._enter(Stage.CONSISTENCY, request)
+        if isinstance(attempt, ConsistencyReply):
+            return attempt
+        setup = attempt.setup
+        if not setup.authenticated:
+            self._refuse("an unauthenticated round has no consistency stage")
+        self._check_survivors(attempt, request.survivors)
+        assert self.identity is not None
+        signature = self.identity.sign(survivors_statement(setup, request.survivors))
+        reply = ConsistencyReply(setup.round_id, self.client_id, signature)
+        attempt.view = request.survivors
+        attempt.answered[Stage.CONSISTENCY] = (request, reply)
+        return reply
+
+    def _check_survivors(self, attempt: _Attempt, survivors: tuple[str, ...]) -> None:
+        """The checks a survivor set must pass before this client acts on it."""
+        setup, mine = attempt.setup, set(survivors)
+        if self.client_id not in mine:
+            self._refuse("the survivor set leaves this client out, yet asks it to act on it")
+        strangers = mine - set(attempt.roster)
+        if strangers:
+            self._refuse(f"the survivor set names {sorted(strangers)[:5]}, which advertised no "
+                         "keys in this attempt")
+        near = attempt.neighbours & mine
+        withheld = near - set(attempt.held)
+        if withheld:
+            self._refuse(f"the survivor set names the neighbours {sorted(withheld)[:5]}, whose "
+                         "shares the server never delivered to this client (a server that "
+                         "withholds shares could isolate a small group)")
+        if len(near) < setup.threshold:
+            self._refuse(f"only {len(near)} surviving neighbours; fewer than the threshold "
+                         f"({setup.threshold}) would expose too small a sum")
+        if len(survivors) < setup.min_survivors:
+            self._refuse(f"only {len(survivors)} survivors; this round unmasks no fewer than "
+                         f"min_survivors = {setup.min_survivors}")
+        if not is_connected(attempt.graph, survivors):
+            self._refuse("the survivors are not connected in the neighbour graph: each part's "
+                         "sum would be revealed on its own")
+
     def _unmask(self, request: UnmaskRequest) -> UnmaskReply:
         attempt = self._enter(Stage.UNMASK, request)
         if isinstance(attempt, UnmaskReply):
             return attempt
-        survivors, dropped = set(request.survivors), set(request.dropped)
-        if len(survivors) != len(request.survivors) or len(dropped) != len(request.dropped):
-            self._refuse("the unmask request lists a client twice")
-        if survivors & dropped:
-            self._refuse(f"the unmask request lists {sorted(survivors & dropped)} as both "
-                         "survived and dropped (it asks for both shares of one client)")
-        strangers = (survivors | dropped) - set(attempt.held)
-        if strangers:
-            self._refuse(f"the unmask request names {sorted(strangers)}, which are not "
-                         "neighbours whose shares this client holds")
-        missing = set(attempt.held) - survivors - dropped
-        if missing:
-            self._refuse(f"the unmask request leaves out the neighbours {sorted(missing)}")
-        if len(survivors) < attempt.setup.threshold:
-            self._refuse(f"only {len(survivors)} surviving neighbours; fewer than the "
-                         f"threshold ({attempt.setup.threshold}) would expose too small a sum")
-        reply = UnmaskReply(
-            round_id=attempt.setup.round_id,
-            client_id=self.client_id,
-            self_mask_shares=tuple(RevealedShare(v, attempt.held[v][1])
-                                   for v in request.survivors),
-            mask_key_shares=tuple(RevealedShare(v, attempt.held[v][0])
-                                  for v in request.dropped),
-        )
+        setup, survivors = attempt.setup, request.survivors
+        confirmed: set[str] = set()
+        if setup.authenticated:
+            if survivors != attempt.view:
+                self._refuse("the unmask request names another survivor set than the one this "
+                             "client confirmed")
+            confirmed = self._check_confirmations(attempt, request)
+        else:
+            if request.confirmations:
+                self._refuse("an unauthenticated round carries confirmations")
+            self._check_survivors(attempt, survivors)
+        alive = set(survivors)
+        self_mask_shares, mask_key_shares = [], []
+        for owner in sorted(attempt.held):
+            key_share, seed_share = attempt.held[owner]
+            if owner not in alive:
+                mask_key_shares.append(RevealedShare(owner, key_share))
+            elif not setup.authenticated or owner in confirmed:
+                self_mask_shares.append(RevealedShare(owner, seed_share))
+        reply = UnmaskReply(setup.round_id, self.client_id, tuple(self_mask_shares),
+                            tuple(mask_key_shares))
         attempt.held = {}  # one answer per attempt: nothing else can be revealed
         attempt.answered[Stage.UNMASK] = (request, reply)
         return reply
 
+    def _check_confirmations(self, attempt: _Attempt, request: UnmaskRequest) -> set[str]:
+        """The neighbours whose signature of the survivor set verifies (at least t)."""
+        setup = attempt.setup
+        statement = survivors_statement(setup, request.survivors)
+        assert self.peers is not None
+        confirmed = set()
+        for confirmation in request.confirmations:
+            signer = confirmation.signer
+            if signer not in attempt.neighbours or signer not in request.survivors:
+                self._refuse(f"a confirmation from {signer!r}, which is not a surviving "
+                             "neighbour of this client")
+            if not self.peers.verify(attempt.peers[signer], confirmation.signature, statement):
+                self._refuse(f"the confirmation of {signer!r} does not verify: it did not sign "
+                             "this survivor set for this attempt")
+            confirmed.add(signer)
+        if len(confirmed) < setup.threshold:
+            self._refuse(f"only {len(confirmed)} neighbours confirmed the survivor set; at "
+                         f"least the threshold ({setup.threshold}) must, before any share is "
+                         "revealed")
+        return confirmed
+
     # -- helpers --------------------------------------------------------------------
+
+    def _order(self, setup: RoundSetup) -> tuple[Stage, ...]:
+        stages = tuple(Stage)
+        return stages if setup.authenticated else tuple(
+            s for s in stages if s is not Stage.CONSISTENCY)
 
     def _enter(self, stage: Stage, request: Any) -> Any:
         """The current attempt if ``request`` may run now, or the cached reply."""
@@ -384,9 +570,12 @@ class SecAggClient:
         assert attempt is not None
         if stage in attempt.answered:
             return self._replay(attempt, stage, request)
-        previous = _ORDER[_ORDER.index(stage) - 1]
+        order = self._order(attempt.setup)
+        if stage not in order:
+            self._refuse(f"an unauthenticated round has no {stage} stage")
+        previous = order[order.index(stage) - 1]
         if previous not in attempt.answered or any(
-            s in attempt.answered for s in _ORDER[_ORDER.index(stage) + 1 :]
+            s in attempt.answered for s in order[order.index(stage) + 1 :]
         ):
             self._refuse(f"{stage} arrived out of order")
         return attempt
@@ -398,39 +587,52 @@ class SecAggClient:
         assert cached is not None
         return cached[1]
 
-    def _open(self, attempt: _Attempt, share: EncryptedShare,
+    def _open(self, attempt: _Attempt, share: EncryptedShare, commitment: ShareCommitment,
               held: dict[str, tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
-        """Authenticate and decrypt one share; returns (mask-key share, seed share)."""
+        """Authenticate, decrypt and check one share; returns (mask-key share, seed share)."""
         sender = share.sender
         if share.receiver != self.client_id:
             self._refuse(f"a share addressed to {share.receiver!r} was delivered here")
-        if sender not in attempt.roster:
-            self._refuse(f"a share from {sender!r}, which is not a neighbour that shared keys")
+        if sender not in attempt.cipher_secrets:
+            self._refuse(f"a share from {sender!r}, which is not a neighbour of this client")
         if sender in held:
             self._refuse(f"two shares from {sender!r} (a replay)")
         shared = attempt.cipher_secrets[sender]  # agreed when this client sealed its shares
-        key = derive_share_key(shared, attempt.setup, sender, self.client_id)
+        setup = attempt.setup
+        key = derive_share_key(shared, setup, sender, self.client_id)
         try:
-            plaintext = open_share(key, attempt.setup, sender, self.client_id,
+            plaintext = open_share(key, setup, sender, self.client_id,
                                    share.nonce, share.ciphertext)
         except SecureAggregationError as exc:
             self._refuse(str(exc))
         if len(plaintext) != 2 * SHARE_BYTES:
             self._refuse(f"the share from {sender!r} is malformed")
-        return plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:]
+        key_share, seed_share = plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:]
+        if (commit_share(setup, sender, self.client_id, MASK_KEY, key_share)
+                != commitment.mask_key
+                or commit_share(setup, sender, self.client_id, SELF_MASK, seed_share)
+                != commitment.self_mask):
+            self._refuse(f"the shares from {sender!r} do not match the commitments published "
+                         "with them (a dealer that commits to one share and sends another)")
+        return key_share, seed_share
 
     def _check_policy(self, setup: RoundSetup) -> None:
-        assert self.policy is not None
-        if len(setup.participants) > self.policy.max_participants:
+        policy = self.policy
+        assert policy is not None
+        if len(setup.participants) > policy.max_participants:
             self._ignore(f"{len(setup.participants)} participants exceed this client's "
-                         f"max_participants ({self.policy.max_participants})")
-        theirs = setup.config()
-        mine = dataclasses.replace(self.policy, enabled=True,
-                                   max_participants=max(2, len(setup.participants)),
-                                   stage_timeout_s=theirs.stage_timeout_s)  # not a parameter
-        if mine != theirs:
-            self._ignore(f"the round's parameters {theirs} differ from this client's "
-                         f"secure_aggregation settings {mine}")
+                         f"max_participants ({policy.max_participants})")
+        theirs = (setup.neighbours, setup.threshold, setup.clip_range, setup.bits,
+                  setup.max_weight)
+        mine = (policy.neighbours, policy.threshold, float(policy.clip_range), policy.bits,
+                float(policy.max_weight))
+        if theirs != mine:
+            self._ignore(f"the round's parameters (neighbours, threshold, clip_range, bits, "
+                         f"max_weight) = {theirs} differ from this client's secure_aggregation "
+                         f"settings {mine}")
+        if setup.min_survivors < policy.survivor_floor:
+            self._ignore(f"the round unmasks sums of {setup.min_survivors} survivors; this "
+                         f"client requires at least {policy.survivor_floor} (min_survivors)")
 
     def _refuse(self, why: str) -> NoReturn:
         """Refuse a request of the current attempt; `_guarded` then ends the attempt."""

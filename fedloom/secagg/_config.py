@@ -11,6 +11,10 @@
     max_weight = 10000.0   # num_examples / max_weight in (0, 1] is the masked weight
     max_participants = 1024  # n: most clients summed in one round
     stage_timeout_s = 60.0   # deadline of each stage but masked input (which trains)
+    min_survivors = 0        # clients refuse to unmask a sum of fewer (0: threshold + 1)
+    colluding_clients = 1    # c: clients assumed to collude with the server
+    max_attempts = 3         # attempts per round (a failed attempt is retried)
+    allow_unauthenticated = false  # run without a client PKI (honest-but-curious only)
 
 Why each rule (Bonawitz et al., CCS 2017; Bell et al., CCS 2020):
 
@@ -28,11 +32,34 @@ Why each rule (Bonawitz et al., CCS 2017; Bell et al., CCS 2020):
   wraps (a wrapped sum would decode to garbage). A server samples at most
   ``max_participants`` clients into one secure round.
 
+- ``colluding_clients`` c, the clients assumed to collude with the server, must satisfy
+  ``c <= 2t - k - 1`` (and so ``c <= t - 1``). Against a server that follows the
+  protocol, t - 1 colluders among a client's neighbours hold fewer than t shares of
+  either of its secrets. Against a server that lies about who survived, each honest
+  client confirms one survivor set per attempt and reveals only under a set that at
+  least t of its neighbours confirmed; unmasking one client would need some honest
+  neighbour to have t neighbours confirming one set and t others treating it as
+  dropped, that is ``2t - c <= k``. The argument is written out in
+  docs/secure-aggregation.md; it holds for every neighbour graph, so it does not rest
+  on the graph's randomness. ``t = k/2 + 1`` tolerates one colluder; raise t for more
+  (k = 10, t = 8 tolerates five), at the cost of dropouts (a client's secrets survive
+  while no more than k - t of its neighbours vanish).
+- ``min_survivors``: clients refuse to unmask a sum over fewer survivors; at least
+  t + 1 (every survivor needs t surviving neighbours), which is the default (0).
+- ``max_attempts``: a secure round whose attempt fails (too few clients left, a client
+  that vanished before confirming) is retried with fresh keys and without the clients
+  that failed, while the round's time lasts; a client takes part in at most this many
+  attempts of one round (each attempt shows the server a sum over its survivors).
+- ``allow_unauthenticated``: secure aggregation needs mutual TLS (clients sign their
+  keys and confirmations with their certificates, and check each other's against the
+  client CA); without a client PKI the protocol is secure against an honest-but-curious
+  server only, and the server refuses to run it unless this is set (and warns).
+
 Inside a server's configuration (`check_server`), a secure round also needs
-``min_fit_clients >= threshold + 1`` (every survivor needs t surviving neighbours) and
-``min_fit_clients <= max_participants``; over-selection is refused (a secure round
-tolerates dropouts instead of cancelling stragglers), and so are strategies that need
-the individual updates (checked where the strategy is built, `fedloom.server`).
+``min_fit_clients >= max(threshold + 1, min_survivors)`` and ``min_fit_clients <=
+max_participants``; over-selection is refused (a secure round tolerates dropouts
+instead of cancelling stragglers), and so are strategies that need the individual
+updates (checked where the strategy is built, `fedloom.server`).
 """
 
 from __future__ import annotations
@@ -92,9 +119,17 @@ class SecAggConfig:
             Precision scales with the weight, so set it near the largest client.
         max_participants: n, the most clients one round may sum.
         stage_timeout_s: seconds the server waits for the replies of the advertise-keys,
-            share-keys and unmask stages; the masked-input stage includes the model's
-            download and local training and waits the server's ``round_timeout_s``. Not
-            a protocol parameter: clients do not check it.
+            share-keys, consistency and unmask stages; the masked-input stage includes
+            the model's download and local training and waits the server's
+            ``round_timeout_s``. Not a protocol parameter: clients do not check it.
+        min_survivors: the smallest survivor set clients agree to unmask; 0 means
+            ``threshold + 1`` (`survivor_floor`).
+        colluding_clients: how many clients may collude with the server; checked
+            against k and t (``c <= 2t - k - 1``).
+        max_attempts: attempts one round may take (server), and that a client takes
+            part in (client).
+        allow_unauthenticated: let a server without mutual TLS run secure rounds
+            (secure against an honest-but-curious server only).
     """
 
     enabled: bool = False
@@ -105,10 +140,18 @@ class SecAggConfig:
     max_weight: float = 10_000.0
     max_participants: int = 1024
     stage_timeout_s: float = 60.0
+    min_survivors: int = 0
+    colluding_clients: int = 1
+    max_attempts: int = 3
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         k, t = self.neighbours, self.threshold
-        for name in ("neighbours", "threshold", "bits", "max_participants"):
+        for name in ("enabled", "allow_unauthenticated"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, f"must be true or false, got {getattr(self, name)!r}")
+        for name in ("neighbours", "threshold", "bits", "max_participants", "min_survivors",
+                     "colluding_clients", "max_attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise _fail(name, f"must be an integer, got {value!r}")
@@ -155,19 +198,56 @@ class SecAggConfig:
                 f"to {32 - ceil_log2(self.max_participants)} or max_participants to "
                 f"{1 << (32 - self.bits)}",
             )
+        if self.min_survivors and not t + 1 <= self.min_survivors <= self.max_participants:
+            raise _fail("min_survivors",
+                        f"must be 0 (threshold + 1) or between threshold + 1 = {t + 1} and "
+                        f"max_participants = {self.max_participants}, got {self.min_survivors}")
+        limit = 2 * t - k - 1
+        if self.colluding_clients < 0 or self.colluding_clients > limit:
+            raise _fail(
+                "colluding_clients",
+                f"is {self.colluding_clients}, but neighbours {k} and threshold {t} protect each "
+                f"client against at most 2t - k - 1 = {limit} clients colluding with a server "
+                "that deviates from the protocol (docs/secure-aggregation.md, threat model): "
+                f"raise threshold to {(k + self.colluding_clients) // 2 + 1} or assume fewer "
+                "colluders",
+            )
+        if not 1 <= self.max_attempts <= 16:
+            raise _fail("max_attempts", f"must be in 1..16, got {self.max_attempts}")
 
-    def check_server(self, min_fit_clients: int, over_selection: float = 1.0) -> None:
-        """Refuse server settings that cannot run secure rounds (when ``enabled``)."""
+    @property
+    def survivor_floor(self) -> int:
+        """The smallest survivor set a round may unmask: ``max(t + 1, min_survivors)``."""
+        return max(self.threshold + 1, self.min_survivors)
+
+    def check_server(self, min_fit_clients: int, over_selection: float = 1.0, *,
+                     authenticated: bool = True) -> None:
+        """Refuse server settings that cannot run secure rounds (when ``enabled``).
+
+        ``authenticated``: the server runs mutual TLS, so its clients hold certificates
+        of the client CA (without it, ``allow_unauthenticated`` must be set).
+        """
         if not self.enabled:
             return
-        need = self.threshold + 1
+        if not authenticated and not self.allow_unauthenticated:
+            raise _fail(
+                "allow_unauthenticated",
+                "is false, but this server has no client PKI (mutual TLS: tls.client_ca): "
+                "clients sign their keys and survivor confirmations with their certificates "
+                "and check each other's, which is what protects them from a server that "
+                "substitutes keys or lies about who survived. Serve mutual TLS, or set "
+                "secure_aggregation.allow_unauthenticated = true to run the protocol secure "
+                "against an honest-but-curious server only",
+            )
+        need = self.survivor_floor
         if min_fit_clients < need:
             raise ConfigError(
                 "min_fit_clients",
-                f"is {min_fit_clients}, but a secure round needs at least threshold + 1 = "
-                f"{need} clients (each survivor's masks are removed with the shares of "
-                f"{self.threshold} surviving neighbours): raise min_fit_clients (and "
-                f"min_clients) to {need}, or lower secure_aggregation.threshold",
+                f"is {min_fit_clients}, but a secure round needs at least "
+                f"max(threshold + 1, min_survivors) = {need} clients (each survivor's masks are "
+                f"removed with the shares of {self.threshold} surviving neighbours, and "
+                "clients refuse to unmask fewer than min_survivors): raise min_fit_clients "
+                f"(and min_clients) to {need}, or lower secure_aggregation.threshold",
             )
         if min_fit_clients > self.max_participants:
             raise _fail(

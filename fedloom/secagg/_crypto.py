@@ -7,7 +7,14 @@
 - ChaCha20-Poly1305 (RFC 8439) seals the shares the server relays; the associated data
   binds the setup, the sender and the receiver, so a share replayed from another round
   or attempt, redirected to another client, or turned around fails to open;
-- the self-mask commitment is SHA-256 over the setup, the client id and the seed.
+- the self-mask commitment is SHA-256 over the setup, the client id and the seed;
+- a share commitment is SHA-256 over the setup, the dealer, the holder, the kind of
+  share (mask key or self mask) and the share's value: a share is a uniformly random
+  element of GF(2**521 - 1) until t of them are known, so its hash hides it;
+- what a client signs in an authenticated attempt (`key_statement`,
+  `survivors_statement`) is bound to the setup (run, round, attempt, participants and
+  their identities, parameters, model and fit config) and, for keys, to the client's id
+  and identity.
 
 All failures raise `SecureAggregationError`.
 """
@@ -24,14 +31,9 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedloom.errors import SecureAggregationError
-from fedloom.secagg._encoding import pack
+from fedloom.secagg._encoding import PROTOCOL_LABEL, pack
 from fedloom.secagg._messages import NONCE_BYTES, SEED_BYTES, RoundSetup
 from fedloom.secagg._shamir import SHARE_BYTES
-
-#: Every derivation, seal and commitment is bound to the protocol version: v3 expands
-#: masks with AES-128-CTR (v2: AES-256-CTR, v1: ChaCha20), so parties of different
-#: versions cannot mix masks.
-PROTOCOL_LABEL = b"fedloom/secagg/v3/"
 
 #: Bytes of one sealed share: two 66-byte Shamir shares plus the 16-byte Poly1305 tag.
 SEALED_SHARE_BYTES = 2 * SHARE_BYTES + 16
@@ -129,3 +131,26 @@ def commit_self_mask(setup: RoundSetup, client_id: str, seed: bytes) -> bytes:
     return hashlib.sha256(
         PROTOCOL_LABEL + b"self-mask" + setup.binding + pack(client_id, seed)
     ).digest()
+
+
+#: The two kinds of share a client deals (and `commit_share` distinguishes).
+MASK_KEY, SELF_MASK = "mask-key", "self-mask"
+
+
+def commit_share(setup: RoundSetup, owner: str, holder: str, kind: str, value: bytes) -> bytes:
+    """SHA-256 commitment to the share of ``owner``'s secret dealt to ``holder``."""
+    return hashlib.sha256(
+        PROTOCOL_LABEL + b"share" + setup.binding + pack(owner, holder, kind, value)
+    ).digest()
+
+
+def key_statement(setup: RoundSetup, client_id: str, cipher_public_key: bytes,
+                  mask_public_key: bytes) -> bytes:
+    """What a client signs to advertise its keys for the attempt ``setup`` describes."""
+    return PROTOCOL_LABEL + b"keys" + setup.binding + pack(
+        client_id, setup.identity_of(client_id), cipher_public_key, mask_public_key)
+
+
+def survivors_statement(setup: RoundSetup, survivors: tuple[str, ...]) -> bytes:
+    """What a client signs to confirm the survivor set of the attempt ``setup``."""
+    return PROTOCOL_LABEL + b"survivors" + setup.binding + pack(len(survivors), *survivors)

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import struct
 
+#: Every derivation, seal, commitment, signature and digest is bound to the protocol
+#: version: v4 signs keys and survivor sets and binds the model (v3 expanded masks with
+#: AES-128-CTR, v2 with AES-256-CTR, v1 with ChaCha20), so parties of different versions
+#: refuse each other instead of mixing masks.
+PROTOCOL_LABEL = b"fedloom/secagg/v4/"
+
 
 def pack(*fields: str | bytes | int | float) -> bytes:
     """Encode fields as ``tag || length/width || value`` and concatenate them.

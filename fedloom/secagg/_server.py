@@ -9,28 +9,41 @@ weighted mean over the survivors, and nothing about any one of them.
 
 Who takes part in each stage:
 
-- advertise_keys: every participant that has no unused `KeyOffer` (``offers``: keys a
-  client sent with an earlier share-keys reply); the offered keys count as advertised
-  for this attempt, so when every participant has one the stage is complete as soon as
-  it opens and the attempt costs three round trips. Closing it keeps the clients that
-  answered (or offered), pruned until each has at least t such neighbours (fewer could
-  not share a secret t-of-k).
-- share_keys: those; each gets its neighbours' keys (a client whose offer was used also
-  gets the setup and its own keys). Closing keeps those that answered,
-  pruned the same way (a client with fewer than t sharing neighbours could never be
-  unmasked, and its neighbours must not mask against it).
-- masked_input: those; each gets the shares sealed for it. The inputs accepted are the
-  survivors; closing publishes them, and no masked input is taken afterwards.
-- unmask: the survivors still connected; each is told which of its neighbours survived
-  and which dropped. Closing reconstructs the secrets, removes the masks and decodes.
+- advertise_keys: every participant (in an unauthenticated attempt, every participant
+  without an unused `KeyOffer`; the offered keys count as advertised). Closing it fixes
+  the *members*, the participants that advertised, and the neighbour graph over them
+  (`graph_seed`). An authenticated attempt needs every participant to advertise: the
+  graph is derived from all their keys, so the server may not pick which keys count
+  after seeing them; when some participant did not, the attempt fails and the round
+  driver starts a new one without it.
+- share_keys: the members; each gets every member's keys (`ShareKeysRequest.roster`)
+  and derives the same graph. Closing keeps those that answered, pruned until each has
+  at least t such neighbours (fewer could never be unmasked, and its neighbours must
+  not mask against it).
+- masked_input: those; each gets the shares sealed for it and their commitments. The
+  inputs accepted are the survivors; closing publishes them (no masked input is taken
+  afterwards) after checking that the survivors can be unmasked: at least
+  ``min_survivors``, connected in the graph, and every secret with t holders left.
+- consistency (authenticated attempts): the survivors; each signs the survivor set.
+  Every survivor must confirm: its neighbours reveal its self-mask share only with its
+  own confirmation, so a survivor that vanished before confirming fails the attempt.
+- unmask: the survivors still connected; each gets the survivor set and (authenticated)
+  its surviving neighbours' confirmations. Every share revealed is checked against the
+  commitment its owner published at share_keys: a wrong share is refused (and blamed on
+  the client that revealed it), and the stage waits for spares from other neighbours.
+  Closing reconstructs the secrets, removes the masks and decodes.
 
 Invalid replies raise `MessageRejectedError` and leave the round untouched (a bad client
 is a dropout, not a crash). A round that cannot finish raises `SecureAggregationError`
-and its status becomes FAILED; a retry is a new `SecAggServer` with a new attempt id.
+and its status becomes FAILED; ``culprits`` then names clients proven to have cheated
+(a dealer whose checked shares do not reconstruct what it committed to), and
+``failed_clients`` every participant that did not do its part; a retry is a new
+`SecAggServer` with a new attempt id, without them.
 
 Example, one round in-process (``clients`` maps ids to `SecAggClient` objects)::
 
-    server = SecAggServer(RoundSetup.create(config, RoundId("run", 3, 0), ids, length))
+    server = SecAggServer(RoundSetup.create(config, RoundId("run", 3, 1), ids, length,
+                                            model_digest=m, config_digest=c))
     while server.status is SecAggStatus.RUNNING:
         for cid in server.pending():
             server.receive(cid, clients[cid].handle(server.request_for(cid), **kwargs))
@@ -49,12 +62,24 @@ from typing import NoReturn
 import numpy as np
 
 from fedloom.errors import MessageRejectedError, RejectReason, SecureAggregationError
-from fedloom.secagg._crypto import SEALED_SHARE_BYTES, usable_public_key
-from fedloom.secagg._graph import neighbour_graph
+from fedloom.secagg._crypto import (
+    MASK_KEY,
+    SEALED_SHARE_BYTES,
+    SELF_MASK,
+    commit_share,
+    key_statement,
+    survivors_statement,
+    usable_public_key,
+)
+from fedloom.secagg._graph import Graph, graph_seed, is_connected, neighbour_graph
+from fedloom.secagg._identity import PeerVerifier, VerifiedPeer
 from fedloom.secagg._messages import (
     STAGE_OF,
     AdvertisedKeys,
     AdvertiseKeysRequest,
+    Confirmation,
+    ConsistencyReply,
+    ConsistencyRequest,
     EncryptedShare,
     KeyOffer,
     MaskedInputReply,
@@ -63,6 +88,7 @@ from fedloom.secagg._messages import (
     RoundSetup,
     SecAggReply,
     SecAggRequest,
+    ShareCommitment,
     ShareKeysReply,
     ShareKeysRequest,
     Stage,
@@ -71,7 +97,7 @@ from fedloom.secagg._messages import (
 )
 from fedloom.secagg._quantize import dequantize
 from fedloom.secagg._shamir import PRIME, SHARE_BYTES
-from fedloom.secagg._unmask import MapFn, unmask_sum
+from fedloom.secagg._unmask import DealerFaultError, MapFn, unmask_sum
 
 
 class SecAggStatus(enum.StrEnum):
@@ -113,35 +139,53 @@ class SecAggServer:
         setup: the attempt's public parameters.
         offers: unused `KeyOffer` of some participants, as an earlier attempt's
             `new_offers` took them (their keys were checked there); each is used here and
-            must not be used again. Those clients skip advertise_keys.
+            must not be used again. Those clients skip advertise_keys. Unauthenticated
+            attempts only.
+        verifier: the client CA, to check certificates and signatures; required in an
+            authenticated attempt (so that one client's bad signature is refused here
+            instead of making its honest neighbours abandon the attempt).
         map_fn: runs the final unmasking's ranges (a thread pool's ``map``: parallel).
     """
 
     def __init__(self, setup: RoundSetup, *, offers: dict[str, KeyOffer] | None = None,
-                 map_fn: MapFn = map) -> None:
+                 verifier: PeerVerifier | None = None, map_fn: MapFn = map) -> None:
+        if setup.authenticated and verifier is None:
+            raise SecureAggregationError("an authenticated attempt needs the client CA to check "
+                                         "the participants' signatures")
+        if setup.authenticated and offers:
+            raise SecureAggregationError("an authenticated attempt never uses key offers")
         self.setup = setup
+        self._verifier = verifier
         self._map_fn = map_fn  # runs the unmasking's ranges (a thread pool's map: parallel)
-        self.graph = neighbour_graph(setup)
+        self.graph: Graph = {}  # over the members, once advertise_keys has closed
         self.status = SecAggStatus.RUNNING
         self.failure = ""
+        #: clients proven to have cheated (dealt inconsistent shares)
+        self.culprits: set[str] = set()
+        #: participants that did not do their part in some stage (gone, refused, silent)
+        self.failed_clients: set[str] = set()
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: frozenset[str] = frozenset(setup.participants)
         self._answered: set[str] = set()
         self._gone: set[str] = set()
         self._advertised: dict[str, AdvertisedKeys] = {}
+        self._peers: dict[str, VerifiedPeer] = {}
         self._offered: frozenset[str] = frozenset()  # advertised by an offer
+        self._roster: tuple[AdvertisedKeys, ...] = ()
         self._commitments: dict[str, bytes] = {}
+        # dealer -> holder -> its commitments for that holder's shares
+        self._share_commitments: dict[str, dict[str, ShareCommitment]] = {}
         #: client id -> the `KeyOffer` its share-keys reply carried (for a later attempt)
         self.new_offers: dict[str, KeyOffer] = {}
         self._keys_seen: set[bytes] = set()
-        self._roster: dict[str, frozenset[str]] = {}
         self._sealed: dict[str, ShareKeysReply] = {}
-        self._inbox: dict[str, tuple[EncryptedShare, ...]] = {}
+        self._inbox: dict[str, MaskedInputRequest] = {}
         self._sharers: frozenset[str] = frozenset()
         self._total = np.zeros(setup.masked_length, dtype=np.uint32)
         self._digests: dict[str, bytes] = {}
         self._survivors: frozenset[str] = frozenset()
         self._dropped: frozenset[str] = frozenset()
+        self._confirmations: dict[str, bytes] = {}
         self._unmask_replies: dict[str, UnmaskReply] = {}
         self._self_mask_shares: dict[str, dict[int, bytes]] = {}
         self._mask_key_shares: dict[str, dict[int, bytes]] = {}
@@ -182,22 +226,25 @@ class SecAggServer:
         if client_id not in self._expected or client_id in self._gone:
             raise _reject(RejectReason.FORBIDDEN,
                           f"{client_id!r} has no part in stage {self._stage}")
+        rid = self.setup.round_id
         if self._stage is Stage.ADVERTISE_KEYS:
             return AdvertiseKeysRequest(self.setup)
-        rid = self.setup.round_id
         if self._stage is Stage.SHARE_KEYS:
-            keys = tuple(self._advertised[v] for v in sorted(self._roster[client_id]))
             if client_id in self._offered:
-                return ShareKeysRequest(rid, keys, self.setup, self._advertised[client_id])
-            return ShareKeysRequest(rid, keys)
+                return ShareKeysRequest(rid, self._roster, self.setup, self._advertised[client_id])
+            return ShareKeysRequest(rid, self._roster)
         if self._stage is Stage.MASKED_INPUT:
-            return MaskedInputRequest(rid, self._inbox[client_id])
-        neighbours = self.graph[client_id]
-        return UnmaskRequest(rid, tuple(sorted(neighbours & self._survivors)),
-                             tuple(sorted(neighbours & self._dropped)))
+            return self._inbox[client_id]
+        survivors = tuple(sorted(self._survivors))
+        if self._stage is Stage.CONSISTENCY:
+            return ConsistencyRequest(rid, survivors)
+        confirmations = tuple(Confirmation(v, self._confirmations[v])
+                              for v in sorted(self.graph[client_id] & self._survivors)
+                              if v in self._confirmations)
+        return UnmaskRequest(rid, survivors, confirmations)
 
     def can_finish(self) -> bool:
-        """In unmask: every secret that must be reconstructed has t shares already."""
+        """In unmask: every secret that must be reconstructed has t checked shares."""
         if self.status is not SecAggStatus.RUNNING or self._stage is not Stage.UNMASK:
             return False
         t = self.setup.threshold
@@ -224,7 +271,8 @@ class SecAggServer:
         verified it (to recognise a retry); otherwise it is computed here.
 
         Raises:
-            MessageRejectedError: the reply is refused; the round is unchanged.
+            MessageRejectedError: the reply is refused (the reason says what was wrong);
+                the round is unchanged.
         """
         self._check_running()
         stage = STAGE_OF.get(type(reply))
@@ -253,6 +301,8 @@ class SecAggServer:
             self._take_shares(reply)
         elif isinstance(reply, MaskedInputReply):
             self._take_masked_input(reply, digest)
+        elif isinstance(reply, ConsistencyReply):
+            self._take_confirmation(reply)
         else:
             assert isinstance(reply, UnmaskReply)
             self._take_unmask(reply)
@@ -266,22 +316,28 @@ class SecAggServer:
         """
         self._check_running()
         done = frozenset(self._answered)
+        if self._stage is not Stage.UNMASK:  # unmask closes once the shares suffice
+            self.failed_clients |= self._expected - done
         if self._stage is Stage.ADVERTISE_KEYS:
-            alive = self._prune(done - self._gone, "advertised keys")
-            self._roster = {u: self.graph[u] & alive for u in alive}
-            self._open(Stage.SHARE_KEYS, alive)
+            self._close_advertise(done)
         elif self._stage is Stage.SHARE_KEYS:
             self._sharers = self._prune(done - self._gone, "shared keys")
-            for v in self._sharers:
-                self._inbox[v] = tuple(
-                    share for u in sorted(self.graph[v] & self._sharers)
-                    for share in self._sealed[u].shares if share.receiver == v)
-            self._sealed = {}
+            self._deliver_shares()
             self._open(Stage.MASKED_INPUT, self._sharers)
         elif self._stage is Stage.MASKED_INPUT:
             self._survivors = done
             self._dropped = self._sharers - done
             self._check_recoverable()
+            if self.setup.authenticated:
+                self._open(Stage.CONSISTENCY, self._survivors - self._gone)
+            else:
+                self._open(Stage.UNMASK, self._survivors - self._gone)
+        elif self._stage is Stage.CONSISTENCY:
+            unconfirmed = self._survivors - done
+            if unconfirmed:
+                self._fail(f"survivors {sorted(unconfirmed)[:5]} did not confirm the survivor set "
+                           "(their neighbours reveal a survivor's self-mask share only with its "
+                           "own confirmation)")
             self._open(Stage.UNMASK, self._survivors - self._gone)
         else:
             self._finish()
@@ -310,19 +366,64 @@ class SecAggServer:
         if not checked and not all(usable_public_key(k) for k in keys):
             raise _reject(RejectReason.INVALID, "an advertised public key is a point of small "
                           "order (no shared secret can be agreed with it)")
+        if self.setup.authenticated:
+            self._peers[reply.client_id] = self._check_signed(reply)
+        elif reply.signed:
+            raise _reject(RejectReason.INVALID, "signed keys in an unauthenticated round")
         self._keys_seen.update(keys)
         self._advertised[reply.client_id] = reply
 
+    def _check_signed(self, reply: AdvertisedKeys) -> VerifiedPeer:
+        who = reply.client_id
+        if not reply.signed:
+            raise _reject(RejectReason.INVALID, "an authenticated round needs signed keys: "
+                          "the client certificate and its signature")
+        assert self._verifier is not None
+        try:
+            peer = self._verifier.verify_certificate(reply.certificate)
+        except SecureAggregationError as exc:
+            raise _reject(RejectReason.INVALID, f"the certificate sent with the keys: {exc}"
+                          ) from exc
+        seated = self.setup.identity_of(who)
+        if peer.name != seated:
+            raise _reject(RejectReason.FORBIDDEN, f"the certificate names {peer.name!r}, but "
+                          f"this participant is {seated!r}")
+        statement = key_statement(self.setup, who, reply.cipher_public_key,
+                                  reply.mask_public_key)
+        if not self._verifier.verify(peer, reply.signature, statement):
+            raise _reject(RejectReason.INVALID, "the signature on the advertised keys does not "
+                          "verify (signed for another attempt, or not with the certificate's key)")
+        return peer
+
+    def _close_advertise(self, done: frozenset[str]) -> None:
+        members = done  # a client that vanished after advertising still shaped the graph
+        if self.setup.authenticated and members != self._expected:
+            missing = sorted(self._expected - members)
+            self._fail(f"{len(missing)} participants did not advertise keys ({missing[:5]}); the "
+                       "graph of an authenticated attempt comes from every participant's keys, so "
+                       "a new attempt starts without them")
+        t = self.setup.threshold
+        if len(members) < t + 1:
+            self._fail(f"only {len(members)} clients advertised keys; at least {t + 1} are "
+                       "needed")
+        self._roster = tuple(self._advertised[c] for c in sorted(members))
+        self.graph = neighbour_graph(members, self.setup.neighbours,
+                                     graph_seed(self.setup, self._roster))
+        self._open(Stage.SHARE_KEYS, members - self._gone)
+
     def _take_shares(self, reply: ShareKeysReply) -> None:
         receivers = [s.receiver for s in reply.shares]
-        if sorted(receivers) != sorted(self._roster[reply.client_id]):
+        if sorted(receivers) != sorted(self.graph[reply.client_id]):
             raise _reject(RejectReason.INVALID,
-                          "the shares must go to exactly the neighbours whose keys were sent")
+                          "the shares must go to exactly the client's neighbours in the graph")
         for share in reply.shares:
             if share.sender != reply.client_id or len(share.ciphertext) != SEALED_SHARE_BYTES:
                 raise _reject(RejectReason.INVALID, "a share has the wrong sender or size")
         offer = reply.next_keys
         if offer is not None:
+            if self.setup.authenticated:
+                raise _reject(RejectReason.INVALID, "a key offer in an authenticated round (its "
+                              "keys must be made after the setup is known)")
             offered = (offer.cipher_public_key, offer.mask_public_key)
             if set(offered) & self._keys_seen:
                 raise _reject(RejectReason.INVALID, "the keys offered for the next attempt are "
@@ -332,8 +433,26 @@ class SecAggServer:
                               "point of small order")
         self._sealed[reply.client_id] = reply
         self._commitments[reply.client_id] = reply.self_mask_commitment
+        self._share_commitments[reply.client_id] = {c.holder: c for c in reply.share_commitments}
         if offer is not None:
             self.new_offers[reply.client_id] = offer
+
+    def _deliver_shares(self) -> None:
+        """Each sharer's masked-input request: the shares its sharing neighbours sealed
+        for it, with their commitments."""
+        rid = self.setup.round_id
+        inbox: dict[str, tuple[list[EncryptedShare], list[ShareCommitment]]] = {
+            v: ([], []) for v in self._sharers}
+        for u in sorted(self._sharers):
+            commitments = self._share_commitments[u]
+            for share in self._sealed[u].shares:
+                if share.receiver in inbox:
+                    shares, proofs = inbox[share.receiver]
+                    shares.append(share)
+                    proofs.append(commitments[share.receiver])
+        self._inbox = {v: MaskedInputRequest(rid, tuple(s), tuple(c))
+                       for v, (s, c) in inbox.items()}
+        self._sealed = {}
 
     def _take_masked_input(self, reply: MaskedInputReply, digest: bytes | None) -> None:
         masked = reply.masked
@@ -344,17 +463,36 @@ class SecAggServer:
         np.add(self._total, masked, out=self._total)
         self._digests[reply.client_id] = digest or _digest(masked)
 
+    def _take_confirmation(self, reply: ConsistencyReply) -> None:
+        assert self._verifier is not None
+        statement = survivors_statement(self.setup, tuple(sorted(self._survivors)))
+        if not self._verifier.verify(self._peers[reply.client_id], reply.signature, statement):
+            raise _reject(RejectReason.INVALID, "the confirmation does not verify: it is not a "
+                          "signature of this attempt's survivor set by the client's certificate")
+        self._confirmations[reply.client_id] = reply.signature
+
     def _take_unmask(self, reply: UnmaskReply) -> None:
-        request = self.request_for(reply.client_id)
-        assert isinstance(request, UnmaskRequest)
-        _check_owners(reply.self_mask_shares, request.survivors, "self-mask")
-        _check_owners(reply.mask_key_shares, request.dropped, "mask-key")
-        x = self.setup.x_coordinate(reply.client_id)
+        holder = reply.client_id
+        held = [u for u in self.graph[holder] & self._sharers]  # whose shares it was given
+        wanted_seeds = sorted(u for u in held if u in self._survivors)
+        wanted_keys = sorted(u for u in held if u not in self._survivors)
+        _check_owners(reply.self_mask_shares, wanted_seeds, "self-mask")
+        _check_owners(reply.mask_key_shares, wanted_keys, "mask-key")
+        for shares, kind in ((reply.self_mask_shares, SELF_MASK),
+                             (reply.mask_key_shares, MASK_KEY)):
+            for share in shares:
+                commitment = self._share_commitments[share.owner][holder]
+                expected = commitment.self_mask if kind == SELF_MASK else commitment.mask_key
+                if commit_share(self.setup, share.owner, holder, kind, share.value) != expected:
+                    raise _reject(RejectReason.INVALID,
+                                  f"the {kind} share of {share.owner!r} does not match the "
+                                  "commitment its owner published with it")
+        x = self.setup.x_coordinate(holder)
         for shares, store in ((reply.self_mask_shares, self._self_mask_shares),
                               (reply.mask_key_shares, self._mask_key_shares)):
             for share in shares:
                 store.setdefault(share.owner, {})[x] = share.value
-        self._unmask_replies[reply.client_id] = reply
+        self._unmask_replies[holder] = reply
 
     def _finish(self) -> None:
         total = self._total
@@ -365,6 +503,9 @@ class SecAggServer:
                        self._mask_key_shares, self._map_fn)
             weighted, weight = dequantize(total, len(self._survivors), self.setup.clip_range,
                                           self.setup.bits)
+        except DealerFaultError as exc:
+            self.culprits.add(exc.owner)
+            self._fail(str(exc))
         except SecureAggregationError as exc:
             self._fail(str(exc))
         if not weight > 0:
@@ -389,6 +530,7 @@ class SecAggServer:
         alive, t = set(clients), self.setup.threshold
         while short := {u for u in alive if len(self.graph[u] & alive) < t}:
             alive -= short
+        self.failed_clients |= clients - alive
         if len(alive) < t + 1:
             self._fail(f"only {len(alive)} clients {did} with at least {t} neighbours that "
                        f"did too; at least {t + 1} are needed")
@@ -396,8 +538,13 @@ class SecAggServer:
 
     def _check_recoverable(self) -> None:
         t, alive = self.setup.threshold, self._survivors - self._gone
-        if len(self._survivors) < t + 1:
-            self._fail(f"only {len(self._survivors)} masked inputs; at least {t + 1} needed")
+        floor = self.setup.min_survivors
+        if len(self._survivors) < floor:
+            self._fail(f"only {len(self._survivors)} masked inputs; clients unmask no fewer than "
+                       f"min_survivors = {floor}")
+        if not is_connected(self.graph, self._survivors):
+            self._fail("the survivors are not connected in the neighbour graph (clients refuse "
+                       "to unmask: each part's sum would be revealed)")
         needs = [(v, "self-mask seed") for v in sorted(self._survivors)]
         needs += [(u, "mask key") for u in sorted(self._dropped) if self.graph[u] & alive]
         for owner, what in needs:
@@ -413,6 +560,8 @@ class SecAggServer:
             return self._sealed.get(client_id) == reply
         if isinstance(reply, MaskedInputReply):
             return self._digests.get(client_id) == _digest(reply.masked)
+        if isinstance(reply, ConsistencyReply):
+            return self._confirmations.get(client_id) == reply.signature
         return self._unmask_replies.get(client_id) == reply
 
     def _check_running(self) -> None:
@@ -430,11 +579,11 @@ def _digest(masked: np.ndarray) -> bytes:
     return hashlib.sha256(np.ascontiguousarray(masked).data.cast("B")).digest()
 
 
-def _check_owners(shares: Iterable[RevealedShare], wanted: tuple[str, ...], kind: str) -> None:
+def _check_owners(shares: Iterable[RevealedShare], wanted: list[str], kind: str) -> None:
     owners = [s.owner for s in shares]
-    if sorted(owners) != sorted(wanted):
+    if sorted(owners) != wanted:
         raise _reject(RejectReason.INVALID,
-                      f"the {kind} shares must be for exactly {list(wanted)}, got {owners}")
+                      f"the {kind} shares must be for exactly {wanted}, got {owners}")
     for share in shares:
         if len(share.value) != SHARE_BYTES or int.from_bytes(share.value, "big") >= PRIME:
             raise _reject(RejectReason.INVALID, f"a {kind} share is not a field element")

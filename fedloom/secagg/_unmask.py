@@ -11,6 +11,11 @@ survivors revealed:
   public key): recompute ``s_uv`` with every surviving neighbour ``v`` and take back the
   mask ``v`` added against ``u``.
 
+Every share used here was checked, when it was revealed, against the commitment its
+owner published with it (`fedloom.secagg.commit_share`), so a corrupted share never
+gets this far. If t checked shares still do not reconstruct the secret the owner
+committed to, the owner dealt inconsistent shares: `DealerFaultError` names it.
+
 Each seed is expanded once, block by block into the sum, over ranges that may run in
 parallel.
 """
@@ -35,16 +40,28 @@ from fedloom.secagg._prg import MaskExpander
 from fedloom.secagg._shamir import reconstruct
 
 #: How many threshold-sized subsets to try when a reconstruction fails its check
-#: (a neighbour sent a wrong share); each try costs t field inversions.
+#: (the owner dealt inconsistent shares); each try costs t field inversions.
 MAX_SUBSETS = 64
 
 
+class DealerFaultError(SecureAggregationError):
+    """Checked shares of ``owner``'s secret do not reconstruct what ``owner`` committed
+    to: ``owner`` dealt inconsistent shares (its fault, not its neighbours')."""
+
+    def __init__(self, owner: str, message: str) -> None:
+        super().__init__(message)
+        self.owner = owner
+
+
 def reconstruct_checked(shares: Mapping[int, bytes], threshold: int,
-                        check: Callable[[bytes], bool], what: str) -> bytes:
+                        check: Callable[[bytes], bool], what: str, owner: str = "") -> bytes:
     """Reconstruct a secret from ``{x: share}`` and accept it only if ``check`` passes.
 
-    With more than ``threshold`` shares, other subsets are tried when the first fails,
-    so one wrong share does not sink the round.
+    With more than ``threshold`` shares, other subsets are tried when the first fails.
+
+    Raises:
+        SecureAggregationError: fewer than ``threshold`` shares.
+        DealerFaultError: no subset reconstructs a secret that passes ``check``.
     """
     points = sorted(shares.items())
     if len(points) < threshold:
@@ -57,8 +74,9 @@ def reconstruct_checked(shares: Mapping[int, bytes], threshold: int,
             continue
         if check(secret):
             return secret
-    raise SecureAggregationError(f"{what}: the revealed shares do not reconstruct the secret "
-                                 "that was committed to (a neighbour sent wrong shares)")
+    raise DealerFaultError(owner, f"{what}: the revealed shares match their commitments but do "
+                           f"not reconstruct the secret {owner!r} committed to ({owner!r} dealt "
+                           "inconsistent shares)")
 
 
 def matches_commitment(setup: RoundSetup, owner: str,
@@ -103,7 +121,7 @@ def unmask_sum(
     for v in sorted(survivors):
         seed = reconstruct_checked(self_mask_shares.get(v, {}), t,
                                    matches_commitment(setup, v, commitments[v]),
-                                   f"self-mask seed of {v!r}")
+                                   f"self-mask seed of {v!r}", v)
         masks.append((seed, -1))
     for u in sorted(dropped):
         partners = sorted(graph[u] & survivors)
@@ -111,7 +129,7 @@ def unmask_sum(
             continue
         secret = reconstruct_checked(mask_key_shares.get(u, {}), t,
                                      matches_public_key(advertised[u].mask_public_key),
-                                     f"mask key of dropped client {u!r}")
+                                     f"mask key of dropped client {u!r}", u)
         key = private_key_from_bytes(secret)
         for v in partners:
             seed = derive_mask_seed(agree(key, advertised[v].mask_public_key), setup, u, v)

@@ -1,24 +1,61 @@
-"""Drive a SecAggServer and N SecAggClient objects in-process, recording the transcript."""
+"""Drive a SecAggServer and N SecAggClient objects in-process, recording the transcript.
+
+Rounds are authenticated by default: every client gets a certificate from a throwaway
+client CA (`pki`), signs its keys and confirmations, and checks everyone else's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from fedloom import certs
 from fedloom.errors import MessageRejectedError, SecureAggregationError
 from fedloom.secagg import (
     KeyOffer,
+    PeerVerifier,
     RoundId,
     RoundSetup,
     SecAggClient,
     SecAggConfig,
     SecAggServer,
     SecAggStatus,
+    SigningIdentity,
     Stage,
 )
+
+#: What every test round binds as its model and fit config.
+MODEL_DIGEST = hashlib.sha256(b"test model").digest()
+CONFIG_DIGEST = hashlib.sha256(b"test config").digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pki:
+    """A client CA and a certificate for each client id (the id is the CN)."""
+
+    ca: certs.Issued
+    identities: dict[str, SigningIdentity]
+
+    @property
+    def verifier(self) -> PeerVerifier:
+        return PeerVerifier([self.ca.cert])
+
+    def identity(self, client_id: str) -> SigningIdentity:
+        if client_id not in self.identities:
+            issued = certs.make_client_cert(self.ca, client_id)
+            self.identities[client_id] = SigningIdentity(issued.cert, issued.key)
+        return self.identities[client_id]
+
+
+@functools.lru_cache(maxsize=1)
+def pki() -> Pki:
+    """One throwaway PKI for the whole test session (certificates are made lazily)."""
+    return Pki(certs.make_ca("test client CA"), {})
 
 
 @dataclasses.dataclass
@@ -43,17 +80,34 @@ def ids_of(n: int) -> list[str]:
     return [f"client-{i:03d}" for i in range(n)]
 
 
+def make_setup(config: SecAggConfig, ids: Sequence[str], length: int,
+               round_id: RoundId | None = None, *, authenticated: bool = True) -> RoundSetup:
+    return RoundSetup.create(config, round_id or RoundId("run-1", 1, 1), list(ids), length,
+                             model_digest=MODEL_DIGEST, config_digest=CONFIG_DIGEST,
+                             authenticated=authenticated)
+
+
+def make_client(cid: str, seed: int = 0, *, authenticated: bool = True,
+                **kwargs: Any) -> SecAggClient:
+    rng = np.random.default_rng(seed)
+    if not authenticated:
+        return SecAggClient(cid, rng=rng, **kwargs)
+    return SecAggClient(cid, identity=pki().identity(cid), peers=pki().verifier, rng=rng,
+                        **kwargs)
+
+
 def setup_round(config: SecAggConfig, inputs: Mapping[str, tuple[np.ndarray, int]],
                 round_id: RoundId | None = None,
                 clients: dict[str, SecAggClient] | None = None,
-                offers: dict[str, KeyOffer] | None = None) -> Round:
+                offers: dict[str, KeyOffer] | None = None,
+                authenticated: bool = True) -> Round:
     length = len(next(iter(inputs.values()))[0])
-    rid = round_id or RoundId("run-1", 1, 0)
-    setup = RoundSetup.create(config, rid, list(inputs), length)
+    setup = make_setup(config, list(inputs), length, round_id, authenticated=authenticated)
     if clients is None:
-        clients = {cid: SecAggClient(cid, rng=np.random.default_rng(i))
+        clients = {cid: make_client(cid, i, authenticated=authenticated)
                    for i, cid in enumerate(sorted(inputs))}
-    return Round(SecAggServer(setup, offers=offers), clients, dict(inputs))
+    verifier = pki().verifier if authenticated else None
+    return Round(SecAggServer(setup, offers=offers, verifier=verifier), clients, dict(inputs))
 
 
 Hook = Callable[[Stage, str, Any], Any]
