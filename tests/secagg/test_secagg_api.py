@@ -13,18 +13,21 @@ ROOT = Path(__file__).resolve().parents[2]
 SECAGG_FILES = sorted((ROOT / "fedloom" / "secagg").glob("*.py"))
 
 EXPORTED = {
-    "PRIME", "SEALED_SHARE_BYTES", "SHARE_BYTES", "STAGE_OF", "SecAggClient", "SecAggResult",
-    "SecAggServer", "SecAggStatus", "clip_delta",
-    "AdvertiseKeysRequest", "AdvertisedKeys", "EncryptedShare", "KeyOffer", "MaskExpander",
-    "MaskedInputReply", "MaskedInputRequest", "RevealedShare", "RoundId", "RoundSetup",
-    "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareKeysReply", "ShareKeysRequest",
-    "Stage", "UnmaskReply", "UnmaskRequest", "aes_ctr_keystream", "agree", "ceil_log2",
-    "commit_self_mask", "dequantize", "derive_mask_seed", "derive_share_key",
-    "dropout_failure_bound", "expand_mask",
-    "flatten", "generate_private_key", "neighbour_graph", "new_seed", "open_share",
+    "MASK_KEY", "PRIME", "PROTOCOL_LABEL", "SEALED_SHARE_BYTES", "SELF_MASK", "SHARE_BYTES",
+    "STAGE_OF", "SecAggClient", "SecAggResult", "SecAggServer", "SecAggStatus", "clip_delta",
+    "AdvertiseKeysRequest", "AdvertisedKeys", "Confirmation", "ConsistencyReply",
+    "ConsistencyRequest", "EncryptedShare", "KeyOffer", "MaskExpander",
+    "MaskedInputReply", "MaskedInputRequest", "PeerVerifier", "RevealedShare", "RoundId",
+    "RoundSetup", "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareCommitment",
+    "ShareKeysReply", "ShareKeysRequest", "SigningIdentity", "Stage", "UnmaskReply",
+    "UnmaskRequest", "VerifiedPeer", "aes_ctr_keystream", "agree", "ceil_log2",
+    "certificate_name", "commit_self_mask", "commit_share", "config_digest", "dequantize",
+    "derive_mask_seed", "derive_share_key", "dropout_failure_bound", "expand_mask",
+    "flatten", "generate_private_key", "graph_seed", "is_connected", "key_statement",
+    "model_digest", "neighbour_graph", "new_seed", "open_share",
     "private_bytes", "private_key_from_bytes", "public_bytes", "quantize", "reconstruct",
-    "ring_offsets", "ring_order", "seal_share", "split", "split_mask_seed", "unflatten",
-    "usable_public_key",
+    "ring_offsets", "ring_order", "seal_share", "split", "split_mask_seed",
+    "survivors_statement", "unflatten", "usable_public_key",
 }
 
 
@@ -35,7 +38,20 @@ def test_exported_names_are_pinned() -> None:
 
 def test_stage_names_are_the_wire_names() -> None:
     assert [str(s) for s in fedloom.secagg.Stage] == [
-        "advertise_keys", "share_keys", "masked_input", "unmask"]
+        "advertise_keys", "share_keys", "masked_input", "consistency", "unmask"]
+
+
+def test_every_message_type_belongs_to_its_stage() -> None:
+    secagg = fedloom.secagg
+    assert secagg.STAGE_OF[secagg.ConsistencyRequest] is secagg.Stage.CONSISTENCY
+    assert secagg.STAGE_OF[secagg.ConsistencyReply] is secagg.Stage.CONSISTENCY
+    # one request and one reply type per stage
+    assert sorted(map(str, secagg.STAGE_OF.values())) == sorted(
+        [str(s) for s in secagg.Stage] * 2)
+
+
+def test_the_protocol_label_is_v4() -> None:
+    assert fedloom.secagg.PROTOCOL_LABEL == b"fedloom/secagg/v4/"
 
 
 def _imports(path: Path) -> set[str]:

@@ -53,7 +53,7 @@ def test_sp800_38a_ctr_aes128() -> None:
 
 def _restated_split(seed: bytes) -> tuple[bytes, bytes]:
     """The documented key and nonce of a seed's mask, restated independently."""
-    digest = hashlib.sha256(b"fedloom/secagg/v3/mask-prg/" + seed).digest()
+    digest = hashlib.sha256(b"fedloom/secagg/v4/mask-prg/" + seed).digest()
     return digest[:16], digest[16:28]
 
 
