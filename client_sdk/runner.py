@@ -31,10 +31,10 @@ from fedloom.client_sdk._client import Client
 from fedloom.client_sdk.connection import Connection, ResultRefusedError, SessionExpiredError
 from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.config import ClientConfig
-from fedloom.errors import FedloomError, TransportError
+from fedloom.errors import FedloomError, SecureAggregationError, TransportError
 from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo, serialize_difference
-from fedloom.secagg import SecAggConfig
+from fedloom.secagg import MaskedInputRequest, PeerVerifier, SecAggConfig, SigningIdentity
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
 
@@ -223,7 +223,12 @@ class ClientRunner:
     ) -> tuple[ResultHeader, memoryview | None]:
         try:
             if task.kind is TaskKind.SECAGG:  # a secure round's stage (secure_fit.py)
-                return self._secure_fit(session).execute(session, task, weights)
+                result = self._secure_fit(session).execute(session, task, weights)
+                if result[0].kind is None:
+                    self.stats.failures += 1
+                elif isinstance(task.secagg, MaskedInputRequest):
+                    self.stats.fits += 1  # a secure fit, counted like a plain one
+                return result
             if task.kind is TaskKind.FIT:
                 fit = self.client.fit(weights, task.config)
                 problem = _check_output(weights, fit.weights)
@@ -260,11 +265,27 @@ class ClientRunner:
 
 
     def _secure_fit(self, session: Session) -> SecureFit:
-        """The secure-aggregation state of this session (a new one after a re-join)."""
+        """The secure-aggregation state of this session (a new one after a re-join).
+
+        With a client certificate (mutual TLS) the client signs its keys with it and
+        checks the other participants against ``peer_ca`` (default ``root_ca``).
+        """
         if self._secure is None or self._secure.client_id != session.client_id:
+            identity, peers = self._signing()
             self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation,
-                                     self.secagg_cpu_s)
+                                     self.secagg_cpu_s, identity=identity, peers=peers)
         return self._secure
+
+    def _signing(self) -> tuple[SigningIdentity | None, PeerVerifier | None]:
+        config = self.config
+        if not (config.cert and config.key):
+            return None, None
+        ca = config.peer_ca or config.root_ca
+        if not ca:
+            raise SecureAggregationError(
+                "secure aggregation checks the other clients' certificates against their CA: "
+                "set ClientConfig.peer_ca (--peer-ca) to the client CA's PEM file")
+        return SigningIdentity.from_files(config.cert, config.key), PeerVerifier.from_pem_file(ca)
 
 
 def start_client(

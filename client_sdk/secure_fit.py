@@ -1,27 +1,39 @@
 """The client's side of a secure fit round: SecAgg+ stage tasks run through `SecAggClient`.
 
 A server with ``[secure_aggregation] enabled`` sends a client that joined with the
-``secagg`` capability up to four stage tasks per round attempt instead of one fit task:
+``secagg`` capability up to five stage tasks per round attempt instead of one fit task:
 
-1. advertise keys: two fresh public keys (the round's parameters come with the request);
-2. share keys: Shamir shares of its secrets, sealed for each neighbour, and fresh keys
-   offered for the next attempt. When the server uses that offer, it skips stage 1 of
-   the next attempt and this request carries the round's parameters instead;
-3. masked input: carries the global weights and the fit config. The client trains (the
-   application's `Client.fit`, unchanged), takes the delta, clips it to the norm bound
-   when the fit config holds ``max_update_norm`` (under secure aggregation the bound
-   can only be applied here), and uploads the clipped, quantized, weighted delta plus
-   the masks as a chunked uint32 payload. Training here, not in stage 1, lets the key
-   stages run before the model moves, and one client's upload overlap another's
-   download, as in a plain round;
-4. unmask: the shares the server may have, and no others.
+1. advertise keys: two fresh public keys (the round's setup comes with the request),
+   signed with the client's certificate key when the round is authenticated;
+2. share keys: every participant's keys (checked, and the neighbour graph derived from
+   them); the client answers with Shamir shares of its secrets, sealed for each
+   neighbour, and commitments to them. In an unauthenticated round it also offers fresh
+   keys for its next attempt, and when the server uses that offer this request carries
+   the setup instead of stage 1;
+3. masked input: carries the global weights and the fit config, which must be the ones
+   the setup binds (`fedloom.secagg.model_digest`, `config_digest`): a server that
+   sends this client another model than the other participants is refused here. The
+   client trains (the application's `Client.fit`, unchanged), takes the delta, clips it
+   to the norm bound when the fit config holds ``max_update_norm`` (under secure
+   aggregation the bound can only be applied here), and uploads the clipped, quantized,
+   weighted delta plus the masks as a chunked uint32 payload;
+4. consistency (authenticated rounds): the survivor set, which the client checks and
+   signs, once per attempt;
+5. unmask: the shares the server may have, and no others.
+
+A round whose attempt fails is retried by the server with fresh keys; the client trains
+once per round and masks the same update again in a retried attempt of that round (the
+model and config are bound by the setup, so a retry trains on exactly the same inputs).
 
 The client checks what the server sends before it acts: the stage request must be for
-the task's run and round and name this client, the model must have the length the
-round announces, and every rule of `SecAggClient` holds (one unmask answer per attempt,
-no overlapping survivor/dropped lists, at least t survivors, fresh attempts only). A
-refusal goes back as a task failure, which the server treats as a dropout. Fit metrics
+the task's run and round, and every rule of `SecAggClient` holds. A refusal goes back as
+a task failure naming what was wrong, which the server treats as a dropout. Fit metrics
 are not sent: under secure aggregation the server learns only sums.
+
+A client with a certificate (``identity``) takes part only in authenticated rounds and
+checks the other participants against ``peers`` (the client CA); without one it takes
+part in unauthenticated rounds only, which protect it from an honest-but-curious server
+only (logged once).
 """
 
 from __future__ import annotations
@@ -40,19 +52,23 @@ from fedloom.secagg import (
     AdvertiseKeysRequest,
     MaskedInputReply,
     MaskedInputRequest,
+    PeerVerifier,
     RoundSetup,
     SecAggClient,
     SecAggConfig,
     SecAggReply,
     SecAggRequest,
-    ShareKeysRequest,
+    SigningIdentity,
     clip_delta,
+    config_digest,
     flatten,
+    model_digest,
 )
 from fedloom.types import MAX_NORM_KEY, TaskKind
 from fedloom.weights import TensorSpec, Weights
 
 log = logging.getLogger("fedloom.client")
+
 
 class SecureFit:
     """Runs the secure-aggregation stage tasks of one session (one client id).
@@ -63,16 +79,23 @@ class SecureFit:
         policy: when given, the round's parameters must equal these settings.
         cpu_s: adds the CPU seconds (of the calling thread) spent per stage to this
             mapping: ``"train"`` (the application's fit), then each `Stage`'s value.
+        identity: this client's certificate and key (authenticated rounds).
+        peers: the client CA, to check the other participants (with ``identity``).
     """
 
     def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None,
-                 cpu_s: dict[str, float] | None = None) -> None:
+                 cpu_s: dict[str, float] | None = None, *,
+                 identity: SigningIdentity | None = None,
+                 peers: PeerVerifier | None = None) -> None:
         self.client = client
         self.client_id = client_id
-        self.protocol = SecAggClient(client_id, policy=policy)
+        self.protocol = SecAggClient(client_id, policy=policy, identity=identity, peers=peers)
         self.cpu_s = cpu_s if cpu_s is not None else {}
-        self._setup: RoundSetup | None = None  # of the attempt whose keys were advertised
         self._train_cpu_s = 0.0
+        # (run, round, model digest, config digest) -> (flat clipped delta, num_examples):
+        # the update of this round, masked again if the server retries the round
+        self._trained: tuple[tuple[str, int, bytes, bytes], np.ndarray, int] | None = None
+        self._warned = False
 
     def execute(self, session: Session, task: TaskHeader, weights: Weights
                 ) -> tuple[ResultHeader, memoryview | None]:
@@ -104,28 +127,41 @@ class SecureFit:
 
     def _answer(self, task: TaskHeader, request: SecAggRequest, weights: Weights
                 ) -> tuple[SecAggReply | MaskedInputHeader, memoryview | None, PayloadInfo | None]:
-        if isinstance(request, AdvertiseKeysRequest):
-            self._setup = None
-            if self.client_id not in request.setup.participants:
-                raise SecureAggregationError("this client is not among the round's participants")
-            reply = self.protocol.advertise_keys(request)
-            self._setup = request.setup
-            return reply, None, None
+        if isinstance(request, AdvertiseKeysRequest) and not request.setup.authenticated:
+            self._warn_unauthenticated()
         if isinstance(request, MaskedInputRequest):
-            setup = self._setup
+            setup = self.protocol.setup
             if setup is None or setup.round_id != request.round_id:
-                raise SecureAggregationError(f"no keys were advertised for {request.round_id}")
-            vector, num_examples = self._train(task, setup, weights)
+                raise SecureAggregationError(f"no keys were shared for {request.round_id}")
+            vector, num_examples = self._update(task, setup, weights)
             masked = self.protocol.masked_input(request, vector, num_examples)
-            self._setup = None  # masked and sent: this attempt trains no more
             return self._masked_payload(masked)
-        if isinstance(request, ShareKeysRequest) and request.setup is not None:
-            # the server used this client's key offer: advertise keys was skipped
-            self._setup = None
-            shared = self.protocol.share_keys(request)
-            self._setup = request.setup
-            return shared, None, None
         return self.protocol.handle(request), None, None
+
+    def _warn_unauthenticated(self) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("this secure round is unauthenticated (the server runs without a "
+                        "client PKI): it protects this client's update from an "
+                        "honest-but-curious server only")
+
+    def _update(self, task: TaskHeader, setup: RoundSetup, weights: Weights
+                ) -> tuple[np.ndarray, int]:
+        """The round's update: trained here once, on the model and config the setup binds."""
+        if model_digest(task.weights.specs, task.weights.sha256) != setup.model_digest:
+            raise SecureAggregationError(
+                "the model delivered for this round is not the one its setup binds (the "
+                "server sent this client another model than the other participants)")
+        if config_digest(task.config) != setup.config_digest:
+            raise SecureAggregationError(
+                "the fit config delivered for this round is not the one its setup binds")
+        key = (setup.round_id.run_id, setup.round_id.server_round, setup.model_digest,
+               setup.config_digest)
+        if self._trained is not None and self._trained[0] == key:
+            return self._trained[1], self._trained[2]  # a retried attempt of this round
+        vector, num_examples = self._train(task, setup, weights)
+        self._trained = (key, vector, num_examples)
+        return vector, num_examples
 
     def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights
                ) -> tuple[np.ndarray, int]:

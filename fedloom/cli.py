@@ -102,6 +102,11 @@ SECAGG_HELP = {
     "max_weight": "num_examples of the largest client (weights are num_examples / max_weight)",
     "max_participants": "most clients summed in one secure round",
     "stage_timeout_s": "seconds each stage but masked input (which trains) waits for replies",
+    "min_survivors": "clients refuse to unmask a sum over fewer survivors (0: threshold + 1)",
+    "colluding_clients": "c: clients assumed to collude with the server; c <= 2t - k - 1",
+    "max_attempts": "attempts per round: a failed attempt is retried without its dropouts",
+    "allow_unauthenticated": "run secure rounds without mutual TLS (protects against an "
+                             "honest-but-curious server only; warned)",
 }
 
 

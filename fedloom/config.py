@@ -221,7 +221,13 @@ class ServerConfig:
         if self.metrics_address:
             check_address("metrics_address", self.metrics_address)
         _check_security(self.insecure, self.tls, self.auth)
-        self.secure_aggregation.check_server(self.min_fit_clients, self.over_selection)
+        self.secure_aggregation.check_server(self.min_fit_clients, self.over_selection,
+                                             authenticated=self.mutual_tls)
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Clients hold certificates of ``tls.client_ca`` (their identity is proven)."""
+        return bool(self.tls.client_ca) and not self.insecure
 
 
 def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:
@@ -273,6 +279,11 @@ class ClientConfig:
     so its set-up (TCP, and TLS when on) overlaps the training; turn it off only when the
     server has memory to spare for its clients.
 
+    ``peer_ca``: the CA of the other clients' certificates, which secure aggregation
+    checks their signed keys and confirmations against (default: ``root_ca``, the
+    single CA ``fedloom certs`` makes). A client with ``cert`` and ``key`` takes part
+    only in secure rounds whose keys are signed (see docs/secure-aggregation.md).
+
     ``task_stream`` (default on): read tasks from one long-lived Tasks stream instead of
     one Pull call per task. A call costs both sides about a millisecond of CPU to set up
     in Python gRPC, and a secure round has four tasks per client; off, every task is a
@@ -292,6 +303,7 @@ class ClientConfig:
     cert: str = ""
     key: str = ""
     server_name: str = ""
+    peer_ca: str = ""
     insecure: bool = False
     separate_upload_connection: bool = True
     task_stream: bool = True
@@ -324,6 +336,9 @@ def _check_client_tls(c: ClientConfig) -> None:
         f"contradicts {', '.join(tls_settings)}: drop insecure to use TLS",
     )
     _check(not (c.root_ca and c.system_roots), "system_roots", "contradicts root_ca: pick one")
+    _check(not c.peer_ca or bool(c.cert), "peer_ca",
+           "checks other clients' signatures, which only a client with its own certificate "
+           "(cert and key) takes part in")
     _check(
         c.insecure or bool(c.root_ca) or c.system_roots,
         "root_ca",

@@ -63,6 +63,9 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cert", metavar="PEM", help="this client's certificate (mutual TLS)")
     g.add_argument("--key", metavar="PEM", help="its private key")
     g.add_argument("--server-name", help="name to check in the server's certificate")
+    g.add_argument("--peer-ca", metavar="PEM",
+                   help="CA of the other clients' certificates, against which secure "
+                        "aggregation checks their signatures (default: --root-ca)")
     g.add_argument("--token-file", help="read the token from this file (keeps it out of ps)")
     g.add_argument("--insecure", action="store_true", help="talk PLAINTEXT (test servers only)")
 
@@ -76,6 +79,7 @@ def client_config_from_args(args: argparse.Namespace) -> ClientConfig:
         cert=args.cert or "",
         key=args.key or "",
         server_name=args.server_name or "",
+        peer_ca=args.peer_ca or "",
         insecure=args.insecure,
     )
 

@@ -103,7 +103,7 @@ class Coordinator:
         self._spool_dir = persistence.state_dir / "spool" / self.run_id
         # Secure fit rounds (SecAgg+), when config.secure_aggregation.enabled.
         self.secure = SecureRounds(config, self.run_id, self.registry, self._executor,
-                                   self._spool_dir)
+                                   self._spool_dir, strike=self._strike_id)
         self._set_global(persistence.weights)
         self.next_round = persistence.completed_round + 1
 
@@ -176,6 +176,16 @@ class Coordinator:
                 if info.name == name:
                     self._drop_client(info.client_id, "quarantined")
 
+    def _strike_id(self, client_id: str, reason: RejectReason) -> None:
+        record = self.registry.get(client_id)
+        if record is not None:
+            self.strike(record, reason)
+
+    def stream_closed(self, record: ClientRecord) -> None:
+        """The client's task stream (or long-poll) was cut: it is gone. Its session ends
+        at once, so no round waits for it or samples it again (it joins afresh)."""
+        self._drop_client(record.client_id, "its task stream ended")
+
     def heartbeat(self, session_client: ClientRecord) -> None:
         session_client.last_seen = time.monotonic()
 
@@ -212,12 +222,10 @@ class Coordinator:
                 return NoTask(retry_after_s=0.0)
             record.wakeup.clear()
             try:
-                await asyncio.wait_for(record.wakeup.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await record.wakeup.wait()
             except TimeoutError:
                 return NoTask(retry_after_s=0.0)
-            except asyncio.CancelledError:  # the client's stream ended (it went away)
-                self.secure.drop(record.client_id, "its long-poll stream ended")
-                raise
 
     async def accept_result(
         self, record: ClientRecord, header: ResultHeader

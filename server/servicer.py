@@ -129,9 +129,11 @@ class FleetServicer(pb_grpc.FleetServicer):
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> None:
         idle = IdleLimit(self.chunk_timeout_s)
+        record: ClientRecord | None = None
         try:
             polled = time.monotonic()
-            outcome = await self.coordinator.pull(self._client(request.session))
+            record = self._client(request.session)
+            outcome = await self.coordinator.pull(record)
             if not isinstance(outcome, tuple):
                 await context.write(codec.no_task_to_proto(outcome))
                 return
@@ -140,6 +142,10 @@ class FleetServicer(pb_grpc.FleetServicer):
             if not await self._send_task(context, outcome, wait_s, idle):
                 # others are downloading: ask again (this task stays pending)
                 await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+        except asyncio.CancelledError:  # the client cut its long-poll: it went away
+            if record is not None:
+                self.coordinator.stream_closed(record)
+            raise
         except TimeoutError:
             await _reject(context, "Pull", self._timed_out("download", idle.expired()))
         except MessageRejectedError as exc:
@@ -151,11 +157,16 @@ class FleetServicer(pb_grpc.FleetServicer):
         """The session's tasks on one stream: each pending task once, in turn (see the
         proto). Saves a call per task, which a secure round's stages feel most."""
         idle = IdleLimit(self.chunk_timeout_s)
+        record: ClientRecord | None = None
         try:
             record = self._client(request.session)
             sent: str | None = None  # the client is answering this one: not offered again
             while sent != _STREAM_ENDS:
                 sent = await self._stream_next(context, record, sent, idle)
+        except asyncio.CancelledError:  # the client cut its stream: it went away
+            if record is not None:
+                self.coordinator.stream_closed(record)
+            raise
         except TimeoutError:
             await _reject(context, "Tasks", self._timed_out("download", idle.expired()))
         except MessageRejectedError as exc:

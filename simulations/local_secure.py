@@ -2,10 +2,13 @@
 
 `LocalSecureAggregation` runs each fit round of `fedloom.simulations.local_engine.run_local`
 as a SecAgg+ round (Bell et al., CCS 2020, over Bonawitz et al., CCS 2017), driving the
-same pure state machines a deployment runs: one `fedloom.secagg.SecAggServer` per round
-and one `fedloom.secagg.SecAggClient` per sampled client. Nothing is
-simplified: keys are agreed, shares sealed and opened, inputs clipped, weighted,
-quantized and masked, and the server unmasks the sum; only the transport is gone.
+same pure state machines a deployment runs: one `fedloom.secagg.SecAggServer` per attempt
+and one `fedloom.secagg.SecAggClient` per sampled client. Nothing is simplified: keys are
+agreed (and, by default, signed with certificates of a throwaway client CA made for the
+run, checked by every client), shares sealed, committed to and opened, inputs clipped,
+weighted, quantized and masked, the survivor set confirmed, and the server unmasks the
+sum; only the transport is gone. ``allow_unauthenticated = true`` in the configuration
+runs the unauthenticated variant (no certificates, no consistency stage).
 
 What each client does is what `fedloom.client_sdk.secure_fit.SecureFit` does over gRPC:
 it trains (the engine's ordinary fit, with the same config and seed as a plain round),
@@ -13,16 +16,19 @@ takes the delta, clips it to ``max_update_norm`` when the fit config holds one
 (`clip_delta`), refuses ``num_examples > max_weight``, and hands the flat delta to its
 `SecAggClient`. (Here every client trains before the stages start; over gRPC a client
 trains in the masked-input stage, so one whose training fails drops out after sharing
-its keys and its masks are removed, where here it never joins stage 1. The mean is the
-same.) The server side is `SecAggServer` plus `aggregate_secure_mean`, the very
-function the gRPC rounds call, so the secure mean meets the strategy (FedAvg, FedAvgM,
-FedProx, the FedOpt family) exactly as in deployment. The result equals the plain
-run's weighted mean within the quantization bound (`tests/simulations/test_sim_secagg.py`).
+its keys and its masks are removed, where here it never joins. The mean is the same.)
+The server side is `SecAggServer` plus `fedloom.strategies.aggregate_secure_mean`, the
+very function the gRPC rounds call, so the secure mean meets the strategy (FedAvg,
+FedAvgM, FedProx, the FedOpt family) exactly as in deployment. The result equals the
+plain run's weighted mean within the quantization bound
+(`tests/simulations/test_sim_secagg.py`).
 
 Dropouts (`SecureDropout`, from `fedloom.simulations.secure_dropout`): a chosen share
 of the participants answer a stage and then vanish; the server drops them, and the
 round finishes over the survivors (their masks removed with the shares the survivors
-reveal) or fails cleanly as a deployed one would.
+reveal). An attempt that cannot finish is retried, as the server does, with fresh keys
+and without the clients that failed it, up to ``max_attempts``; only then does the round
+fail (the model is kept).
 
 Example::
 
@@ -36,9 +42,9 @@ Example::
                         num_rounds=5, secure_aggregation=secure)
     secure.reports[-1].survivors, secure.reports[-1].stage_s
 
-Determinism: keys are fresh random bytes every round, but the masks cancel exactly, and
-each client's stochastic rounding is seeded from (``seed``, round, client id): a run is
-reproducible, weight for weight.
+Determinism: keys are fresh random bytes every attempt, but the masks cancel exactly,
+and each client's stochastic rounding is seeded from (``seed``, round, client id): a run
+is reproducible, weight for weight.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -56,32 +63,30 @@ from typing import Any
 
 import numpy as np
 
+from fedloom import certs
 from fedloom.errors import ConfigError, MessageRejectedError, SecureAggregationError
+from fedloom.payload import digest, serialize
 from fedloom.secagg import (
-    AdvertisedKeys,
-    AdvertiseKeysRequest,
-    EncryptedShare,
     MaskedInputReply,
-    MaskedInputRequest,
+    PeerVerifier,
     RoundId,
     RoundSetup,
     SecAggClient,
     SecAggConfig,
     SecAggReply,
     SecAggRequest,
+    SecAggResult,
     SecAggServer,
     SecAggStatus,
-    ShareKeysReply,
-    ShareKeysRequest,
+    SigningIdentity,
     Stage,
-    UnmaskReply,
-    UnmaskRequest,
     clip_delta,
+    config_digest,
     flatten,
-    neighbour_graph,
-    ring_order,
+    model_digest,
 )
-from fedloom.simulations.secure_dropout import SecureDropout
+from fedloom.simulations.secure_dropout import SecureDropout, spread_dropouts
+from fedloom.simulations.secure_report import SecureRoundReport, payload_bytes
 from fedloom.strategies import Strategy, aggregate_secure_mean, check_secure_strategy
 from fedloom.types import MAX_NORM_KEY, AggregateResult, ClientUpdate, FitPlan
 from fedloom.weights import Weights
@@ -97,84 +102,37 @@ PARALLEL_LENGTH = 1 << 18
 __all__ = ["LocalSecureAggregation", "SecureDropout", "SecureRoundReport", "payload_bytes",
            "spread_dropouts"]
 
-@dataclasses.dataclass
-class SecureRoundReport:
-    """What one simulated secure round did and cost (`LocalSecureAggregation.reports`).
 
-    ``stage_s`` is the wall time of each stage (every client's work and the server's);
-    ``client_cpu_s`` the CPU seconds summed over the clients per stage, ``"train"``
-    included; ``bytes_sent`` each client's upload as the payload of its replies (ids,
-    keys, sealed shares, the uint32 masked vector, revealed shares; no envelope).
-    """
-
-    server_round: int
-    attempt: int
-    participants: tuple[str, ...] = ()
-    survivors: tuple[str, ...] = ()
-    dropped: tuple[str, ...] = ()
-    vanished: tuple[str, ...] = ()
-    failure: str = ""
-    stage_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    client_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    bytes_sent: dict[str, int] = dataclasses.field(default_factory=dict)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 
-def payload_bytes(message: Any) -> int:
-    """Bytes of a SecAgg+ message's payload fields (ids as UTF-8; no envelope)."""
-    if isinstance(message, AdvertiseKeysRequest):
-        return sum(len(p) for p in message.setup.participants) + 32 + 8 * 8
-    if isinstance(message, AdvertisedKeys):
-        return len(message.client_id) + 96
-    if isinstance(message, ShareKeysRequest):
-        return sum(len(k.client_id) + 96 for k in message.neighbours)
-    if isinstance(message, EncryptedShare):
-        return len(message.sender) + len(message.receiver) + 12 + len(message.ciphertext)
-    if isinstance(message, ShareKeysReply | MaskedInputRequest):
-        return sum(payload_bytes(s) for s in message.shares)
-    if isinstance(message, MaskedInputReply):
-        return len(message.client_id) + message.masked.nbytes
-    if isinstance(message, UnmaskRequest):
-        return sum(len(c) for c in (*message.survivors, *message.dropped))
-    if isinstance(message, UnmaskReply):
-        return sum(len(s.owner) + len(s.value)
-                   for s in (*message.self_mask_shares, *message.mask_key_shares))
-    raise TypeError(f"not a SecAgg+ message: {type(message).__name__}")
+class _LocalPki:
+    """A throwaway client CA and one certificate per simulated client (made once)."""
 
+    def __init__(self) -> None:
+        self._ca = certs.make_ca("fedloom simulation client CA")
+        self.verifier = PeerVerifier([self._ca.cert])
+        self._identities: dict[str, SigningIdentity] = {}
 
-def spread_dropouts(setup: RoundSetup, candidates: Iterable[str], count: int) -> frozenset[str]:
-    """Up to ``count`` of ``candidates`` to vanish such that every candidate keeps at
-    least ``threshold`` neighbours among those that stay (so the round can finish).
+    @staticmethod
+    def name(client_id: str) -> str:
+        if _NAME.fullmatch(client_id):
+            return client_id
+        return "sim-" + hashlib.sha256(client_id.encode()).hexdigest()[:16]
 
-    Greedy over the ring order, every ``len / count``-th client first; deterministic
-    for a given setup, so any party (e.g. a benchmark's client processes) can compute
-    the same set.
-    """
-    graph = neighbour_graph(setup)
-    pool = set(candidates)
-    ring = [c for c in ring_order(setup.participants, setup.graph_seed) if c in pool]
-    if count <= 0 or not ring:
-        return frozenset()
-    stride = max(1, len(ring) // count)
-    order = ring[::stride] + [c for i, c in enumerate(ring) if i % stride]
-    staying = {u: len(graph[u] & pool) for u in ring}  # neighbours that stay, per client
-    chosen: set[str] = set()
-    t = setup.threshold
-    for u in order:
-        if len(chosen) == count:
-            break
-        if staying[u] < t or any(staying[v] <= t for v in graph[u] & pool):
-            continue
-        chosen.add(u)
-        for v in graph[u] & pool:
-            staying[v] -= 1
-    return frozenset(chosen)
+    def identity(self, client_id: str) -> SigningIdentity:
+        if client_id not in self._identities:
+            issued = certs.make_client_cert(self._ca, self.name(client_id))
+            self._identities[client_id] = SigningIdentity(issued.cert, issued.key)
+        return self._identities[client_id]
 
 
 class LocalSecureAggregation:
     """Runs the local engine's fit rounds under SecAgg+ (see the module docstring).
 
     Args:
-        config: the ``[secure_aggregation]`` settings (k, t, clip range, bits, ...).
+        config: the ``[secure_aggregation]`` settings (k, t, clip range, bits, ...);
+            ``allow_unauthenticated`` runs unauthenticated attempts (no client PKI).
         dropout: clients that vanish mid-protocol (none by default).
         run_id: the run id bound into every key derivation and share.
         seed: seeds each client's stochastic rounding (per round and client id).
@@ -196,7 +154,9 @@ class LocalSecureAggregation:
         self.run_id = run_id
         self.seed = seed
         self.workers = max(1, workers)
+        self.authenticated = not config.allow_unauthenticated
         self.reports: list[SecureRoundReport] = []
+        self._pki = _LocalPki() if self.authenticated else None
         self._attempt = 0
         self._lock = threading.Lock()  # the reports' CPU totals, from worker threads
 
@@ -214,48 +174,82 @@ class LocalSecureAggregation:
     def aggregate_fit(self, strategy: Strategy, server_round: int, current: Weights,
                       plan: FitPlan, updates: Iterable[ClientUpdate],
                       failures: list[str]) -> AggregateResult:
-        """Train the plan's clients (``updates``), run one SecAgg+ round over them, and
-        give the secure mean to ``strategy``. Clients whose input is not in the sum are
-        appended to ``failures``."""
+        """Train the plan's clients (``updates``), run SecAgg+ over them (retrying a
+        failed attempt as the server does), and give the secure mean to ``strategy``.
+        Clients whose input is not in the sum are appended to ``failures``."""
         self.check(strategy)
-        self._attempt += 1
         report = SecureRoundReport(server_round, self._attempt)
         self.reports.append(report)
         inputs = self._train(plan, updates, failures, report)
-        participants = tuple(c for c in plan.client_ids if c not in set(failures))
-        try:
-            setup = RoundSetup.create(
-                self.config, RoundId(self.run_id, server_round, self._attempt),
-                plan.client_ids, sum(spec.size for spec in current.specs()))
-        except ConfigError as exc:
-            return self._failed(report, f"the round cannot start: {exc}", plan, failures)
-        report.participants = setup.participants
+        participants = [c for c in plan.client_ids if c in inputs]
+        binding = {"model_digest": model_digest(current.specs(), digest(serialize(current))),
+                   "config_digest": config_digest(plan.config)}
+        outcome: SecAggResult | str = "no client trained"
+        while report.attempts < self.config.max_attempts:
+            self._attempt += 1
+            report.attempt, report.attempts = self._attempt, report.attempts + 1
+            try:
+                setup = RoundSetup.create(
+                    self.config, RoundId(self.run_id, server_round, self._attempt),
+                    participants, sum(spec.size for spec in current.specs()),
+                    identities={c: _LocalPki.name(c) for c in participants},
+                    authenticated=self.authenticated, **binding)
+            except ConfigError as exc:
+                outcome = f"the round cannot start: {exc}"
+                break
+            report.participants = setup.participants
+            outcome, failed = self._run_attempt(setup, server_round, inputs, report)
+            if not isinstance(outcome, str):
+                break
+            report.failures.append(outcome)
+            participants = [c for c in participants if c not in failed]
+            if len(participants) < self.config.survivor_floor:
+                break
+        if isinstance(outcome, str):
+            return self._failed(report, outcome, plan, failures)
+        report.survivors, report.dropped = outcome.survivors, outcome.dropped
+        gone = set(plan.client_ids) - set(outcome.survivors) - set(failures)
+        failures.extend(sorted(gone))
+        result = aggregate_secure_mean(strategy, server_round, current, outcome)
+        metrics = {**result.metrics, "secagg_dropped": len(outcome.dropped)}
+        return dataclasses.replace(result, metrics=metrics)
+
+    def _run_attempt(self, setup: RoundSetup, server_round: int,
+                     inputs: dict[str, tuple[Weights, int]], report: SecureRoundReport
+                     ) -> tuple[SecAggResult | str, set[str]]:
+        """One attempt; its result (or why it failed) and the clients a retry leaves out."""
         with contextlib.ExitStack() as stack:
             map_fn: MapFn = map  # lazy: one client at a time
             if self.workers > 1 and setup.vector_length >= PARALLEL_LENGTH:
                 map_fn = stack.enter_context(
                     concurrent.futures.ThreadPoolExecutor(self.workers)).map
-            server = SecAggServer(setup, map_fn=map_fn)
-            for cid in set(setup.participants) - set(participants):
-                server.drop(cid)  # failed to train: never answers stage 1
-            # new clients every round, so no key offers (they could never be used)
-            clients = {cid: SecAggClient(cid, rng=self._rounding_rng(server_round, cid),
-                                         offer_keys=False)
-                       for cid in participants}
-            vanishing = self._vanishing(setup, server_round, participants)
-            report.vanished = tuple(sorted(vanishing))
+            pki = self._pki
+            server = SecAggServer(setup, map_fn=map_fn,
+                                  verifier=pki.verifier if pki is not None else None)
+            # new clients every attempt, so no key offers (they could never be used)
+            clients = {cid: self._client(cid, server_round, pki) for cid in setup.participants}
+            first = report.attempts == 1  # dropouts strike the round's first attempt
+            previous: Stage | None = None
+            vanishing: frozenset[str] = frozenset()
             try:
                 while server.status is SecAggStatus.RUNNING:
+                    if first and previous is not None and str(previous) == self.dropout.after:
+                        vanishing = self._vanishing(server, server_round)
+                        report.vanished = tuple(sorted(vanishing))
+                    previous = server.stage
                     self._run_stage(server, clients, inputs, vanishing, report, map_fn)
+                    vanishing = frozenset()  # they are gone; nothing more to drop
             except SecureAggregationError as exc:
-                return self._failed(report, str(exc), plan, failures)
-        outcome = server.result
-        report.survivors, report.dropped = outcome.survivors, outcome.dropped
-        gone = set(setup.participants) - set(outcome.survivors) - set(failures)
-        failures.extend(sorted(gone))
-        result = aggregate_secure_mean(strategy, server_round, current, outcome)
-        metrics = {**result.metrics, "secagg_dropped": len(outcome.dropped)}
-        return dataclasses.replace(result, metrics=metrics)
+                return str(exc), server.failed_clients | server.culprits
+            return server.result, set()
+
+    def _client(self, client_id: str, server_round: int, pki: _LocalPki | None
+                ) -> SecAggClient:
+        rng = self._rounding_rng(server_round, client_id)
+        if pki is None:
+            return SecAggClient(client_id, rng=rng, offer_keys=False)
+        return SecAggClient(client_id, identity=pki.identity(client_id), peers=pki.verifier,
+                            rng=rng)
 
     def _train(self, plan: FitPlan, updates: Iterable[ClientUpdate], failures: list[str],
                report: SecureRoundReport) -> dict[str, tuple[Weights, int]]:
@@ -289,11 +283,9 @@ class LocalSecureAggregation:
         stage, started = server.stage, time.perf_counter()
         if stage is not Stage.MASKED_INPUT:
             map_fn = map  # little work per client, in Python: threads only contend
-        order = list(Stage)
-        vanish_now = order.index(stage) == order.index(self.dropout.stage) + 1
         asked: list[tuple[str, SecAggRequest]] = []
         for cid in sorted(server.pending()):
-            if vanish_now and cid in vanishing:
+            if cid in vanishing:
                 server.drop(cid)  # answered the stage before, gone before this one
                 continue
             asked.append((cid, server.request_for(cid)))
@@ -305,7 +297,7 @@ class LocalSecureAggregation:
             try:
                 if stage is not Stage.MASKED_INPUT:
                     return cid, clients[cid].handle(request), None
-                delta, num_examples = inputs.pop(cid)
+                delta, num_examples = inputs[cid]
                 reply = clients[cid].handle(request, vector=flatten(delta, dtype=None),
                                             num_examples=num_examples)
             except SecureAggregationError as exc:  # a refusal is a dropout
@@ -318,33 +310,37 @@ class LocalSecureAggregation:
             assert isinstance(reply, MaskedInputReply)
             return cid, reply, hashlib.sha256(reply.masked.data.cast("B")).digest()
 
-        for cid, reply, digest in map_fn(answer, asked):
+        for cid, reply, sha in map_fn(answer, asked):
             if reply is None:
                 server.drop(cid)
                 continue
             report.bytes_sent[cid] = report.bytes_sent.get(cid, 0) + payload_bytes(reply)
             try:
-                server.receive(cid, reply, digest=digest)
+                server.receive(cid, reply, digest=sha)
             except MessageRejectedError as exc:
                 logger.warning("secure round: the reply of %s was refused: %s", cid, exc)
                 server.drop(cid)
                 continue
             if stage is Stage.UNMASK and server.can_finish():
                 break  # as over gRPC: the stage closes once every secret has t shares
-        server.advance()
-        self._add(report.stage_s, str(stage), time.perf_counter() - started)
+        try:
+            server.advance()
+        finally:
+            self._add(report.stage_s, str(stage), time.perf_counter() - started)
 
     # -- helpers --------------------------------------------------------------------
-    def _vanishing(self, setup: RoundSetup, server_round: int,
-                   participants: tuple[str, ...]) -> frozenset[str]:
+    def _vanishing(self, server: SecAggServer, server_round: int) -> frozenset[str]:
+        """The clients that vanish now: they answered the stage that just closed."""
         drop = self.dropout
-        if not drop.applies_to(server_round):
+        candidates = sorted(server.pending())
+        if not drop.applies_to(server_round) or not candidates:
             return frozenset()
-        count = round(drop.fraction * len(participants))
+        count = round(drop.fraction * len(server.setup.participants))
         if drop.choice == "spread":
-            return spread_dropouts(setup, participants, count)
+            return spread_dropouts(server.graph, server.setup.threshold, candidates, count)
         rng = np.random.default_rng([drop.seed, server_round])
-        return frozenset(str(c) for c in rng.choice(sorted(participants), count, replace=False))
+        return frozenset(str(c) for c in rng.choice(candidates, min(count, len(candidates)),
+                                                    replace=False))
 
     def _rounding_rng(self, server_round: int, client_id: str) -> np.random.Generator:
         return np.random.default_rng([self.seed, server_round, *client_id.encode()])

@@ -16,6 +16,7 @@ loading a scenario does not import the server.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 
 from fedloom.errors import ConfigError
 from fedloom.secagg import Stage
@@ -36,7 +37,9 @@ class SecureDropout:
             never answer the next: ``advertise_keys`` (they are left out),
             ``share_keys`` (they are *dropped*: their neighbours masked against them,
             so the server reconstructs their mask keys) or ``masked_input`` (their input
-            is in the sum; their self-mask seed is reconstructed without them).
+            is in the sum; their self-mask seed is reconstructed without them; in an
+            authenticated round they never confirm the survivor set, so the attempt
+            fails and is retried without them, as over gRPC).
         choice: ``spread`` picks them on the round's neighbour graph so that every
             client keeps ``threshold`` neighbours that stay (the round finishes: what
             recovery costs); ``random`` picks them uniformly, seeded, and the round may
@@ -71,3 +74,31 @@ class SecureDropout:
 
     def applies_to(self, server_round: int) -> bool:
         return self.fraction > 0 and (not self.rounds or server_round in self.rounds)
+
+
+def spread_dropouts(graph: Mapping[str, frozenset[str]], threshold: int,
+                    candidates: Iterable[str], count: int) -> frozenset[str]:
+    """Up to ``count`` of ``candidates`` to vanish such that every candidate keeps at
+    least ``threshold`` neighbours among those that stay (so the round can finish).
+
+    Greedy over the candidates in sorted order, every ``len / count``-th first;
+    deterministic for a given graph, so any party that knows the attempt's graph (a
+    benchmark's client processes, which derive it at share keys) computes the same set.
+    """
+    pool = set(candidates) & set(graph)
+    ring = sorted(pool)
+    if count <= 0 or not ring:
+        return frozenset()
+    stride = max(1, len(ring) // count)
+    order = ring[::stride] + [c for i, c in enumerate(ring) if i % stride]
+    staying = {u: len(graph[u] & pool) for u in ring}  # neighbours that stay, per client
+    chosen: set[str] = set()
+    for u in order:
+        if len(chosen) == count:
+            break
+        if staying[u] < threshold or any(staying[v] <= threshold for v in graph[u] & pool):
+            continue
+        chosen.add(u)
+        for v in graph[u] & pool:
+            staying[v] -= 1
+    return frozenset(chosen)

@@ -2,13 +2,12 @@
 
 `SecureAttempt` wraps one `SecAggServer` (the pure state machine of
 `fedloom.secagg`) and turns each stage into tasks that clients pull and answer
-through the ordinary Pull/Push calls: stages 1 and 2 (advertise keys, share keys) carry
-only their small stage messages, stage 3 (masked input) also carries the global weights
-and the fit config (a client downloads, trains, masks and uploads in that one stage, so
-one client's upload overlaps the next one's download as in a plain round, and the key
-stages cost two small round trips before it), stage 4 its stage message; the masked
-input comes back as a chunked uint32 payload, spooled to disk and verified before it
-touches the sum.
+through the ordinary task stream and Report/Push calls: the key stages (advertise keys,
+share keys), the consistency stage and unmask carry only their small stage messages;
+masked input also carries the global weights and the fit config (a client downloads,
+trains, masks and uploads in that one stage, so one client's upload overlaps the next
+one's download as in a plain round). The masked input comes back as a chunked uint32
+payload, spooled to disk and verified before it touches the sum.
 
 Threads: the state machine is not thread-safe, and its heavy steps (folding a masked
 input into the sum, the final unmasking) must not stall the event loop. So every call
@@ -49,6 +48,7 @@ from fedloom.secagg import (
     SecAggStatus,
     Stage,
 )
+from fedloom.secagg._identity import PeerVerifier
 from fedloom.secagg._unmask import MapFn
 from fedloom.server.rounds import IssuedTask, TaskStatus
 from fedloom.server.uploads import Spool, SpooledWeights
@@ -101,7 +101,9 @@ class SecureAttempt:
         spool_dir: where masked inputs are spooled while they arrive.
         unmask_map: runs the final unmasking's ranges (a thread pool's ``map``).
         offers: participants' unused key offers, used by this attempt (see
-            `fedloom.secagg.SecAggServer`).
+            `fedloom.secagg.SecAggServer`; unauthenticated attempts only).
+        verifier: the client CA (authenticated attempts): the server checks every
+            certificate and signature a client sends before its neighbours see it.
     """
 
     def __init__(
@@ -116,9 +118,10 @@ class SecureAttempt:
         spool_dir: Any,
         unmask_map: MapFn = map,
         offers: dict[str, KeyOffer] | None = None,
+        verifier: PeerVerifier | None = None,
     ) -> None:
         self.setup = setup
-        self.machine = SecAggServer(setup, offers=offers, map_fn=unmask_map)
+        self.machine = SecAggServer(setup, offers=offers, verifier=verifier, map_fn=unmask_map)
         self.complete = asyncio.Event()
         self.tasks: dict[str, StageTask] = {}  # task id -> task, every stage
         self._config = config
@@ -313,6 +316,14 @@ class SecureAttempt:
         task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
 
     # -- progress ---------------------------------------------------------------------
+    def fit_outcomes(self) -> dict[str, int]:
+        """How the masked-input tasks (the attempt's fits) ended, by status."""
+        counts = {status.value: 0 for status in TaskStatus}
+        for task in self.tasks.values():
+            if task.stage is Stage.MASKED_INPUT:
+                counts[task.status.value] += 1
+        return counts
+
     def counts(self) -> tuple[int, int]:
         """(answered, issued) tasks of the open stage."""
         answered = sum(1 for t in self._open.values() if t.status is not TaskStatus.PENDING)

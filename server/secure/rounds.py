@@ -3,30 +3,36 @@ server's real rounds.
 
 With ``[secure_aggregation] enabled``, the coordinator hands each fit round to
 `SecureRounds.run_round`: it samples among the clients that joined with the ``secagg``
-capability, runs one round attempt (`fedloom.server.secure.attempt.SecureAttempt`)
+capability and runs round attempts (`fedloom.server.secure.attempt.SecureAttempt`)
 stage by stage — each stage with its own deadline, closed as soon as no connected
 client owes a reply — and gets back only the weighted mean over the survivors. That
 mean is the aggregate of the strategy's round: it is handed, as the round's one
-update, to the strategy's own ``aggregate_fit``, so FedAvg, FedAvgM, FedProx and the
-FedOpt family apply their ServerOptimizer to it as usual (their weighted-mean
-aggregator of one update returns it unchanged). Strategies whose aggregator needs the
-individual updates (median, trimmed mean, Krum, Bulyan) are refused when the server is
-built (`check_secure_strategy`); a norm bound becomes clipping on the client. Both steps
-live in `fedloom.strategies` (`aggregate_secure_mean`), which the local engine shares.
+update, to the strategy's own ``aggregate_fit`` (`fedloom.strategies.aggregate_secure_mean`,
+which the local engine shares), so FedAvg, FedAvgM, FedProx and the FedOpt family apply
+their ServerOptimizer to it as usual; strategies that need the individual updates are
+refused when the server is built, and a norm bound becomes clipping on the client.
 
-Key offers: each client's share-keys reply offers fresh keys for its next attempt
-(`fedloom.secagg.KeyOffer`); they are kept here, per connected client, and each is
-handed to one attempt only. A round whose participants all have one skips the
-advertise keys stage (three round trips instead of four); a client without one (just
-joined, or its offer was used by a failed attempt) advertises as usual. Offers live in
-memory: after a server restart every client advertises once again.
+Each attempt's setup binds the participants and their identities, the parameters, and
+the digests of the global model and the fit config (`fedloom.secagg.RoundSetup`). With
+mutual TLS the attempt is *authenticated*: clients sign their keys and the survivor set
+with their certificates and check each other against the client CA (the server checks
+too, so that one client's bad signature is refused here rather than sinking its honest
+neighbours), and a consistency stage runs before unmask. Without it, secure rounds run
+only with ``allow_unauthenticated`` (warned at start): secure against an
+honest-but-curious server only; such attempts may use key offers (each client's
+share-keys reply offers keys for its next attempt, kept here per connected client and
+handed to one attempt, so a steady round skips advertise keys).
 
-Dropouts: a client that leaves, stops its heartbeats, or whose long-poll stream breaks
-is dropped from the attempt at once (`drop`), not only at the stage's deadline. A round
-that cannot finish (too few survivors) fails cleanly: the global model is unchanged,
-the round is committed as failed and the next one starts. Every attempt has a new
-attempt id (microseconds of the wall clock, strictly increasing in a process), so a
-round run again after a server restart never reuses one, and clients make fresh keys.
+Dropouts cost an attempt, not the round: a client that leaves, stops its heartbeats, or
+whose task stream breaks is removed at once (`drop`); an attempt that cannot finish
+(too few clients left, a participant that did not advertise in an authenticated
+attempt, a survivor that vanished before confirming, a dealer whose shares do not
+reconstruct) is followed by a new attempt — a new attempt id, fresh keys, without the
+clients that failed it (and without a culprit, which also gets a strike) — while the
+round's ``round_timeout_s`` lasts, up to ``max_attempts``. Only then does the round
+fail: committed as failed, the global model unchanged. Attempt ids are microseconds of
+the wall clock, strictly increasing in a process, so a round run again after a server
+restart never reuses one.
 
 What the server learns: the sum of the survivors' clipped, weighted deltas, the sum of
 their weights (hence of their examples), and who survived. Per-client fit metrics are
@@ -41,6 +47,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +55,19 @@ from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
-from fedloom.secagg import KeyOffer, RoundId, RoundSetup, SecAggResult, SecAggStatus, Stage
+from fedloom.secagg import (
+    KeyOffer,
+    PeerVerifier,
+    RoundId,
+    RoundSetup,
+    SecAggResult,
+    SecAggStatus,
+    Stage,
+    config_digest,
+    model_digest,
+)
 from fedloom.server.crashpoints import crashpoint
+from fedloom.server.metrics import ServerMetrics
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.server.secure.attempt import (
     EMPTY_PAYLOAD,
@@ -68,18 +86,37 @@ log = logging.getLogger("fedloom.server")
 SECAGG_CAPABILITY = "secagg"
 __all__ = ["SECAGG_CAPABILITY", "SecureRounds"]
 
+#: ``strike(client_id, reason)``: count a proven misbehaviour against a client.
+StrikeFn = Callable[[str, RejectReason], None]
+
 
 class SecureRounds:
     """Runs the secure fit rounds of one coordinator and relays their stage traffic."""
 
     def __init__(self, config: ServerConfig, run_id: str, registry: ClientRegistry,
-                 executor: concurrent.futures.ThreadPoolExecutor, spool_dir: Path) -> None:
+                 executor: concurrent.futures.ThreadPoolExecutor, spool_dir: Path,
+                 strike: StrikeFn | None = None) -> None:
         self.config = config
         self.secagg = config.secure_aggregation
         self.run_id = run_id
         self.registry = registry
         self._executor = executor
         self._spool_dir = spool_dir
+        self._strike = strike
+        #: Clients sign their keys and confirmations (mutual TLS: a client PKI).
+        self.authenticated = config.mutual_tls
+        self._verifier: PeerVerifier | None = None
+        if self.enabled and self.authenticated:
+            try:
+                self._verifier = PeerVerifier.from_pem_file(config.tls.client_ca)
+            except SecureAggregationError as exc:
+                raise ConfigError("tls.client_ca", str(exc)) from exc
+        if self.enabled and not self.authenticated:
+            log.warning(
+                "SECURE AGGREGATION WITHOUT A CLIENT PKI (allow_unauthenticated): clients "
+                "cannot check each other's keys, so the protocol protects their updates "
+                "from an honest-but-curious server only, not from one that deviates from "
+                "it; serve mutual TLS (tls.client_ca) for the full protection")
         # The final unmasking runs over ranges of the vector in parallel (threads are
         # made when first needed).
         self._unmask_pool = concurrent.futures.ThreadPoolExecutor(
@@ -117,6 +154,9 @@ class SecureRounds:
         return (task.header, task.payload) if task is not None else None
 
     def drop(self, client_id: str, reason: str) -> None:
+        """A client is gone (left, silent, its stream broke): out of the attempt in
+        progress at once, and its key offer with it."""
+        self._offers.pop(client_id, None)
         if self._attempt is not None:
             self._attempt.drop(client_id, reason)
 
@@ -152,34 +192,50 @@ class SecureRounds:
             log.info("secure round waits: %d of %d clients support secure aggregation",
                      len(eligible), self.config.min_fit_clients)
             self.registry.changed.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.registry.changed.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await self.registry.changed.wait()
 
     async def run_round(self, server_round: int, current: Weights, strategy: Strategy,
                         payload: memoryview, payload_info: PayloadInfo
                         ) -> tuple[AggregateResult | None, dict[str, Any]]:
-        """Run one secure fit round; returns the strategy's result (None: failed) and
-        the round's record."""
+        """Run one secure fit round (one or more attempts); returns the strategy's result
+        (None: failed) and the round's record."""
         eligible = await self._eligible()
         plan = strategy.configure_fit(server_round, current, eligible)
-        participants = tuple(c for c in plan.client_ids if c in self.registry)
+        participants = [c for c in plan.client_ids if c in self.registry]
         participants = participants[: self.secagg.max_participants]
         record: dict[str, Any] = {"round": server_round, "num_sampled": len(participants),
                                   "num_updates": 0, "num_failures": len(participants)}
-        vector_length = sum(spec.size for spec in current.specs())
-        try:
-            setup = RoundSetup.create(
-                self.secagg, RoundId(self.run_id, server_round, self._next_attempt()),
-                participants, vector_length)
-        except ConfigError as exc:
-            log.warning("secure round %d cannot start: %s", server_round, exc)
-            record["secure_aggregation"] = {"failure": str(exc)}
-            return None, record
-        self.last_setup = setup
-        outcome = await self._run_attempt(setup, payload, payload_info, plan.config)
-        info: dict[str, Any] = {"attempt": setup.round_id.attempt,
-                                "stage_s": {k: round(v, 4) for k, v in self.last_stage_s.items()}}
+        info: dict[str, Any] = {}
         record["secure_aggregation"] = info
+        deadline = time.monotonic() + self.config.round_timeout_s
+        binding = {"model_digest": model_digest(current.specs(), payload_info.sha256),
+                   "config_digest": config_digest(plan.config)}
+        failures: list[str] = []
+        outcome: SecAggResult | str = "no attempt was made"
+        for number in range(1, self.secagg.max_attempts + 1):
+            try:
+                setup = self._setup(server_round, participants, current, binding)
+            except ConfigError as exc:
+                outcome = f"the round cannot start: {exc}"
+                break
+            outcome, excluded = await self._run_attempt(setup, payload, payload_info,
+                                                        plan.config)
+            info.update(attempt=setup.round_id.attempt, attempts=number,
+                        stage_s={k: round(v, 4) for k, v in self.last_stage_s.items()})
+            if not isinstance(outcome, str):
+                break
+            failures.append(outcome)
+            participants = [c for c in participants if c not in excluded and c in self.registry]
+            if (number == self.secagg.max_attempts or time.monotonic() >= deadline
+                    or len(participants) < self.secagg.survivor_floor):
+                break
+            log.warning("secure round %d attempt %d failed: %s; retrying with %d clients",
+                        server_round, number, outcome, len(participants))
+        if failures:
+            info["failures"] = failures
         if isinstance(outcome, str):
             log.warning("secure round %d failed: %s; the global model is unchanged",
                         server_round, outcome)
@@ -187,21 +243,38 @@ class SecureRounds:
             return None, record
         self.last_result = outcome
         survivors = len(outcome.survivors)
-        total_examples = round(outcome.total_examples)
-        record.update(num_updates=survivors, num_failures=len(participants) - survivors)
+        record.update(num_updates=survivors, num_failures=record["num_sampled"] - survivors)
         info.update(survivors=survivors, dropped=len(outcome.dropped),
-                    total_examples=total_examples)
+                    total_examples=round(outcome.total_examples))
         result = await self._apply(strategy, server_round, current, outcome)
         return result, record
 
+    def _setup(self, server_round: int, participants: list[str], current: Weights,
+               binding: dict[str, bytes]) -> RoundSetup:
+        identities = {}
+        for cid in participants:
+            client = self.registry.get(cid)
+            if client is not None:
+                identities[cid] = client.info.name
+        setup = RoundSetup.create(
+            self.secagg, RoundId(self.run_id, server_round, self._next_attempt()),
+            sorted(identities), sum(spec.size for spec in current.specs()),
+            identities=identities, authenticated=self.authenticated, **binding)
+        self.last_setup = setup
+        return setup
+
     async def _run_attempt(self, setup: RoundSetup, payload: memoryview,
-                           payload_info: PayloadInfo, fit_config: Any) -> SecAggResult | str:
-        """Run the stages of one attempt; its result, or why it failed."""
-        self._offers = {c: o for c, o in self._offers.items() if c in self.registry}
-        offers = {c: self._offers.pop(c) for c in setup.participants if c in self._offers}
+                           payload_info: PayloadInfo, fit_config: Any
+                           ) -> tuple[SecAggResult | str, set[str]]:
+        """Run the stages of one attempt; its result (or why it failed) and the clients
+        a retry leaves out."""
+        offers: dict[str, KeyOffer] = {}
+        if not setup.authenticated:  # keys offered ahead of a setup: unauthenticated only
+            self._offers = {c: o for c, o in self._offers.items() if c in self.registry}
+            offers = {c: self._offers.pop(c) for c in setup.participants if c in self._offers}
         attempt = SecureAttempt(setup, self.config, payload, payload_info, fit_config,
                                 self._executor, self._wake, self._spool_dir,
-                                self._unmask_pool.map, offers)
+                                self._unmask_pool.map, offers, self._verifier)
         self._attempt = attempt
         self.last_stage_s = {}
         try:
@@ -209,8 +282,8 @@ class SecureRounds:
                 started = time.monotonic()
                 stage = await attempt.open_stage()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(attempt.complete.wait(),
-                                           stage_deadline_s(self.config, stage))
+                    async with asyncio.timeout(stage_deadline_s(self.config, stage)):
+                        await attempt.complete.wait()
                 answered, issued = attempt.counts()
                 attempt.close_stage()
                 await attempt.call(attempt.machine.advance)  # the last one unmasks
@@ -219,11 +292,18 @@ class SecureRounds:
                 log.info("secure round %d: %s closed after %.2f s (%d/%d answered)",
                          setup.round_id.server_round, stage, time.monotonic() - started,
                          answered, issued)
-            return attempt.machine.result
+            return attempt.machine.result, set()
         except SecureAggregationError as exc:
-            return str(exc)
+            machine = attempt.machine
+            for culprit in sorted(machine.culprits):
+                log.warning("secure round %d: client %s dealt shares that do not reconstruct "
+                            "its committed secret", setup.round_id.server_round, culprit)
+                if self._strike is not None:
+                    self._strike(culprit, RejectReason.INVALID)
+            return str(exc), machine.failed_clients | machine.culprits
         finally:
             attempt.close_stage()
+            ServerMetrics.tasks_closed("fit", attempt.fit_outcomes())
             for task in attempt.tasks.values():
                 task.payload = EMPTY_PAYLOAD  # keep no old model alive
             self._offers.update(attempt.machine.new_offers)  # unused: for a later attempt

@@ -1,5 +1,9 @@
 """Loopback harness for secure rounds: a real server, real client loops in threads, and
-clients that vanish (their connection cut without a Leave) at a chosen stage."""
+clients that vanish (their connection cut without a Leave) at a chosen stage.
+
+With a ``pki`` folder (the `pki` fixture) client i connects over mutual TLS with the
+certificate ``client-i`` and the rounds are authenticated; without one it talks
+plaintext to a server that must allow unauthenticated secure rounds."""
 
 from __future__ import annotations
 
@@ -16,21 +20,10 @@ from fedloom import Weights
 from fedloom.client_sdk import Client, ClientRunner
 from fedloom.config import ClientConfig
 from fedloom.messages import ResultHeader, Session, TaskHeader
-from fedloom.secagg import (
-    AdvertiseKeysRequest,
-    MaskedInputRequest,
-    SecAggConfig,
-    ShareKeysRequest,
-    Stage,
-    UnmaskRequest,
-    flatten,
-)
+from fedloom.secagg import STAGE_OF, SecAggConfig, Stage, flatten
 from fedloom.server import Server
 from fedloom.server.checkpoint import load_checkpoint
 from fedloom.server.store import RunStore
-
-STAGE_OF_REQUEST = {AdvertiseKeysRequest: Stage.ADVERTISE_KEYS, ShareKeysRequest: Stage.SHARE_KEYS,
-                    MaskedInputRequest: Stage.MASKED_INPUT, UnmaskRequest: Stage.UNMASK}
 
 
 def secagg(**overrides: Any) -> SecAggConfig:
@@ -40,9 +33,18 @@ def secagg(**overrides: Any) -> SecAggConfig:
     return SecAggConfig(**base)
 
 
-def client_config(address: str) -> ClientConfig:
-    return ClientConfig(server_address=address, long_poll_s=2.0, rpc_timeout_s=10.0,
-                        reconnect_initial_s=0.05, reconnect_max_s=0.3, insecure=True)
+def client_config(address: str, pki: Path | None = None, index: int = 0) -> ClientConfig:
+    """Fast-retrying settings: mutual TLS as ``client-<index>`` with a ``pki`` folder,
+    plaintext without one."""
+    settings: dict[str, Any] = dict(server_address=address, long_poll_s=2.0,
+                                    rpc_timeout_s=10.0, reconnect_initial_s=0.05,
+                                    reconnect_max_s=0.3)
+    if pki is None:
+        settings["insecure"] = True
+    else:
+        settings.update(root_ca=str(pki / "ca.pem"), cert=str(pki / f"client-{index}.pem"),
+                        key=str(pki / f"client-{index}.key"))
+    return ClientConfig(**settings)
 
 
 class RecordingClient(Client):
@@ -104,7 +106,7 @@ class HarnessRunner(ClientRunner):
 
     def _execute(self, session: Session, task: TaskHeader, weights: Weights
                  ) -> tuple[ResultHeader, memoryview | None]:
-        stage = STAGE_OF_REQUEST.get(type(task.secagg))
+        stage = STAGE_OF.get(type(task.secagg))
         self._last = (task, stage)
         b = self.behaviour
         if stage is not None and stage is b.vanish_on and not b.vanished.is_set():
@@ -142,10 +144,10 @@ class HarnessRunner(ClientRunner):
 
 
 def start_runners(address: str, clients: list[Client],
-                  behaviours: dict[int, Behaviour] | None = None
+                  behaviours: dict[int, Behaviour] | None = None, pki: Path | None = None,
                   ) -> tuple[list[HarnessRunner], list[threading.Thread]]:
     behaviours = behaviours or {}
-    runners = [HarnessRunner(c, client_config(address), behaviours.get(i, Behaviour()))
+    runners = [HarnessRunner(c, client_config(address, pki, i), behaviours.get(i, Behaviour()))
                for i, c in enumerate(clients)]
     threads = [threading.Thread(target=r.run, daemon=True, name=f"client-{i}")
                for i, r in enumerate(runners)]

@@ -33,14 +33,15 @@ from fedloom.server import Server
 
 
 def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
-        server_config) -> None:  # type: ignore[no-untyped-def]
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     sa = secagg()
-    config = server_config(num_rounds=2, min_clients=6, min_fit_clients=6, keep_checkpoints=5,
+    config = server_config(
+        **mtls, num_rounds=2, min_clients=6, min_fit_clients=6, keep_checkpoints=5,
                            secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=10 * (i + 1)) for i in range(6)]
-    runners, threads = start_runners(handle.address, clients)
+    runners, threads = start_runners(handle.address, clients, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
     assert [r["status"] for r in history] == ["ok", "ok"]
@@ -49,11 +50,13 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     assert set(history[0]["secure_aggregation"]["stage_s"]) == {str(s) for s in Stage}
     assert {"train", *(str(s) for s in Stage)} == set(runners[0].secagg_cpu_s)
     assert all(v >= 0 for v in runners[0].secagg_cpu_s.values())
-    # round 2 runs on the keys each client offered in round 1: no advertise stage
+    # authenticated: every attempt advertises fresh signed keys and runs the consistency
+    # check before unmask (which closes once every secret has t shares: some clients'
+    # unmask replies are not needed, so unmask is left out of the comparison)
     for runner in runners:
         early = [(r, s) for r, s in runner.stages_pushed if s is not Stage.UNMASK]
-        assert early == [(1, Stage.ADVERTISE_KEYS), (1, Stage.SHARE_KEYS),
-                         (1, Stage.MASKED_INPUT), (2, Stage.SHARE_KEYS), (2, Stage.MASKED_INPUT)]
+        assert early == [(r, s) for r in (1, 2) for s in Stage if s is not Stage.UNMASK]
+        assert runner.stats.fits == 2  # secure fits are counted like plain ones
     # the server's sums (last round) within one quantum per client per coordinate
     result = server.coordinator.secure.last_result  # type: ignore[union-attr]
     assert result is not None
@@ -76,13 +79,14 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
 
 @pytest.mark.parametrize("stage", [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT])
 def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
-        server_config, stage: Stage) -> None:  # type: ignore[no-untyped-def]
+        server_config, mtls, pki, stage: Stage) -> None:  # type: ignore[no-untyped-def]
     """The victim answers the stage, then its long-poll stream ends (no Leave). The
     others answer that stage 1 s later, so the victim is long-polling when it vanishes;
     heartbeat silence (30 s) and stage deadlines (20 s) are far away, so a round that
     finishes in seconds noticed the broken stream."""
     sa = secagg()
-    config = server_config(num_rounds=1, min_clients=7, min_fit_clients=6, long_poll_s=5.0,
+    config = server_config(
+        **mtls, num_rounds=1, min_clients=7, min_fit_clients=6, long_poll_s=5.0,
                            client_timeout_s=30.0, fraction_evaluate=0.0, secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
@@ -90,7 +94,7 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
     behaviours = {i: Behaviour(delay={stage: 1.0}) for i in range(1, 7)}
     behaviours[0] = Behaviour(vanish_after=stage)
     started = time.monotonic()
-    runners, threads = start_runners(handle.address, clients, behaviours)
+    runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     history = handle.wait(60)
     elapsed = time.monotonic() - started
     stop_runners(runners, threads)
@@ -111,19 +115,21 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
     assert np.all(np.abs(got - mean) <= tolerance + 1e-6)
 
 
-def test_a_client_gone_after_sharing_keys_has_its_masks_removed(server_config) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_gone_after_sharing_keys_has_its_masks_removed(
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     """The victim shared keys, then died computing its masked input: its neighbours
     masked against it, so the server reconstructs its mask key from t shares in the
     unmask stage and removes those masks. Noticed by heartbeat silence (2.5 s)."""
     sa = secagg()
-    config = server_config(num_rounds=1, min_clients=7, min_fit_clients=6, client_timeout_s=2.5,
+    config = server_config(
+        **mtls, num_rounds=1, min_clients=7, min_fit_clients=6, client_timeout_s=2.5,
                            fraction_evaluate=0.0, secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=5 + 7 * i) for i in range(7)]
     behaviours = {0: Behaviour(vanish_on=Stage.MASKED_INPUT)}
     started = time.monotonic()
-    runners, threads = start_runners(handle.address, clients, behaviours)
+    runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     history = handle.wait(60)
     elapsed = time.monotonic() - started
     stop_runners(runners, threads)
@@ -139,16 +145,18 @@ def test_a_client_gone_after_sharing_keys_has_its_masks_removed(server_config) -
     assert np.all(np.abs(got - mean) <= mean_tolerance(weighted, total_weight, 6, sa) + 1e-6)
 
 
-def test_a_silent_client_is_dropped_when_its_heartbeats_stop(server_config) -> None:  # type: ignore[no-untyped-def]
+def test_a_silent_client_is_dropped_when_its_heartbeats_stop(
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     """A client whose process hangs in training (no stream open, heartbeats stopped) is
     dropped after client_timeout_s, long before the round's deadline."""
     sa = secagg()
-    config = server_config(num_rounds=1, min_clients=6, min_fit_clients=5, client_timeout_s=2.5,
+    config = server_config(
+        **mtls, num_rounds=1, min_clients=6, min_fit_clients=5, client_timeout_s=2.5,
                            round_timeout_s=60.0, fraction_evaluate=0.0, secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=20) for i in range(6)]
-    runners, threads = start_runners(handle.address, clients)
+    runners, threads = start_runners(handle.address, clients, pki=pki)
 
     release = threading.Event()
 
@@ -169,13 +177,15 @@ def test_a_silent_client_is_dropped_when_its_heartbeats_stop(server_config) -> N
     assert elapsed < 12.0
 
 
-def test_too_few_survivors_fail_the_round_cleanly_and_the_next_one_runs(server_config) -> None:  # type: ignore[no-untyped-def]
+def test_too_few_survivors_fail_the_round_cleanly_and_the_next_one_runs(
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     # k = 6, t = 4: a round needs 5 clients that shared keys. Round 1 samples 5, two
     # vanish after advertising (noticed at once: broken streams) and come back as new
     # sessions; round 2 samples all 7 sessions, and the two dead ones are dropped when
     # their heartbeats time out (3 s): 5 remain, each with 4 neighbours (complete graph).
     sa = secagg(neighbours=6, threshold=4)
-    config = server_config(num_rounds=2, min_clients=5, min_fit_clients=5, long_poll_s=2.0,
+    config = server_config(
+        **mtls, num_rounds=2, min_clients=5, min_fit_clients=5, long_poll_s=2.0,
                            client_timeout_s=3.0, keep_checkpoints=5, fraction_evaluate=0.0,
                            secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
@@ -184,7 +194,7 @@ def test_too_few_survivors_fail_the_round_cleanly_and_the_next_one_runs(server_c
     behaviours = {i: Behaviour(delay={Stage.ADVERTISE_KEYS: 1.0}) for i in (2, 3, 4)}
     for i in (0, 1):  # vanish after advertising in round 1, come back as new sessions
         behaviours[i] = Behaviour(vanish_after=Stage.ADVERTISE_KEYS, stay_away=False)
-    runners, threads = start_runners(handle.address, clients, behaviours)
+    runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
     assert [r["status"] for r in history] == ["failed", "ok"], history
@@ -195,19 +205,21 @@ def test_too_few_survivors_fail_the_round_cleanly_and_the_next_one_runs(server_c
     assert history[1]["num_updates"] == 5
 
 
-def test_fedadam_composes_with_secure_aggregation(server_config) -> None:  # type: ignore[no-untyped-def]
+def test_fedadam_composes_with_secure_aggregation(
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     """FedAdam's server step applied to the secure mean equals FedAdam over the plain
     updates (the oracle: our FedAdam, itself checked against Flower's)."""
     from fedloom.strategies import FedAdam
     from fedloom.types import ClientUpdate
 
     sa = secagg()
-    config = server_config(num_rounds=1, min_clients=5, min_fit_clients=5, secure_aggregation=sa,
+    config = server_config(
+        **mtls, num_rounds=1, min_clients=5, min_fit_clients=5, secure_aggregation=sa,
                            strategy=StrategyConfig("fedadam", {"eta": 0.1}))
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=10 + i) for i in range(5)]
-    runners, threads = start_runners(handle.address, clients)
+    runners, threads = start_runners(handle.address, clients, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
     assert history[0]["status"] == "ok"
@@ -226,7 +238,7 @@ def test_fedadam_composes_with_secure_aggregation(server_config) -> None:  # typ
 
 
 def test_a_round_restarted_by_a_server_restart_gets_a_new_attempt_and_fresh_keys(
-        server_config) -> None:  # type: ignore[no-untyped-def]
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     """The server stops in round 1's share-keys stage and a new one resumes the run:
     round 1 runs again under a larger attempt id, and every client advertises new keys."""
     import socket
@@ -237,13 +249,13 @@ def test_a_round_restarted_by_a_server_restart_gets_a_new_attempt_and_fresh_keys
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     sa = secagg()
-    config = server_config(address=f"127.0.0.1:{port}", num_rounds=1, min_clients=5,
+    config = server_config(**mtls, address=f"127.0.0.1:{port}", num_rounds=1, min_clients=5,
                            min_fit_clients=5, fraction_evaluate=0.0, secure_aggregation=sa)
     first = Server(config, initial_weights=small_weights())
     handle = first.start()
     clients = [RecordingClient(seed=i, num_examples=12) for i in range(5)]
     behaviours = {i: Behaviour(delay={Stage.SHARE_KEYS: 0.5}) for i in range(5)}
-    runners, threads = start_runners(handle.address, clients, behaviours)
+    runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     deadline = time.monotonic() + 30
     assert first.coordinator is not None
     while first.coordinator.secure.running != (1, Stage.SHARE_KEYS):
@@ -264,3 +276,36 @@ def test_a_round_restarted_by_a_server_restart_gets_a_new_attempt_and_fresh_keys
                                                      history[0]["secure_aggregation"]["attempt"]]
         assert keys[0].mask_public_key != keys[1].mask_public_key
         assert keys[0].cipher_public_key != keys[1].cipher_public_key
+
+
+def test_without_a_client_pki_secure_rounds_need_an_explicit_opt_in(server_config) -> None:  # type: ignore[no-untyped-def]
+    from fedloom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="allow_unauthenticated"):
+        server_config(min_clients=6, min_fit_clients=6, secure_aggregation=secagg())
+
+
+def test_an_unauthenticated_round_runs_on_key_offers_and_warns(server_config, caplog) -> None:  # type: ignore[no-untyped-def]
+    """allow_unauthenticated (plaintext, no client PKI): honest-but-curious only, said
+    loudly at start; round 2 runs on the keys each client offered in round 1 (no
+    advertise stage) and neither round has a consistency stage."""
+    sa = secagg(allow_unauthenticated=True)
+    config = server_config(num_rounds=2, min_clients=6, min_fit_clients=6, keep_checkpoints=5,
+                           fraction_evaluate=0.0, secure_aggregation=sa)
+    with caplog.at_level("WARNING", logger="fedloom.server"):
+        server = Server(config, initial_weights=small_weights())
+    assert "WITHOUT A CLIENT PKI" in caplog.text and "honest-but-curious" in caplog.text
+    handle = server.start()
+    clients = [RecordingClient(seed=i, num_examples=10 * (i + 1)) for i in range(6)]
+    runners, threads = start_runners(handle.address, clients)
+    history = handle.wait(60)
+    stop_runners(runners, threads)
+    assert [r["status"] for r in history] == ["ok", "ok"]
+    for runner in runners:
+        early = [(r, s) for r, s in runner.stages_pushed if s is not Stage.UNMASK]
+        assert early == [(1, Stage.ADVERTISE_KEYS), (1, Stage.SHARE_KEYS),
+                         (1, Stage.MASKED_INPUT), (2, Stage.SHARE_KEYS), (2, Stage.MASKED_INPUT)]
+    saved = checkpoints(config.state_dir)
+    mean, weighted, total_weight = plaintext(clients, list(range(6)), 2, sa)
+    got = flatten(saved[2].subtract(saved[1]))
+    assert np.all(np.abs(got - mean) <= mean_tolerance(weighted, total_weight, 6, sa) + 1e-6)

@@ -9,6 +9,7 @@ against the same reference, so secure and plain agree within that bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
 from fedloom.config import StrategyConfig
 from fedloom.errors import ConfigError
-from fedloom.secagg import RoundId, RoundSetup, SecAggConfig, neighbour_graph
+from fedloom.secagg import SecAggConfig, Stage, neighbour_graph
 from fedloom.simulations.history import History
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.local_secure import (
@@ -38,6 +39,10 @@ from fedloom.weights import Weights
 
 SECURE = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=4.0, bits=24,
                       max_weight=200.0, max_participants=64)
+#: The same, without a client PKI: honest-but-curious only, no consistency stage.
+UNAUTHENTICATED = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=4.0,
+                               bits=24, max_weight=200.0, max_participants=64,
+                               allow_unauthenticated=True)
 
 
 class StepClient(Client):
@@ -106,8 +111,10 @@ def run(n: int = 12, rounds: int = 3, secure: LocalSecureAggregation | None = No
     return history, clients
 
 
-def test_secure_run_equals_plain_run_within_the_quantization_bound() -> None:
-    secure = LocalSecureAggregation(SECURE, seed=1)
+@pytest.mark.parametrize("config", [SECURE, UNAUTHENTICATED], ids=["signed", "unsigned"])
+def test_secure_run_equals_plain_run_within_the_quantization_bound(config: SecAggConfig
+                                                                    ) -> None:
+    secure = LocalSecureAggregation(config, seed=1)
     got, clients = run(secure=secure)
     plain, _plain_clients = run()
     assert got.weights is not None and plain.weights is not None
@@ -123,8 +130,11 @@ def test_secure_run_equals_plain_run_within_the_quantization_bound() -> None:
         assert record.get("num_updates") == 12 and record.get("num_failures") == 0
         assert record.get("num_examples") == sum(10 + 7 * i for i in ids)
         assert secure.reports[r - 1].survivors == tuple(sorted(str(i) for i in ids))
-        assert set(secure.reports[r - 1].stage_s) == {"advertise_keys", "share_keys",
-                                                      "masked_input", "unmask"}
+        stages = {str(s) for s in Stage}
+        if config.allow_unauthenticated:
+            stages.discard(str(Stage.CONSISTENCY))
+        assert set(secure.reports[r - 1].stage_s) == stages
+        assert secure.reports[r - 1].attempts == 1
     # FedAvg's step is the mean itself: each round's model is the sum of the means
     assert np.all(np.abs(flat(got.weights) - models[3]) <= total_bound + 1e-6)
     # the plain run trains on the same seeds, so its model is the same sum (exactly)
@@ -160,17 +170,25 @@ def test_masked_inputs_computed_in_threads_give_the_same_model() -> None:
         assert models[0].allclose(models[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("config", [SECURE, UNAUTHENTICATED], ids=["signed", "unsigned"])
 @pytest.mark.parametrize("after", ["advertise_keys", "share_keys", "masked_input"])
-def test_dropouts_at_each_stage(after: str) -> None:
+def test_dropouts_at_each_stage(after: str, config: SecAggConfig) -> None:
     """A fifth of the clients vanish after ``after``: left out (advertise_keys), dropped
-    with their masks removed (share_keys), or survivors whose seeds are reconstructed
-    without them (masked_input). The result is the plaintext mean over the survivors."""
-    secure = LocalSecureAggregation(SECURE, SecureDropout(fraction=0.2, after=after), seed=2)
+    with their masks removed (share_keys), or, after masked_input, survivors whose seeds
+    are reconstructed without them (unauthenticated) or who never confirm the survivor
+    set, so that the attempt is retried without them (authenticated). The result is the
+    plaintext mean over the survivors."""
+    secure = LocalSecureAggregation(config, SecureDropout(fraction=0.2, after=after), seed=2)
     history, clients = run(n=15, rounds=1, secure=secure)
     report = secure.reports[0]
     assert len(report.vanished) == 3
     vanished = {int(c) for c in report.vanished}
-    inputs = [i for i in range(15) if after == "masked_input" or i not in vanished]
+    retried = after == "masked_input" and not config.allow_unauthenticated
+    kept = after == "masked_input" and not retried
+    assert report.attempts == (2 if retried else 1)
+    if retried:
+        assert "did not confirm the survivor set" in report.failures[0]
+    inputs = [i for i in range(15) if kept or i not in vanished]
     assert report.survivors == tuple(sorted(str(i) for i in inputs))
     assert set(report.dropped) == (set(report.vanished) if after == "share_keys" else set())
     record = history.rounds[1]
@@ -182,16 +200,18 @@ def test_dropouts_at_each_stage(after: str) -> None:
     assert history.weights is not None
     assert np.all(np.abs(flat(history.weights) - mean) <= bound + 1e-7)
     everyone, _, _ = plaintext_mean(clients, list(range(15)), 1, SECURE)
-    assert after == "masked_input" or np.abs(flat(history.weights) - everyone).max() > 1e-3
+    assert kept or np.abs(flat(history.weights) - everyone).max() > 1e-3
 
 
 def test_too_many_dropouts_fail_the_round_cleanly_and_the_next_one_runs() -> None:
     # 60% vanish after sharing keys in round 1 only: 6 of 15 survive, fewer than a
     # survivor's t = 4 surviving neighbours somewhere (k = 6), or too few to unmask.
+    # With one attempt a round allows, round 1 fails.
+    once = dataclasses.replace(SECURE, max_attempts=1)
     secure = LocalSecureAggregation(
-        SECURE, SecureDropout(fraction=0.6, after="share_keys", choice="random", rounds=(1,)))
+        once, SecureDropout(fraction=0.6, after="share_keys", choice="random", rounds=(1,)))
     history, clients = run(n=15, rounds=2, secure=secure)
-    assert secure.reports[0].failure
+    assert secure.reports[0].failure and secure.reports[0].attempts == 1
     first = history.rounds[1]
     assert first.get("no_model_reason", "").startswith("secure aggregation failed")
     assert first.get("num_failures") == 15
@@ -202,16 +222,32 @@ def test_too_many_dropouts_fail_the_round_cleanly_and_the_next_one_runs() -> Non
                   <= mean_bound(weighted, total, 15, SECURE) + 1e-7)
 
 
+def test_a_failed_attempt_is_retried_without_the_clients_that_vanished() -> None:
+    # the same dropouts with the default max_attempts: the round's second attempt runs
+    # over the 6 clients that stayed (fresh keys) and the round aggregates them
+    secure = LocalSecureAggregation(
+        SECURE, SecureDropout(fraction=0.6, after="share_keys", choice="random", rounds=(1,)))
+    history, clients = run(n=15, rounds=1, secure=secure)
+    report = secure.reports[0]
+    assert report.attempts == 2 and len(report.failures) == 1 and not report.failure
+    stayed = sorted(set(str(i) for i in range(15)) - set(report.vanished), key=int)
+    assert len(stayed) == 6 and report.survivors == tuple(sorted(stayed))
+    ids = [int(c) for c in stayed]
+    mean, weighted, total = plaintext_mean(clients, ids, 1, SECURE)
+    assert history.weights is not None
+    assert np.all(np.abs(flat(history.weights) - mean)
+                  <= mean_bound(weighted, total, 6, SECURE) + 1e-7)
+    assert history.rounds[1].get("num_updates") == 6
+
+
 def test_spread_dropouts_leave_every_client_threshold_neighbours() -> None:
-    config = SecAggConfig(enabled=True, neighbours=10, threshold=6, max_participants=64)
-    for n, attempt in ((50, 1), (50, 2), (20, 3), (11, 4)):
+    for n, seed in ((50, b"a"), (50, b"b"), (20, b"c"), (11, b"d")):
         ids = [f"c{i:02d}" for i in range(n)]
-        setup = RoundSetup.create(config, RoundId("r", 1, attempt), ids, 10)
-        chosen = spread_dropouts(setup, ids, n // 5)
+        graph = neighbour_graph(ids, 10, seed * 32)
+        chosen = spread_dropouts(graph, 6, ids, n // 5)
         assert len(chosen) == n // 5
-        graph = neighbour_graph(setup)
         assert all(len(graph[u] - chosen) >= 6 for u in ids)
-        assert chosen == spread_dropouts(setup, reversed(ids), n // 5)  # deterministic
+        assert chosen == spread_dropouts(graph, 6, reversed(ids), n // 5)  # deterministic
 
 
 def test_fedadam_under_secure_aggregation_takes_the_secure_mean() -> None:
@@ -257,20 +293,27 @@ def test_robust_strategies_and_disabled_configs_are_refused() -> None:
 
 
 def test_payload_bytes_of_a_round() -> None:
-    secure = LocalSecureAggregation(SECURE)
+    secure = LocalSecureAggregation(UNAUTHENTICATED)
     run(rounds=1, secure=secure)
     report = secure.reports[0]
     length = 40 * 5 + 5
-    setup = RoundSetup.create(SECURE, RoundId("local", 1, report.attempt),
-                              report.participants, length)
-    neighbours = neighbour_graph(setup)["3"]
-    # client "3" sends its keys (id + 3 x 32 bytes), a sealed share per neighbour
-    # (sender, receiver, 12-byte nonce, 2 x 66 + 16 bytes), its masked vector (id +
-    # uint32[length + 1]) and, in unmask, up to one revealed share per neighbour (owner
-    # + 66 bytes): unmask closes as soon as every secret has t shares.
-    fixed = (1 + 96) + sum(1 + len(v) + 12 + 148 for v in neighbours) + 1 + 4 * (length + 1)
+    # with 12 participants and k = 6, every client has 6 neighbours
+    neighbours = [c for c in report.participants if c != "3"][:6]
+    # client "3" sends its keys (id + 2 x 32 bytes), a sealed share per neighbour
+    # (sender, receiver, 12-byte nonce, 2 x 66 + 16 bytes) with two 32-byte commitments,
+    # its 32-byte self-mask commitment, its masked vector (id + uint32[length + 1]) and,
+    # in unmask, up to one revealed share per neighbour (owner + 66 bytes): unmask
+    # closes as soon as every secret has t shares.
+    fixed = ((1 + 64) + sum(1 + len(v) + 12 + 148 + 64 for v in neighbours) + 32
+             + 1 + 4 * (length + 1))
     sent = report.bytes_sent["3"]
     assert fixed <= sent <= fixed + sum(len(v) + 66 for v in neighbours)
+    # signed: the certificate and the signature come with the keys, and a signature of
+    # the survivor set with the consistency reply
+    signed = LocalSecureAggregation(SECURE)
+    run(rounds=1, secure=signed)
+    extra = signed.reports[0].bytes_sent["3"] - sent
+    assert 300 < extra < 2000, extra
     with pytest.raises(TypeError):
         payload_bytes(object())
 
