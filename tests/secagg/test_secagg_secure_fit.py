@@ -1,11 +1,14 @@
 """The client's stage runner (`SecureFit`) checks what the server sends before it acts.
 
 Each refusal comes back as a task failure (the server then treats the client as a
-dropout) and the application's `fit` is not run for a task that does not add up.
+dropout) and the application's `fit` is not run for a task that does not add up: in
+particular for a model or fit config other than the one the round's setup binds (a
+server that sends one client another model than the others).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -26,6 +29,8 @@ from fedloom.secagg import (
     SecAggConfig,
     ShareKeysRequest,
     clip_delta,
+    config_digest,
+    model_digest,
 )
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
@@ -45,10 +50,22 @@ def _task(request: Any, run_id: str = "run", server_round: int = 1,
                       PayloadInfo.describe(weights.specs(), payload), secagg=request)
 
 
+def _model(weights: Weights) -> bytes:
+    return model_digest(weights.specs(), PayloadInfo.describe(weights.specs(),
+                                                              serialize(weights)).sha256)
+
+
 def _advertise(length: int = 15, participants: list[str] | None = None,
-               round_id: RoundId | None = None) -> AdvertiseKeysRequest:
-    return AdvertiseKeysRequest(RoundSetup.create(CONFIG, round_id or RoundId("run", 1, 0),
-                                                  participants or IDS, length))
+               round_id: RoundId | None = None, weights: Weights | None = None,
+               config: dict[str, Any] | None = None) -> AdvertiseKeysRequest:
+    """Stage 1 of an unauthenticated attempt that binds ``weights`` (default: the model
+    `_task` delivers) and ``config`` (default: `_task`'s)."""
+    rid = round_id or RoundId("run", 1, 0)
+    setup = RoundSetup.create(
+        dataclasses.replace(CONFIG, allow_unauthenticated=True), rid, participants or IDS,
+        length, model_digest=_model(weights or small_weights()),
+        config_digest=config_digest(config or {"server_round": rid.server_round}))
+    return AdvertiseKeysRequest(setup)
 
 
 def _run(request: Any, **task: Any) -> tuple[RecordingClient, Any]:
@@ -73,13 +90,15 @@ def test_a_request_for_another_round_or_run_is_refused_before_training() -> None
 
 
 def _masked_input_after(advertise: AdvertiseKeysRequest, client: RecordingClient,
-                        round_id: RoundId | None = None) -> Any:
+                        round_id: RoundId | None = None, fit: SecureFit | None = None,
+                        **task: Any) -> Any:
     """Advertise keys, then run a masked-input task (no shares) on the same runner."""
-    fit = SecureFit(client, "c0")
-    keys, _ = fit.execute(SESSION, _task(advertise), small_weights())
+    fit = fit or SecureFit(client, "c0")
+    keys, _ = fit.execute(SESSION, _task(advertise, server_round=advertise.round_id.server_round),
+                          small_weights())
     assert isinstance(keys.secagg, AdvertisedKeys)
-    request = MaskedInputRequest(round_id or advertise.setup.round_id, ())
-    result, _ = fit.execute(SESSION, _task(request), small_weights())
+    request = MaskedInputRequest(round_id or advertise.setup.round_id, (), ())
+    result, _ = fit.execute(SESSION, _task(request, **task), small_weights())
     return result
 
 
@@ -102,16 +121,54 @@ def test_a_client_with_more_examples_than_max_weight_refuses() -> None:
 
 
 def test_a_masked_input_request_without_advertised_keys_is_refused() -> None:
-    client, (result, _) = _run(MaskedInputRequest(RoundId("run", 1, 0), ()))
-    assert result.kind is None and "no keys were advertised" in result.failure
+    client, (result, _) = _run(MaskedInputRequest(RoundId("run", 1, 0), (), ()))
+    assert result.kind is None and "no keys were shared" in result.failure
     assert client.sent == []
 
 
 def test_a_masked_input_request_for_another_attempt_is_refused_before_training() -> None:
     client = RecordingClient(seed=0, num_examples=10)
     result = _masked_input_after(_advertise(), client, round_id=RoundId("run", 1, 1))
-    assert result.kind is None and "no keys were advertised" in result.failure
+    assert result.kind is None and "no keys were shared" in result.failure
     assert client.sent == []
+
+
+def test_another_model_than_the_setup_binds_is_refused_before_training() -> None:
+    """The attack of model inconsistency (Pasquini et al., CCS 2022): the victim gets
+    another model than the others. Its setup binds the others' model, so it refuses."""
+    other = Weights((k, v + 1) for k, v in small_weights().items())
+    client = RecordingClient(seed=0, num_examples=10)
+    result = _masked_input_after(_advertise(weights=other), client)
+    assert result.kind is None and "not the one its setup binds" in result.failure
+    assert client.sent == []
+
+
+def test_another_fit_config_than_the_setup_binds_is_refused_before_training() -> None:
+    client = RecordingClient(seed=0, num_examples=10)
+    result = _masked_input_after(_advertise(), client,
+                                 config={"server_round": 1, "lr": 10.0})
+    assert result.kind is None and "fit config" in result.failure
+    assert client.sent == []
+
+
+def test_a_retried_attempt_of_the_round_masks_the_update_trained_once() -> None:
+    client = RecordingClient(seed=0, num_examples=10)
+    fit = SecureFit(client, "c0")
+    first = _masked_input_after(_advertise(), client, fit=fit)
+    assert len(client.sent) == 1 and "out of order" in first.failure
+    again = _masked_input_after(_advertise(round_id=RoundId("run", 1, 1)), client, fit=fit)
+    assert len(client.sent) == 1 and "out of order" in again.failure  # not trained again
+    _masked_input_after(_advertise(round_id=RoundId("run", 2, 2),
+                                   config={"server_round": 2}), client, fit=fit,
+                        server_round=2, config={"server_round": 2})
+    assert len(client.sent) == 2  # a new round trains
+
+
+def test_a_client_without_a_certificate_refuses_an_authenticated_round() -> None:
+    setup = _advertise().setup
+    signed = dataclasses.replace(setup, authenticated=True)
+    _client, (result, _) = _run(AdvertiseKeysRequest(signed))
+    assert result.kind is None and "no certificate" in result.failure
 
 
 def test_stage_three_trains_then_the_protocol_checks_its_request() -> None:
@@ -151,7 +208,7 @@ def test_a_share_task_on_keys_never_offered_is_refused_and_nothing_trains() -> N
     result, _ = fit.execute(SESSION, _task(ShareKeysRequest(setup.round_id, (), setup, own)),
                             small_weights())
     assert result.kind is None and "never offered" in result.failure
-    masked = MaskedInputRequest(setup.round_id, ())
+    masked = MaskedInputRequest(setup.round_id, (), ())
     result, _ = fit.execute(SESSION, _task(masked), small_weights())
-    assert result.kind is None and "no keys were advertised" in result.failure
+    assert result.kind is None and "no keys were shared" in result.failure
     assert client.sent == []

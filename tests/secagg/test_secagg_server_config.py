@@ -1,5 +1,8 @@
 """``[secure_aggregation]`` in the server's configuration: TOML, flags, every refusal
-with its reason, and the strategies that compose (or are refused)."""
+with its reason, and the strategies that compose (or are refused).
+
+These servers talk plaintext, so secure aggregation needs ``allow_unauthenticated``
+(`_config` sets it unless told otherwise); the refusal without it is tested too."""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ BASE: dict[str, Any] = {"insecure": True, "min_clients": 8, "min_fit_clients": 8
 
 
 def _config(secure: dict[str, Any], **top: Any) -> ServerConfig:
-    return from_mapping(ServerConfig, {**BASE, **top, "secure_aggregation": secure})
+    table = {"allow_unauthenticated": True, **secure}
+    return from_mapping(ServerConfig, {**BASE, **top, "secure_aggregation": table})
 
 
 def test_the_toml_table_builds_a_validated_secagg_config() -> None:
@@ -27,7 +31,7 @@ def test_the_toml_table_builds_a_validated_secagg_config() -> None:
                       "stage_timeout_s": 15})
     assert config.secure_aggregation == SecAggConfig(
         enabled=True, neighbours=6, threshold=4, clip_range=2.0, bits=20, max_weight=500.0,
-        max_participants=100, stage_timeout_s=15.0)
+        max_participants=100, stage_timeout_s=15.0, allow_unauthenticated=True)
     assert ServerConfig(insecure=True).secure_aggregation.enabled is False  # off by default
 
 
@@ -35,10 +39,14 @@ def test_flags_fill_the_table() -> None:
     args = build_parser().parse_args([
         "server", "--insecure", "--min-clients", "5", "--min-fit-clients", "5",
         "--secure-aggregation", "true", "--secagg-neighbours", "4", "--secagg-threshold", "3",
-        "--secagg-clip-range", "1.5", "--secagg-stage-timeout-s", "9"])
+        "--secagg-clip-range", "1.5", "--secagg-stage-timeout-s", "9",
+        "--secagg-allow-unauthenticated", "true", "--secagg-min-survivors", "5",
+        "--secagg-max-attempts", "2", "--secagg-colluding-clients", "0"])
     config = server_config_from_args(args).secure_aggregation
     assert (config.enabled, config.neighbours, config.threshold) == (True, 4, 3)
     assert (config.clip_range, config.stage_timeout_s) == (1.5, 9.0)
+    assert (config.allow_unauthenticated, config.min_survivors, config.max_attempts,
+            config.colluding_clients) == (True, 5, 2, 0)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +59,15 @@ def test_flags_fill_the_table() -> None:
         ({"max_participants": 2048}, {}, "secure_aggregation.bits", "could wrap"),
         ({"stage_timeout_s": 0}, {}, "secure_aggregation.stage_timeout_s", "positive"),
         ({"enabld": True}, {}, "secure_aggregation.enabld", "did you mean 'enabled'"),
-        ({}, {"min_clients": 6, "min_fit_clients": 6}, "min_fit_clients", r"threshold \+ 1 = 7"),
+        ({}, {"min_clients": 6, "min_fit_clients": 6}, "min_fit_clients",
+         r"max\(threshold \+ 1, min_survivors\) = 7"),
+        ({"min_survivors": 9}, {}, "min_fit_clients", r"min_survivors\) = 9"),
+        ({"min_survivors": 3}, {}, "secure_aggregation.min_survivors", "threshold \\+ 1 = 7"),
+        ({"colluding_clients": 2}, {}, "secure_aggregation.colluding_clients",
+         "2t - k - 1 = 1"),
+        ({"max_attempts": 0}, {}, "secure_aggregation.max_attempts", "1..16"),
+        ({"allow_unauthenticated": False}, {}, "secure_aggregation.allow_unauthenticated",
+         "honest-but-curious"),
         ({"max_participants": 6, "bits": 20}, {}, "secure_aggregation.max_participants",
          "below min_fit_clients"),
         ({}, {"over_selection": 1.3}, "over_selection", "set over_selection = 1"),
@@ -69,10 +85,35 @@ def test_the_round_size_rules_are_only_checked_when_enabled() -> None:
     _config({"enabled": False}, over_selection=1.3)
 
 
+def test_a_server_with_mutual_tls_runs_authenticated_secure_rounds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import concurrent.futures
+
+    from fedloom.certs import write_certificates
+    from fedloom.config import AuthConfig, TLSConfig
+    from fedloom.server.registry import ClientRegistry
+    from fedloom.server.secure import SecureRounds
+
+    write_certificates(tmp_path, clients=("a",))
+    tls = TLSConfig(cert=str(tmp_path / "server.pem"), key=str(tmp_path / "server.key"),
+                    client_ca=str(tmp_path / "ca.pem"))
+    config = ServerConfig(min_clients=8, min_fit_clients=8, tls=tls, state_dir=str(tmp_path),
+                          progress=False, secure_aggregation=SecAggConfig(enabled=True))
+    assert config.mutual_tls
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        rounds = SecureRounds(config, "run", ClientRegistry(10), pool, tmp_path)
+    assert rounds.authenticated
+    # TLS without client certificates (tokens, anonymous) is not a client PKI
+    with pytest.raises(ConfigError, match="allow_unauthenticated"):
+        ServerConfig(min_clients=8, min_fit_clients=8, state_dir=str(tmp_path),
+                     tls=TLSConfig(cert=tls.cert, key=tls.key), auth=AuthConfig(anonymous=True),
+                     secure_aggregation=SecAggConfig(enabled=True))
+
+
 def _server(tmp_path, strategy: StrategyConfig) -> Server:  # type: ignore[no-untyped-def]
     config = ServerConfig(insecure=True, min_clients=8, min_fit_clients=8,
                           state_dir=str(tmp_path), progress=False, strategy=strategy,
-                          secure_aggregation=SecAggConfig(enabled=True))
+                          secure_aggregation=SecAggConfig(enabled=True,
+                                                          allow_unauthenticated=True))
     return Server(config, initial_weights=small_weights())
 
 
