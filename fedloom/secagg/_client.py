@@ -211,6 +211,11 @@ class SecAggClient:
         """The setup of the attempt in progress, if any."""
         return self._attempt.setup if self._attempt is not None else None
 
+    @property
+    def graph(self) -> Graph:
+        """The neighbour graph of the attempt in progress (empty before share_keys)."""
+        return self._attempt.graph if self._attempt is not None else {}
+
     # -- stages ---------------------------------------------------------------------
     # Each refusal ends the current attempt (its secrets are dropped), except for a request
     # that does not belong to the current attempt at all (stale or foreign): that one is

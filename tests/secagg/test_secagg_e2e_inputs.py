@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,22 +80,26 @@ class Outcome:
     sa: SecAggConfig
 
 
-def _run(server_config, behaviours: dict[int, Behaviour], **overrides) -> Outcome:  # type: ignore[no-untyped-def]
+def _run(server_config, tls: tuple[dict[str, Any], Path], behaviours: dict[int, Behaviour],  # type: ignore[no-untyped-def]
+         **overrides) -> Outcome:
+    """One secure round of 7 clients over mutual TLS (``tls``: the mtls and pki fixtures)."""
+    mtls, pki = tls
     sa = overrides.pop("secure_aggregation", secagg())
-    config = server_config(num_rounds=1, min_clients=7, min_fit_clients=6,
+    config = server_config(**mtls, num_rounds=1, min_clients=7, min_fit_clients=6,
                            fraction_evaluate=0.0, secure_aggregation=sa, **overrides)
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=8 + 5 * i) for i in range(7)]
-    runners, threads = start_runners(handle.address, clients, behaviours)
+    runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
     return Outcome(server, runners, clients, history, config.state_dir, sa)
 
 
 @pytest.mark.parametrize("kind", sorted(TAMPERS))
-def test_a_bad_masked_input_is_dropped_and_the_round_completes(server_config, kind: str) -> None:  # type: ignore[no-untyped-def]
-    out = _run(server_config, {3: Behaviour(tamper=TAMPERS[kind])})
+def test_a_bad_masked_input_is_dropped_and_the_round_completes(server_config, mtls, pki,
+                                                             kind: str) -> None:  # type: ignore[no-untyped-def]
+    out = _run(server_config, (mtls, pki), {3: Behaviour(tamper=TAMPERS[kind])})
     assert out.history[0]["status"] == "ok", out.history
     info = out.history[0]["secure_aggregation"]
     assert (info["survivors"], info["dropped"]) == (6, 1)  # its keys were shared: dropped
@@ -108,11 +113,12 @@ def test_a_bad_masked_input_is_dropped_and_the_round_completes(server_config, ki
     assert np.all(np.abs(got - mean) <= mean_tolerance(weighted, total_weight, 6, sa) + 1e-6)
 
 
-def test_no_masked_input_is_taken_after_the_survivors_are_published(server_config) -> None:  # type: ignore[no-untyped-def]
+def test_no_masked_input_is_taken_after_the_survivors_are_published(  # type: ignore[no-untyped-def]
+        server_config, mtls, pki) -> None:
     """The masked-input stage closes at its deadline (the round's, 1.5 s: the stage where
     clients train) without the slow client; its input, arriving later, is refused and it
     counts as dropped."""
-    out = _run(server_config, {5: Behaviour(delay={Stage.MASKED_INPUT: 3.0})},
+    out = _run(server_config, (mtls, pki), {5: Behaviour(delay={Stage.MASKED_INPUT: 3.0})},
                round_timeout_s=1.5)
     assert out.history[0]["status"] == "ok", out.history
     info = out.history[0]["secure_aggregation"]
@@ -122,10 +128,11 @@ def test_no_masked_input_is_taken_after_the_survivors_are_published(server_confi
     assert 5 not in survivors and len(survivors) == 6
 
 
-def test_a_norm_bound_becomes_clipping_on_the_client(server_config) -> None:  # type: ignore[no-untyped-def]
+def test_a_norm_bound_becomes_clipping_on_the_client(server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     """With max_update_norm = 1, each client clips its delta before masking; the new
     model is the weighted mean of the clipped deltas (oracle: `clip_update`)."""
-    out = _run(server_config, {}, strategy=StrategyConfig("fedavg", {"max_update_norm": 1.0}))
+    out = _run(server_config, (mtls, pki), {},
+               strategy=StrategyConfig("fedavg", {"max_update_norm": 1.0}))
     assert out.history[0]["status"] == "ok"
     assert "num_clipped" not in out.history[0]["fit"]  # the server sees no update to clip
     sa, clients = out.sa, out.clients
