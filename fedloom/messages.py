@@ -18,8 +18,12 @@ from fedloom.types import Config, Metrics, TaskKind
 #: Report call (a client reads its tasks from one stream and sends payload-less results
 #: in one message; Pull and Push stay). 4: SecAgg+ key offers (a share-keys result offers
 #: keys for the next attempt and carries the self-mask commitment; a share-keys task may
-#: carry the setup and the client's own keys).
-PROTOCOL_VERSION = 4
+#: carry the setup and the client's own keys). 5: SecAgg+ against a malicious server
+#: (signed keys; the setup binds identities, a survivor floor and the model and config
+#: digests, and drops the graph seed; a share-keys task lists every participant's keys;
+#: share commitments; the consistency stage; unmask carries confirmations, not the
+#: dropped clients).
+PROTOCOL_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

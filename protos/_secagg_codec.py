@@ -2,9 +2,11 @@
 
 Part of the one codec, split out to keep modules small: `codec` is still the only
 public protobuf touch and calls these from its task and result pairs. Every
-``_from_proto`` treats its input as hostile: counts and sizes are bounded here, and the
-`fedloom.secagg` dataclasses check ids, key and nonce lengths and the round's
-parameters in their constructors; every refusal is `MessageRejectedError` (INVALID).
+``_from_proto`` treats its input as hostile: list lengths, numeric ranges, a missing
+``round_id`` and a setup's identities-per-participant are checked here, and the
+`fedloom.secagg` dataclasses check ids, the lengths of keys, nonces, digests,
+commitments, certificates and signatures, and the round's parameters in their
+constructors; every refusal is `MessageRejectedError` (INVALID).
 Whether a message makes sense for the round is the state machines' business.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader
@@ -24,6 +26,13 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import (
 )
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggAdvertiseKeysTask as ProtoAdvertiseKeysTask,
+)
+from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggConfirmation as ProtoConfirmation
+from fedloom.protos.fedloom.v1.fleet_pb2 import (
+    SecAggConsistencyResult as ProtoConsistencyResult,
+)
+from fedloom.protos.fedloom.v1.fleet_pb2 import (
+    SecAggConsistencyTask as ProtoConsistencyTask,
 )
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggEncryptedShare as ProtoEncryptedShare,
@@ -39,6 +48,9 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggRevealedShare as ProtoReve
 from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggRoundId as ProtoRoundId
 from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggSetup as ProtoSetup
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
+    SecAggShareCommitment as ProtoShareCommitment,
+)
+from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggShareKeysResult as ProtoShareKeysResult,
 )
 from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggShareKeysTask as ProtoShareKeysTask
@@ -48,6 +60,9 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import TaskHeader as ProtoTaskHeader
 from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
+    Confirmation,
+    ConsistencyReply,
+    ConsistencyRequest,
     EncryptedShare,
     KeyOffer,
     MaskedInputRequest,
@@ -56,6 +71,7 @@ from fedloom.secagg import (
     RoundSetup,
     SecAggReply,
     SecAggRequest,
+    ShareCommitment,
     ShareKeysReply,
     ShareKeysRequest,
     UnmaskReply,
@@ -64,12 +80,22 @@ from fedloom.secagg import (
 
 #: Most participants one round may list (SecAggConfig.max_participants is lower).
 MAX_PARTICIPANTS = 1 << 16
-#: Most entries in one stage message's list (neighbours, shares): a client's k.
+#: Most entries in any other list of a stage message (the roster, shares, commitments,
+#: survivors, confirmations).
 MAX_LIST = MAX_PARTICIPANTS
 _MAX_INT = (1 << 63) - 1  # fields are packed as signed 64-bit integers
 
 _T = TypeVar("_T")
 _P = TypeVar("_P")
+
+
+class _HasRoundId(Protocol):
+    """A stage message with a ``round_id`` submessage."""
+
+    @property
+    def round_id(self) -> ProtoRoundId: ...
+
+    def HasField(self, field_name: Literal["round_id"]) -> bool: ...
 
 
 def _invalid(message: str) -> MessageRejectedError:
@@ -95,39 +121,58 @@ def round_id_from_proto(message: ProtoRoundId) -> RoundId:
     return RoundId(message.run_id, int(message.round), int(message.attempt))
 
 
+def _round_id_of(message: _HasRoundId, what: str) -> RoundId:
+    """The ``round_id`` field of ``message``, which must be set."""
+    if not message.HasField("round_id"):
+        raise _invalid(f"{what} must name its round attempt (round_id is missing)")
+    return round_id_from_proto(message.round_id)
+
+
 def round_setup_to_proto(setup: RoundSetup) -> ProtoSetup:
     return ProtoSetup(
         round_id=round_id_to_proto(setup.round_id),
         participants=list(setup.participants),
+        identities=list(setup.identities),
         neighbours=setup.neighbours,
         threshold=setup.threshold,
         clip_range=setup.clip_range,
         bits=setup.bits,
         max_weight=setup.max_weight,
         vector_length=setup.vector_length,
-        graph_seed=setup.graph_seed,
+        min_survivors=setup.min_survivors,
+        model_digest=setup.model_digest,
+        config_digest=setup.config_digest,
+        authenticated=setup.authenticated,
     )
 
 
 def round_setup_from_proto(message: ProtoSetup) -> RoundSetup:
-    if not message.HasField("round_id"):
-        raise _invalid("a secure-aggregation setup must name its round attempt")
+    round_id = _round_id_of(message, "a secure-aggregation setup")
     participants = _bounded(message.participants, "participants", str, MAX_PARTICIPANTS)
+    identities = _bounded(message.identities, "identities", str, MAX_PARTICIPANTS)
+    if len(identities) != len(participants):
+        raise _invalid(f"a secure-aggregation setup names {len(identities)} identities for "
+                       f"{len(participants)} participants: it must list one identity per "
+                       "participant, in participant order")
     for name in ("clip_range", "max_weight"):
         if not math.isfinite(getattr(message, name)):
             raise _invalid(f"secure-aggregation {name} is not finite")
     if message.vector_length > _MAX_INT:
         raise _invalid("secure-aggregation vector_length is out of range")
     return RoundSetup(
-        round_id=round_id_from_proto(message.round_id),
+        round_id=round_id,
         participants=participants,
+        identities=identities,
         neighbours=int(message.neighbours),
         threshold=int(message.threshold),
         clip_range=float(message.clip_range),
         bits=int(message.bits),
         max_weight=float(message.max_weight),
         vector_length=int(message.vector_length),
-        graph_seed=bytes(message.graph_seed),
+        min_survivors=int(message.min_survivors),
+        model_digest=bytes(message.model_digest),
+        config_digest=bytes(message.config_digest),
+        authenticated=bool(message.authenticated),
     )
 
 
@@ -138,15 +183,19 @@ def advertised_keys_to_proto(keys: AdvertisedKeys) -> ProtoAdvertisedKeys:
         client_id=keys.client_id,
         cipher_public_key=keys.cipher_public_key,
         mask_public_key=keys.mask_public_key,
+        certificate=keys.certificate,
+        signature=keys.signature,
     )
 
 
 def advertised_keys_from_proto(message: ProtoAdvertisedKeys) -> AdvertisedKeys:
     return AdvertisedKeys(
-        round_id=round_id_from_proto(message.round_id),
+        round_id=_round_id_of(message, "advertised keys"),
         client_id=message.client_id,
         cipher_public_key=bytes(message.cipher_public_key),
         mask_public_key=bytes(message.mask_public_key),
+        certificate=bytes(message.certificate),
+        signature=bytes(message.signature),
     )
 
 
@@ -169,6 +218,23 @@ def encrypted_share_from_proto(message: ProtoEncryptedShare) -> EncryptedShare:
                           bytes(message.ciphertext))
 
 
+def share_commitment_to_proto(commitment: ShareCommitment) -> ProtoShareCommitment:
+    return ProtoShareCommitment(holder=commitment.holder, mask_key=commitment.mask_key,
+                                self_mask=commitment.self_mask)
+
+
+def share_commitment_from_proto(message: ProtoShareCommitment) -> ShareCommitment:
+    return ShareCommitment(message.holder, bytes(message.mask_key), bytes(message.self_mask))
+
+
+def confirmation_to_proto(confirmation: Confirmation) -> ProtoConfirmation:
+    return ProtoConfirmation(signer=confirmation.signer, signature=confirmation.signature)
+
+
+def confirmation_from_proto(message: ProtoConfirmation) -> Confirmation:
+    return Confirmation(message.signer, bytes(message.signature))
+
+
 def revealed_share_to_proto(share: RevealedShare) -> ProtoRevealedShare:
     return ProtoRevealedShare(owner=share.owner, value=share.value)
 
@@ -180,7 +246,7 @@ def revealed_share_from_proto(message: ProtoRevealedShare) -> RevealedShare:
 # ---- tasks (server -> client) ---------------------------------------------------------
 def share_keys_task_to_proto(request: ShareKeysRequest) -> ProtoShareKeysTask:
     task = ProtoShareKeysTask(round_id=round_id_to_proto(request.round_id),
-                              neighbours=[advertised_keys_to_proto(k) for k in request.neighbours])
+                              roster=[advertised_keys_to_proto(k) for k in request.roster])
     if request.setup is not None and request.own_keys is not None:
         task.setup.CopyFrom(round_setup_to_proto(request.setup))
         task.own_keys.CopyFrom(advertised_keys_to_proto(request.own_keys))
@@ -190,30 +256,51 @@ def share_keys_task_to_proto(request: ShareKeysRequest) -> ProtoShareKeysTask:
 def share_keys_task_from_proto(message: ProtoShareKeysTask) -> ShareKeysRequest:
     setup = round_setup_from_proto(message.setup) if message.HasField("setup") else None
     own = advertised_keys_from_proto(message.own_keys) if message.HasField("own_keys") else None
-    return ShareKeysRequest(round_id_from_proto(message.round_id),
-                            _bounded(message.neighbours, "neighbour keys",
-                                     advertised_keys_from_proto), setup, own)
+    return ShareKeysRequest(_round_id_of(message, "a share-keys task"),
+                            _bounded(message.roster, "roster keys", advertised_keys_from_proto),
+                            setup, own)
 
 
 def masked_input_task_to_proto(request: MaskedInputRequest) -> ProtoMaskedInputTask:
-    return ProtoMaskedInputTask(round_id=round_id_to_proto(request.round_id),
-                                shares=[encrypted_share_to_proto(s) for s in request.shares])
+    return ProtoMaskedInputTask(
+        round_id=round_id_to_proto(request.round_id),
+        shares=[encrypted_share_to_proto(s) for s in request.shares],
+        commitments=[share_commitment_to_proto(c) for c in request.commitments],
+    )
 
 
 def masked_input_task_from_proto(message: ProtoMaskedInputTask) -> MaskedInputRequest:
-    return MaskedInputRequest(round_id_from_proto(message.round_id),
-                              _bounded(message.shares, "shares", encrypted_share_from_proto))
+    return MaskedInputRequest(
+        _round_id_of(message, "a masked-input task"),
+        _bounded(message.shares, "shares", encrypted_share_from_proto),
+        _bounded(message.commitments, "share commitments", share_commitment_from_proto),
+    )
+
+
+def consistency_task_to_proto(request: ConsistencyRequest) -> ProtoConsistencyTask:
+    return ProtoConsistencyTask(round_id=round_id_to_proto(request.round_id),
+                                survivors=list(request.survivors))
+
+
+def consistency_task_from_proto(message: ProtoConsistencyTask) -> ConsistencyRequest:
+    return ConsistencyRequest(_round_id_of(message, "a consistency task"),
+                              _bounded(message.survivors, "survivors", str))
 
 
 def unmask_task_to_proto(request: UnmaskRequest) -> ProtoUnmaskTask:
-    return ProtoUnmaskTask(round_id=round_id_to_proto(request.round_id),
-                           survivors=list(request.survivors), dropped=list(request.dropped))
+    return ProtoUnmaskTask(
+        round_id=round_id_to_proto(request.round_id),
+        survivors=list(request.survivors),
+        confirmations=[confirmation_to_proto(c) for c in request.confirmations],
+    )
 
 
 def unmask_task_from_proto(message: ProtoUnmaskTask) -> UnmaskRequest:
-    return UnmaskRequest(round_id_from_proto(message.round_id),
-                         _bounded(message.survivors, "survivors", str),
-                         _bounded(message.dropped, "dropped clients", str))
+    return UnmaskRequest(
+        _round_id_of(message, "an unmask task"),
+        _bounded(message.survivors, "survivors", str),
+        _bounded(message.confirmations, "confirmations", confirmation_from_proto),
+    )
 
 
 # ---- results (client -> server) -------------------------------------------------------
@@ -221,7 +308,9 @@ def share_keys_result_to_proto(reply: ShareKeysReply) -> ProtoShareKeysResult:
     result = ProtoShareKeysResult(round_id=round_id_to_proto(reply.round_id),
                                   client_id=reply.client_id,
                                   shares=[encrypted_share_to_proto(s) for s in reply.shares],
-                                  self_mask_commitment=reply.self_mask_commitment)
+                                  self_mask_commitment=reply.self_mask_commitment,
+                                  share_commitments=[share_commitment_to_proto(c)
+                                                     for c in reply.share_commitments])
     if reply.next_keys is not None:
         result.next_keys.CopyFrom(key_offer_to_proto(reply.next_keys))
     return result
@@ -229,9 +318,14 @@ def share_keys_result_to_proto(reply: ShareKeysReply) -> ProtoShareKeysResult:
 
 def share_keys_result_from_proto(message: ProtoShareKeysResult) -> ShareKeysReply:
     offer = key_offer_from_proto(message.next_keys) if message.HasField("next_keys") else None
-    return ShareKeysReply(round_id_from_proto(message.round_id), message.client_id,
-                          _bounded(message.shares, "shares", encrypted_share_from_proto),
-                          bytes(message.self_mask_commitment), offer)
+    return ShareKeysReply(
+        _round_id_of(message, "a share-keys result"),
+        message.client_id,
+        _bounded(message.shares, "shares", encrypted_share_from_proto),
+        bytes(message.self_mask_commitment),
+        _bounded(message.share_commitments, "share commitments", share_commitment_from_proto),
+        offer,
+    )
 
 
 def masked_input_result_to_proto(header: MaskedInputHeader) -> ProtoMaskedInputResult:
@@ -242,7 +336,17 @@ def masked_input_result_to_proto(header: MaskedInputHeader) -> ProtoMaskedInputR
 def masked_input_result_from_proto(message: ProtoMaskedInputResult) -> MaskedInputHeader:
     if not 0 < len(message.client_id) <= 256:
         raise _invalid("a masked input must name its client (1..256 characters)")
-    return MaskedInputHeader(round_id_from_proto(message.round_id), message.client_id)
+    return MaskedInputHeader(_round_id_of(message, "a masked-input result"), message.client_id)
+
+
+def consistency_result_to_proto(reply: ConsistencyReply) -> ProtoConsistencyResult:
+    return ProtoConsistencyResult(round_id=round_id_to_proto(reply.round_id),
+                                  client_id=reply.client_id, signature=reply.signature)
+
+
+def consistency_result_from_proto(message: ProtoConsistencyResult) -> ConsistencyReply:
+    return ConsistencyReply(_round_id_of(message, "a consistency result"), message.client_id,
+                            bytes(message.signature))
 
 
 def unmask_result_to_proto(reply: UnmaskReply) -> ProtoUnmaskResult:
@@ -256,7 +360,7 @@ def unmask_result_to_proto(reply: UnmaskReply) -> ProtoUnmaskResult:
 
 def unmask_result_from_proto(message: ProtoUnmaskResult) -> UnmaskReply:
     return UnmaskReply(
-        round_id_from_proto(message.round_id),
+        _round_id_of(message, "an unmask result"),
         message.client_id,
         _bounded(message.self_mask_shares, "self-mask shares", revealed_share_from_proto),
         _bounded(message.mask_key_shares, "mask-key shares", revealed_share_from_proto),
@@ -277,6 +381,8 @@ def secagg_task_to_proto(request: SecAggRequest | None, config: ProtoRecord,
         task = masked_input_task_to_proto(request)
         task.config.CopyFrom(config)
         header.secagg_masked_input.CopyFrom(task)
+    elif isinstance(request, ConsistencyRequest):
+        header.secagg_consistency.CopyFrom(consistency_task_to_proto(request))
     elif isinstance(request, UnmaskRequest):
         header.secagg_unmask.CopyFrom(unmask_task_to_proto(request))
     else:
@@ -296,6 +402,8 @@ def secagg_task_from_proto(header: ProtoTaskHeader, kind: str
     if kind == "secagg_masked_input":
         masked = header.secagg_masked_input
         return masked_input_task_from_proto(masked), masked.config
+    if kind == "secagg_consistency":
+        return consistency_task_from_proto(header.secagg_consistency), None
     if kind == "secagg_unmask":
         return unmask_task_from_proto(header.secagg_unmask), None
     raise _invalid(f"task kind {kind!r} is not supported by this client")
@@ -309,6 +417,8 @@ def secagg_result_to_proto(reply: SecAggReply | MaskedInputHeader | None,
         header.secagg_share_keys.CopyFrom(share_keys_result_to_proto(reply))
     elif isinstance(reply, MaskedInputHeader):
         header.secagg_masked_input.CopyFrom(masked_input_result_to_proto(reply))
+    elif isinstance(reply, ConsistencyReply):
+        header.secagg_consistency.CopyFrom(consistency_result_to_proto(reply))
     elif isinstance(reply, UnmaskReply):
         header.secagg_unmask.CopyFrom(unmask_result_to_proto(reply))
     else:
@@ -327,7 +437,7 @@ def check_masked_payload(update: PayloadInfo | None) -> PayloadInfo:
 
 
 def secagg_result_from_proto(header: ProtoResultHeader, kind: str, update: PayloadInfo | None
-                             ) -> AdvertisedKeys | ShareKeysReply | MaskedInputHeader | UnmaskReply:
+                             ) -> SecAggReply | MaskedInputHeader:
     """The stage reply in ``header`` (of oneof ``kind``); only a masked input has a payload."""
     if kind == "secagg_masked_input":
         check_masked_payload(update)
@@ -338,6 +448,8 @@ def secagg_result_from_proto(header: ProtoResultHeader, kind: str, update: Paylo
         return advertised_keys_from_proto(header.secagg_advertised_keys)
     if kind == "secagg_share_keys":
         return share_keys_result_from_proto(header.secagg_share_keys)
+    if kind == "secagg_consistency":
+        return consistency_result_from_proto(header.secagg_consistency)
     if kind == "secagg_unmask":
         return unmask_result_from_proto(header.secagg_unmask)
     raise _invalid(f"result kind {kind!r} is not a secure-aggregation stage")
