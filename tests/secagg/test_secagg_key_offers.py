@@ -1,14 +1,25 @@
-"""Key offers: a client's share-keys reply offers keys for its next attempt, and a server
-holding an unused offer skips that client's advertise_keys stage (three round trips)."""
+"""Key offers: in an unauthenticated attempt a client's share-keys reply offers keys for
+its next attempt, and a server holding an unused offer skips that client's
+advertise_keys stage (three round trips). Authenticated attempts never use offers: their
+keys are made (and signed) after the client has seen the attempt's setup."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import numpy as np
 import pytest
-from secagg_driver import Round, assert_matches_plaintext, ids_of, make_inputs, run, setup_round
+from secagg_driver import (
+    Round,
+    assert_matches_plaintext,
+    ids_of,
+    make_client,
+    make_inputs,
+    make_setup,
+    pki,
+    run,
+)
+from secagg_driver import setup_round as _setup_round
 
 from fedloom.errors import MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.secagg import (
@@ -16,9 +27,8 @@ from fedloom.secagg import (
     AdvertiseKeysRequest,
     KeyOffer,
     RoundId,
-    RoundSetup,
-    SecAggClient,
     SecAggConfig,
+    SecAggServer,
     SecAggStatus,
     ShareKeysReply,
     ShareKeysRequest,
@@ -28,6 +38,11 @@ from fedloom.secagg import (
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
                       max_weight=100.0, max_participants=64)
+
+
+def setup_round(*args: Any, **kwargs: Any) -> Round:
+    """An unauthenticated round (the only kind that makes and uses key offers)."""
+    return _setup_round(*args, authenticated=False, **kwargs)
 
 
 def _second_round(first: Round, inputs: Any = None, attempt: int = 1,
@@ -115,11 +130,11 @@ def test_an_offer_is_gone_once_a_request_names_it_even_a_refused_one() -> None:
     first = run(setup_round(CONFIG, make_inputs(ids, 8), round_id=RoundId("run-1", 1, 3)))
     cid = ids[0]
     offer = first.server.new_offers[cid]
-    older = RoundSetup.create(CONFIG, RoundId("run-1", 1, 2), ids, 8)  # older than 3
+    older = make_setup(CONFIG, ids, 8, RoundId("run-1", 1, 2), authenticated=False)  # older than 3
     with pytest.raises(SecureAggregationError, match="already used or is older"):
         first.clients[cid].handle(ShareKeysRequest(older.round_id, (), older,
                                                    offer.advertised(older.round_id, cid)))
-    fresh = RoundSetup.create(CONFIG, RoundId("run-1", 2, 0), ids, 8)
+    fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 2, 0), authenticated=False)
     with pytest.raises(SecureAggregationError, match="never offered"):
         first.clients[cid].handle(ShareKeysRequest(fresh.round_id, (), fresh,
                                                    offer.advertised(fresh.round_id, cid)))
@@ -170,7 +185,7 @@ def test_a_repeated_share_request_on_an_offer_gets_the_same_reply() -> None:
     assert isinstance(reply, ShareKeysReply)
     assert client.handle(request) is reply  # a transport retry reveals nothing new
     other = dataclasses.replace(request, setup=dataclasses.replace(
-        request.setup, graph_seed=b"\1" * 32))
+        request.setup, model_digest=b"\1" * 32))
     with pytest.raises(SecureAggregationError, match="differ"):
         client.handle(other)
 
@@ -197,7 +212,7 @@ def test_the_server_refuses_offers_that_repeat_keys() -> None:
 
 def test_a_client_may_make_no_offers() -> None:
     ids = ids_of(8)
-    clients = {c: SecAggClient(c, rng=np.random.default_rng(i), offer_keys=i % 2 == 0)
+    clients = {c: make_client(c, i, authenticated=False, offer_keys=i % 2 == 0)
                for i, c in enumerate(ids)}
     first = run(setup_round(CONFIG, make_inputs(ids, 8), clients=clients))
     assert sorted(first.server.new_offers) == ids[::2]
@@ -216,3 +231,49 @@ def test_offered_keys_are_the_attempts_keys_and_are_erased_after_use() -> None:
     assert public_bytes(attempt.mask_key) == offer.mask_public_key
     run(second)
     assert attempt.mask_key is None and attempt.cipher_key is None
+
+
+# -- authenticated attempts never use offers ------------------------------------------
+
+
+def test_authenticated_clients_make_no_offers() -> None:
+    ids = ids_of(8)
+    rnd = run(_setup_round(CONFIG, make_inputs(ids, 8)))
+    assert rnd.server.setup.authenticated
+    assert rnd.server.new_offers == {}
+    replies = [r for _, _, _, r in rnd.transcript if isinstance(r, ShareKeysReply)]
+    assert len(replies) == 8 and all(r.next_keys is None for r in replies)
+
+
+def test_an_authenticated_server_takes_no_offers() -> None:
+    ids = ids_of(8)
+    first = run(setup_round(CONFIG, make_inputs(ids, 8)))
+    setup = make_setup(CONFIG, ids, 8, RoundId("run-1", 2, 0))
+    with pytest.raises(SecureAggregationError, match="never uses key offers"):
+        SecAggServer(setup, offers=first.server.new_offers, verifier=pki().verifier)
+    # nor an offer in a share-keys reply of an authenticated attempt
+    rnd = run(_setup_round(CONFIG, make_inputs(ids, 8)), stop_at=Stage.SHARE_KEYS)
+    reply = rnd.clients[ids[0]].handle(rnd.server.request_for(ids[0]))
+    assert isinstance(reply, ShareKeysReply)
+    offered = dataclasses.replace(reply, next_keys=first.server.new_offers[ids[0]])
+    with pytest.raises(MessageRejectedError, match="key offer in an authenticated") as info:
+        rnd.server.receive(ids[0], offered)
+    assert info.value.reason is RejectReason.INVALID
+    rnd.server.receive(ids[0], reply)  # the reply without it is taken
+
+
+def test_a_client_refuses_to_begin_an_authenticated_attempt_on_an_offer() -> None:
+    """An unauthenticated client (no certificate) that offered keys, and an authenticated
+    setup presenting them: refused, and the offer is used up."""
+    ids = ids_of(8)
+    first = run(setup_round(CONFIG, make_inputs(ids, 8)))
+    cid = ids[0]
+    offer = first.server.new_offers[cid]
+    signed = make_setup(CONFIG, ids, 8, RoundId("run-1", 2, 0))
+    with pytest.raises(SecureAggregationError, match="never uses key offers"):
+        first.clients[cid].handle(ShareKeysRequest(signed.round_id, (), signed,
+                                                   offer.advertised(signed.round_id, cid)))
+    fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 2, 1), authenticated=False)
+    with pytest.raises(SecureAggregationError, match="never offered"):
+        first.clients[cid].handle(ShareKeysRequest(fresh.round_id, (), fresh,
+                                                   offer.advertised(fresh.round_id, cid)))

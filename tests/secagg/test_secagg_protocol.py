@@ -1,8 +1,10 @@
-"""The SecAgg+ round on the in-process state machines: correctness and dropouts."""
+"""The SecAgg+ round on the in-process state machines: correctness and dropouts, in
+authenticated attempts (signed keys, a consistency stage) and unauthenticated ones."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from fedloom import ClientUpdate, Weights
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
+    ConsistencyReply,
     MaskedInputReply,
     RoundId,
     SecAggConfig,
@@ -36,23 +39,45 @@ from fedloom.strategies import WeightedMeanAggregator
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
                       max_weight=100.0, max_participants=64)
+FULL = SecAggConfig(enabled=True, neighbours=10, threshold=6, clip_range=1.0, bits=20,
+                    max_weight=100.0, max_participants=64)
+
+BOTH_MODES = pytest.mark.parametrize("authenticated", [True, False],
+                                     ids=["authenticated", "unauthenticated"])
 
 
-def test_round_without_dropouts_equals_the_plaintext_weighted_mean() -> None:
+def _retry_without(rnd: Round, gone: list[str], config: SecAggConfig = CONFIG,
+                   drop_at: Mapping[str, Stage] | None = None) -> Round:
+    """The round driver's answer to a failed attempt: the next attempt, same clients,
+    without ``gone``."""
+    rid = rnd.server.setup.round_id
+    rest = {c: v for c, v in rnd.inputs.items() if c not in gone}
+    retry = setup_round(config, rest, RoundId(rid.run_id, rid.server_round, rid.attempt + 1),
+                        clients=rnd.clients, authenticated=rnd.server.setup.authenticated)
+    return run(retry, drop_at=drop_at)
+
+
+@BOTH_MODES
+def test_round_without_dropouts_equals_the_plaintext_weighted_mean(authenticated: bool) -> None:
     ids = ids_of(10)
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 40, scale=2.0)))
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 40, scale=2.0), authenticated=authenticated))
     assert rnd.server.status is SecAggStatus.SUCCEEDED
     assert_matches_plaintext(CONFIG, rnd, ids)
     assert rnd.server.result.dropped == ()
     assert rnd.server.result.total_examples == pytest.approx(
         sum(n for _, n in rnd.inputs.values()), abs=10 * CONFIG.max_weight / CONFIG.levels)
+    stages = {stage for stage, _, _, _ in rnd.transcript}
+    assert (Stage.CONSISTENCY in stages) is authenticated
+    keys = [r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)]
+    assert len(keys) == 10 and all(k.signed is authenticated for k in keys)
 
 
-def test_mean_agrees_with_fedlooms_plain_weighted_mean_aggregator() -> None:
+@BOTH_MODES
+def test_mean_agrees_with_fedlooms_plain_weighted_mean_aggregator(authenticated: bool) -> None:
     """Oracle: the streaming FedAvg aggregator over the clipped deltas, weighted by
     num_examples, gives the same mean to within the quantization error."""
     ids = ids_of(9)
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 30, scale=0.5)))
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 30, scale=0.5), authenticated=authenticated))
     aggregator = WeightedMeanAggregator()
     aggregator.start(Weights({"w": np.zeros(30)}))
     for cid, (vec, n) in rnd.inputs.items():
@@ -63,36 +88,77 @@ def test_mean_agrees_with_fedlooms_plain_weighted_mean_aggregator() -> None:
     assert np.allclose(rnd.server.result.mean, plain["w"], atol=20 * CONFIG.quantum)
 
 
-@pytest.mark.parametrize("stage", list(Stage))
+# Where a dropout ends an authenticated attempt: every participant's keys shape its graph
+# (advertise_keys), and a survivor's self-mask share is revealed only with that
+# survivor's own confirmation (consistency).
+ATTEMPT_ENDERS = {Stage.ADVERTISE_KEYS, Stage.CONSISTENCY}
+DROPOUT_CASES = [(stage, True) for stage in Stage] + [
+    (stage, False) for stage in Stage if stage is not Stage.CONSISTENCY]
+
+
+@pytest.mark.parametrize(("stage", "authenticated"), DROPOUT_CASES)
 @pytest.mark.parametrize("count", [1, 2])
-def test_dropouts_at_each_stage(stage: Stage, count: int) -> None:
+def test_dropouts_at_each_stage(stage: Stage, authenticated: bool, count: int) -> None:
     """``stage`` is the first stage the client does not answer: advertise_keys (never
     joined), share_keys (after advertising keys), masked_input (after sharing keys),
-    unmask (after its masked input, which then stays in the sum)."""
+    consistency (after its masked input), unmask (after its masked input and, when
+    authenticated, its confirmation: its input stays in the sum)."""
     ids = ids_of(12)
     gone = ids[3 : 3 + count]
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 25, seed=count)),
-              drop_at=dict.fromkeys(gone, stage))
+    rnd = setup_round(CONFIG, make_inputs(ids, 25, seed=count), authenticated=authenticated)
+    if authenticated and stage in ATTEMPT_ENDERS:
+        with pytest.raises(SecureAggregationError, match="failed"):
+            run(rnd, drop_at=dict.fromkeys(gone, stage))
+        assert rnd.server.status is SecAggStatus.FAILED
+        assert rnd.server.failed_clients == set(gone)
+        rnd = _retry_without(rnd, gone)  # the next attempt, without them, succeeds
+        assert_matches_plaintext(CONFIG, rnd, [c for c in ids if c not in gone])
+        assert rnd.server.result.dropped == ()
+        return
+    run(rnd, drop_at=dict.fromkeys(gone, stage))
     survivors = ids if stage is Stage.UNMASK else [c for c in ids if c not in gone]
     assert_matches_plaintext(CONFIG, rnd, survivors)
     masks_removed = tuple(gone) if stage is Stage.MASKED_INPUT else ()
     assert rnd.server.result.dropped == masks_removed
 
 
-def test_dropouts_at_every_stage_in_one_round() -> None:
-    config = SecAggConfig(enabled=True, neighbours=10, threshold=6, clip_range=1.0, bits=20,
-                          max_weight=100.0, max_participants=64)
+def test_dropouts_at_every_stage_in_one_unauthenticated_round() -> None:
     ids = ids_of(16)
     drops = {ids[1]: Stage.ADVERTISE_KEYS, ids[5]: Stage.SHARE_KEYS,
              ids[9]: Stage.MASKED_INPUT, ids[13]: Stage.UNMASK}
-    rnd = run(setup_round(config, make_inputs(ids, 20, seed=4)), drop_at=drops)
-    assert_matches_plaintext(config, rnd, [c for c in ids if c not in (ids[1], ids[5], ids[9])])
+    rnd = run(setup_round(FULL, make_inputs(ids, 20, seed=4), authenticated=False),
+              drop_at=drops)
+    assert_matches_plaintext(FULL, rnd, [c for c in ids if c not in (ids[1], ids[5], ids[9])])
+    assert rnd.server.result.dropped == (ids[9],)
 
 
-@pytest.mark.parametrize("stage", [Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK])
-def test_too_few_survivors_fail_cleanly(stage: Stage) -> None:
+def test_dropouts_at_every_stage_across_the_attempts_of_one_authenticated_round() -> None:
+    """Attempt 1 loses a client at advertise_keys, attempt 2 one at consistency (both
+    end their attempt); attempt 3, the clients' last (max_attempts = 3), loses one at
+    each of share_keys, masked_input and unmask and still finishes."""
+    ids = ids_of(16)
+    inputs = make_inputs(ids, 20, seed=4)
+    first = setup_round(FULL, inputs)
+    with pytest.raises(SecureAggregationError, match="did not advertise"):
+        run(first, drop_at={ids[1]: Stage.ADVERTISE_KEYS})
+    rest = {c: v for c, v in inputs.items() if c != ids[1]}
+    second = setup_round(FULL, rest, RoundId("run-1", 1, 2), clients=first.clients)
+    with pytest.raises(SecureAggregationError, match="did not confirm"):
+        run(second, drop_at={ids[3]: Stage.CONSISTENCY})
+    third = _retry_without(second, [ids[3]], FULL,
+                           drop_at={ids[5]: Stage.SHARE_KEYS, ids[9]: Stage.MASKED_INPUT,
+                                    ids[13]: Stage.UNMASK})
+    assert third.server.setup.round_id == RoundId("run-1", 1, 3)
+    assert_matches_plaintext(FULL, third, [c for c in ids if c not in (ids[1], ids[3], ids[5],
+                                                                       ids[9])])
+    assert third.server.result.dropped == (ids[9],)
+
+
+@pytest.mark.parametrize(("stage", "authenticated"),
+                         [c for c in DROPOUT_CASES if c[0] is not Stage.ADVERTISE_KEYS])
+def test_too_few_survivors_fail_cleanly(stage: Stage, authenticated: bool) -> None:
     ids = ids_of(8)
-    rnd = setup_round(CONFIG, make_inputs(ids, 10))
+    rnd = setup_round(CONFIG, make_inputs(ids, 10), authenticated=authenticated)
     with pytest.raises(SecureAggregationError, match="failed"):
         run(rnd, drop_at=dict.fromkeys(ids[:4], stage))
     assert rnd.server.status is SecAggStatus.FAILED and rnd.server.failure
@@ -100,17 +166,22 @@ def test_too_few_survivors_fail_cleanly(stage: Stage) -> None:
         _ = rnd.server.result
 
 
-def test_clients_with_too_few_neighbours_left_are_pruned_not_fatal() -> None:
-    """k = 6, t = 4: three neighbours of one client never advertise keys, so it cannot
-    share its secrets t-of-k; the server leaves it out and the others finish."""
+@BOTH_MODES
+def test_clients_with_too_few_neighbours_left_are_pruned_not_fatal(authenticated: bool) -> None:
+    """k = 6, t = 4: three neighbours of one client do not share keys, so its secrets
+    cannot be shared t-of-k among those left; the server leaves it out and the others
+    finish."""
     ids = ids_of(30)
-    rnd = setup_round(CONFIG, make_inputs(ids, 10))
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 10), authenticated=authenticated),
+              stop_at=Stage.SHARE_KEYS)
     victim = ids[0]
     gone = sorted(rnd.server.graph[victim])[:3]
-    run(rnd, drop_at=dict.fromkeys(gone, Stage.ADVERTISE_KEYS))
+    run(rnd, drop_at=dict.fromkeys(gone, Stage.SHARE_KEYS))
     survivors = rnd.server.result.survivors
     assert victim not in survivors and len(survivors) >= 20
-    assert victim not in rnd.refusals  # it was simply not asked to share keys
+    assert victim not in rnd.refusals  # it was simply not asked for its masked input
+    assert victim not in rnd.server.result.dropped  # nobody masked against it
+    assert victim in rnd.server.failed_clients
     assert_matches_plaintext(CONFIG, rnd, survivors)
 
 
@@ -124,15 +195,16 @@ def _unmask_shares(rnd: Round, kind: str) -> dict[str, dict[int, bytes]]:
     return out
 
 
-def test_every_threshold_sized_subset_of_revealed_shares_reconstructs() -> None:
+@BOTH_MODES
+def test_every_threshold_sized_subset_of_revealed_shares_reconstructs(
+        authenticated: bool) -> None:
     """k = 10, t = 6 over 11 clients (each neighbours all 10 others); one client drops
     after sharing keys. Its mask key is reconstructed from each of the 210 six-subsets
     of the 10 survivors' shares, a survivor's self-mask seed from each of the 84
     six-subsets of its 9 surviving neighbours' shares; no five-subset reconstructs."""
-    config = SecAggConfig(enabled=True, neighbours=10, threshold=6, clip_range=1.0, bits=20,
-                          max_weight=100.0, max_participants=64)
     ids = ids_of(11)
-    rnd = run(setup_round(config, make_inputs(ids, 8)), drop_at={ids[0]: Stage.MASKED_INPUT})
+    rnd = run(setup_round(FULL, make_inputs(ids, 8), authenticated=authenticated),
+              drop_at={ids[0]: Stage.MASKED_INPUT})
     setup = rnd.server.setup
     keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
     commitments = {r.client_id: r.self_mask_commitment
@@ -155,17 +227,18 @@ def test_every_threshold_sized_subset_of_revealed_shares_reconstructs() -> None:
         for subset in itertools.combinations(sorted(shares.items()), 5):
             with pytest.raises(SecureAggregationError):
                 reconstruct_checked(dict(subset), 6, check, "test")
-    assert_matches_plaintext(config, rnd, ids[1:])
+    assert_matches_plaintext(FULL, rnd, ids[1:])
 
 
-def test_restarted_round_uses_a_new_attempt_and_fresh_masks() -> None:
+@BOTH_MODES
+def test_restarted_round_uses_a_new_attempt_and_fresh_masks(authenticated: bool) -> None:
     ids = ids_of(8)
     inputs = make_inputs(ids, 16)
-    first = setup_round(CONFIG, inputs)
+    first = setup_round(CONFIG, inputs, authenticated=authenticated)
     with pytest.raises(SecureAggregationError):
         run(first, drop_at=dict.fromkeys(ids[:5], Stage.UNMASK))  # the attempt fails late
-    second = setup_round(CONFIG, inputs, round_id=RoundId("run-1", 1, 1), clients=first.clients)
-    run(second)
+    second = _retry_without(first, [])
+    assert second.server.setup.round_id.attempt == first.server.setup.round_id.attempt + 1
     assert_matches_plaintext(CONFIG, second, ids)
 
     def sent(rnd: Round, kind: type) -> dict[str, Any]:
@@ -181,13 +254,19 @@ def test_restarted_round_uses_a_new_attempt_and_fresh_masks() -> None:
     ma, mb = sent(first, MaskedInputReply), sent(second, MaskedInputReply)
     for cid in ids:  # same input, unrelated masked vectors
         assert (ma[cid].masked != mb[cid].masked).mean() > 0.9
+    if authenticated:  # a confirmation is bound to its attempt as well
+        sa, sb = sent(first, ConsistencyReply), sent(second, ConsistencyReply)
+        assert all(sa[cid].signature != sb[cid].signature for cid in ids)
 
 
-def test_identical_retries_are_idempotent_on_both_sides() -> None:
+@BOTH_MODES
+def test_identical_retries_are_idempotent_on_both_sides(authenticated: bool) -> None:
     ids = ids_of(8)
-    rnd = setup_round(CONFIG, make_inputs(ids, 12))
+    rnd = setup_round(CONFIG, make_inputs(ids, 12), authenticated=authenticated)
     server = rnd.server
+    stages = []
     while server.status is SecAggStatus.RUNNING:
+        stages.append(server.stage)
         for cid in sorted(server.pending()):
             request = server.request_for(cid)
             vec, n = rnd.inputs[cid]
@@ -197,33 +276,33 @@ def test_identical_retries_are_idempotent_on_both_sides() -> None:
             server.receive(cid, reply)
             server.receive(cid, reply)  # a retried push: not counted twice
         server.advance()
+    assert (Stage.CONSISTENCY in stages) is authenticated
     assert_matches_plaintext(CONFIG, rnd, ids)
 
 
-def test_unmask_can_finish_early_once_every_secret_has_t_shares() -> None:
+@BOTH_MODES
+def test_unmask_can_finish_early_once_every_secret_has_t_shares(authenticated: bool) -> None:
     ids = ids_of(12)
-    rnd = setup_round(CONFIG, make_inputs(ids, 10))
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 10), authenticated=authenticated),
+              stop_at=Stage.UNMASK)
     server = rnd.server
-    for _ in range(3):
-        for cid in sorted(server.pending()):
-            vec, n = rnd.inputs[cid]
-            server.receive(cid, rnd.clients[cid].handle(server.request_for(cid), vector=vec,
-                                                        num_examples=n))
-        server.advance()
     assert server.stage is Stage.UNMASK and not server.can_finish()
+    answered = 0
     for cid in sorted(server.pending()):
         if server.can_finish():
             break
         server.receive(cid, rnd.clients[cid].handle(server.request_for(cid)))
-    assert server.can_finish()
+        answered += 1
+    assert server.can_finish() and answered < len(ids)
     server.advance()
     assert_matches_plaintext(CONFIG, rnd, ids)
 
 
-def test_a_weight_claim_above_max_weight_is_refused_by_the_client() -> None:
+@BOTH_MODES
+def test_a_weight_claim_above_max_weight_is_refused_by_the_client(authenticated: bool) -> None:
     ids = ids_of(10)
     inputs = make_inputs(ids, 10)
     inputs[ids[2]] = (inputs[ids[2]][0], 101)  # max_weight is 100
-    rnd = run(setup_round(CONFIG, inputs))
+    rnd = run(setup_round(CONFIG, inputs, authenticated=authenticated))
     assert "max_weight" in rnd.refusals[ids[2]]
     assert_matches_plaintext(CONFIG, rnd, [c for c in ids if c != ids[2]])

@@ -1,4 +1,5 @@
-"""The server drops bad replies without crashing the round."""
+"""The server drops bad replies without crashing the round (authenticated and
+unauthenticated attempts)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from fedloom.secagg import (
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
                       max_weight=100.0, max_participants=64)
 
+BOTH_MODES = pytest.mark.parametrize("authenticated", [True, False],
+                                     ids=["authenticated", "unauthenticated"])
+
 
 def _bad_masked(how: str) -> Hook:
     def hook(stage: Stage, cid: str, reply: Any) -> Any:
@@ -41,30 +45,35 @@ def _bad_masked(how: str) -> Hook:
         if how == "round":
             return MaskedInputReply(RoundId("run-1", 2, 0), cid, masked)
         if how == "attempt":
-            return MaskedInputReply(RoundId("run-1", 1, 1), cid, masked)
+            return MaskedInputReply(RoundId("run-1", 1, 2), cid, masked)
         if how == "impersonation":
             return MaskedInputReply(reply.round_id, "client-004", masked)
         raise AssertionError(how)
     return hook
 
 
+@BOTH_MODES
 @pytest.mark.parametrize(
     ("how", "reason"),
     [("short", "invalid"), ("long", "invalid"), ("dtype", "invalid"), ("2d", "invalid"),
      ("round", "stale"), ("attempt", "stale"), ("impersonation", "forbidden")],
 )
-def test_bad_masked_input_is_dropped_and_the_round_completes(how: str, reason: str) -> None:
+def test_bad_masked_input_is_dropped_and_the_round_completes(how: str, reason: str,
+                                                             authenticated: bool) -> None:
     ids = ids_of(10)
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 9)), tamper_reply=_bad_masked(how))
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 9), authenticated=authenticated),
+              tamper_reply=_bad_masked(how))
     assert rnd.rejections["client-003"].startswith(reason)
     assert "client-003" not in rnd.server.result.survivors
     assert rnd.server.result.dropped == ("client-003",)
     assert len(rnd.server.result.survivors) == 9
 
 
-def test_rejection_reasons() -> None:
+@BOTH_MODES
+def test_rejection_reasons(authenticated: bool) -> None:
     ids = ids_of(8)
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 5)), stop_at=Stage.MASKED_INPUT)
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 5), authenticated=authenticated),
+              stop_at=Stage.MASKED_INPUT)
     server = rnd.server
     cid = ids[0]
     vec, n = rnd.inputs[cid]
@@ -100,9 +109,10 @@ def test_rejection_reasons() -> None:
     assert reason_of(cid, reply) is RejectReason.STALE
 
 
-def test_stale_keys_and_shares_are_rejected() -> None:
+@BOTH_MODES
+def test_stale_keys_and_shares_are_rejected(authenticated: bool) -> None:
     ids = ids_of(8)
-    rnd = setup_round(CONFIG, make_inputs(ids, 5))
+    rnd = setup_round(CONFIG, make_inputs(ids, 5), authenticated=authenticated)
     server = rnd.server
     keys = [rnd.clients[c].handle(server.request_for(c)) for c in ids]
     for c, k in zip(ids, keys, strict=True):
@@ -116,15 +126,21 @@ def test_stale_keys_and_shares_are_rejected() -> None:
     share = rnd.clients[ids[0]].handle(server.request_for(ids[0]))
     assert isinstance(share, ShareKeysReply)
     missing_one = ShareKeysReply(share.round_id, share.client_id, share.shares[1:],
-                                 share.self_mask_commitment)
-    with pytest.raises(MessageRejectedError) as info:
+                                 share.self_mask_commitment, share.share_commitments[1:])
+    with pytest.raises(MessageRejectedError, match="exactly the client's neighbours") as info:
         server.receive(ids[0], missing_one)
     assert info.value.reason is RejectReason.INVALID
+    short = dataclasses.replace(share.shares[0], ciphertext=share.shares[0].ciphertext[:-1])
+    with pytest.raises(MessageRejectedError, match="wrong sender or size") as info:
+        server.receive(ids[0], dataclasses.replace(share, shares=(short, *share.shares[1:])))
+    assert info.value.reason is RejectReason.INVALID
+    server.receive(ids[0], share)  # the honest reply is still taken
 
 
-def test_duplicate_public_keys_across_clients_are_rejected() -> None:
+@BOTH_MODES
+def test_duplicate_public_keys_across_clients_are_rejected(authenticated: bool) -> None:
     ids = ids_of(8)
-    rnd = setup_round(CONFIG, make_inputs(ids, 5))
+    rnd = setup_round(CONFIG, make_inputs(ids, 5), authenticated=authenticated)
     server = rnd.server
     first = rnd.clients[ids[0]].handle(server.request_for(ids[0]))
     second = rnd.clients[ids[1]].handle(server.request_for(ids[1]))
@@ -142,11 +158,12 @@ def test_duplicate_public_keys_across_clients_are_rejected() -> None:
 SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little")]
 
 
+@BOTH_MODES
 @pytest.mark.parametrize("bad", SMALL_ORDER)
 def test_an_advertised_key_of_small_order_is_refused_before_neighbours_see_it(
-        bad: bytes) -> None:
+        bad: bytes, authenticated: bool) -> None:
     ids = ids_of(8)
-    rnd = setup_round(CONFIG, make_inputs(ids, 5))
+    rnd = setup_round(CONFIG, make_inputs(ids, 5), authenticated=authenticated)
     keys = rnd.clients[ids[0]].handle(rnd.server.request_for(ids[0]))
     assert isinstance(keys, AdvertisedKeys)
     with pytest.raises(MessageRejectedError, match="small order") as info:
@@ -157,8 +174,9 @@ def test_an_advertised_key_of_small_order_is_refused_before_neighbours_see_it(
 
 @pytest.mark.parametrize("bad", SMALL_ORDER)
 def test_a_key_offer_of_small_order_is_refused_and_not_kept(bad: bytes) -> None:
-    ids = ids_of(8)
-    rnd = run(setup_round(CONFIG, make_inputs(ids, 5)), stop_at=Stage.SHARE_KEYS)
+    ids = ids_of(8)  # offers: unauthenticated attempts only
+    rnd = run(setup_round(CONFIG, make_inputs(ids, 5), authenticated=False),
+              stop_at=Stage.SHARE_KEYS)
     share = rnd.clients[ids[0]].handle(rnd.server.request_for(ids[0]))
     assert isinstance(share, ShareKeysReply) and share.next_keys is not None
     spoiled = dataclasses.replace(share, next_keys=KeyOffer(share.next_keys.cipher_public_key,

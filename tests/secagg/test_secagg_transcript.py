@@ -29,6 +29,7 @@ from fedloom.secagg import (
     commit_self_mask,
     dequantize,
     derive_mask_seed,
+    graph_seed,
     neighbour_graph,
     private_key_from_bytes,
     public_bytes,
@@ -42,19 +43,27 @@ LENGTH = 4096
 VICTIM = "client-005"
 
 
-def _round(victim_value: float, attempt: int = 0, on_offers: bool = False) -> Round:
+#: (authenticated, on key offers): the three ways a round can run
+MODES = pytest.mark.parametrize(("authenticated", "on_offers"),
+                                [(True, False), (False, False), (False, True)],
+                                ids=["authenticated", "unauthenticated", "on-offers"])
+
+
+def _round(victim_value: float, attempt: int = 0, on_offers: bool = False,
+           authenticated: bool = True) -> Round:
     """One round with client-001 dropping after sharing keys; ``on_offers``: after a
-    first round, on the keys the clients offered in it (no advertise stage)."""
+    first (unauthenticated) round, on the keys the clients offered in it (no advertise
+    stage)."""
     ids = ids_of(10)
     inputs = make_inputs(ids, LENGTH, seed=attempt)
     inputs[VICTIM] = (np.full(LENGTH, victim_value), 100)
     clients, offers = None, None
     if on_offers:
         first = run(setup_round(CONFIG, make_inputs(ids, LENGTH, seed=99),
-                                round_id=RoundId("run-1", 0, attempt)))
+                                round_id=RoundId("run-1", 0, attempt), authenticated=False))
         clients, offers = first.clients, first.server.new_offers
     rnd = setup_round(CONFIG, inputs, round_id=RoundId("run-1", 1, attempt), clients=clients,
-                      offers=offers)
+                      offers=offers, authenticated=authenticated)
     return run(rnd, drop_at={"client-001": Stage.MASKED_INPUT})
 
 
@@ -63,10 +72,12 @@ def _server_view_residual(rnd: Round, victim: str) -> np.ndarray:
     requests = [r for _, _, r, _ in rnd.transcript]
     setup = next(r.setup for r in requests if isinstance(r, AdvertiseKeysRequest | ShareKeysRequest)
                  and r.setup is not None)
-    graph = neighbour_graph(setup)
-    keys = {r.client_id: r for _, _, _, r in rnd.transcript if isinstance(r, AdvertisedKeys)}
-    keys.update({r.own_keys.client_id: r.own_keys for r in requests  # keys from offers
-                 if isinstance(r, ShareKeysRequest) and r.own_keys is not None})
+    # every member's keys travel in each share-keys request (offered keys included); the
+    # graph is derived from them, as each client derives it
+    roster = next(r.roster for r in requests if isinstance(r, ShareKeysRequest))
+    keys = {k.client_id: k for k in roster}
+    graph = neighbour_graph(keys, setup.neighbours, graph_seed(setup, roster))
+    assert graph == rnd.server.graph
     commitments = {r.client_id: r.self_mask_commitment
                    for _, _, _, r in rnd.transcript if isinstance(r, ShareKeysReply)}
     masked = {r.client_id: r.masked for _, _, _, r in rnd.transcript
@@ -114,9 +125,10 @@ def _top_byte_chi2(values: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("on_offers", [False, True])
-def test_residual_after_removing_all_removable_masks_hides_the_input(on_offers: bool) -> None:
-    rnd = _round(0.0, on_offers=on_offers)
+@MODES
+def test_residual_after_removing_all_removable_masks_hides_the_input(
+        authenticated: bool, on_offers: bool) -> None:
+    rnd = _round(0.0, on_offers=on_offers, authenticated=authenticated)
     assert any(isinstance(r, AdvertiseKeysRequest) for _, _, r, _ in rnd.transcript) != on_offers
     result = rnd.server.result
     assert VICTIM in result.survivors and result.dropped == ("client-001",)
@@ -138,13 +150,18 @@ def test_residual_after_removing_all_removable_masks_hides_the_input(on_offers: 
     assert not np.array_equal(residuals[VICTIM][:-1] >> 20, plain[:-1] >> 20)
 
 
-def test_masked_inputs_of_different_inputs_are_identically_distributed() -> None:
+@pytest.mark.parametrize("authenticated", [True, False],
+                         ids=["authenticated", "unauthenticated"])
+def test_masked_inputs_of_different_inputs_are_identically_distributed(
+        authenticated: bool) -> None:
     """The victim contributes all -1 in one attempt and all +1 in another (the extreme
     ends of the clip range); its masked vectors are both uniform, and a two-sample
     chi-square test on their top bytes does not tell them apart."""
-    low = next(r.masked for _, c, _, r in _round(-1.0, attempt=0).transcript
+    low = next(r.masked for _, c, _, r in _round(-1.0, attempt=0,
+                                                 authenticated=authenticated).transcript
                if c == VICTIM and isinstance(r, MaskedInputReply))
-    high = next(r.masked for _, c, _, r in _round(1.0, attempt=1).transcript
+    high = next(r.masked for _, c, _, r in _round(1.0, attempt=1,
+                                                  authenticated=authenticated).transcript
                 if c == VICTIM and isinstance(r, MaskedInputReply))
     a = np.bincount((low >> 24).astype(np.int64), minlength=256).astype(float)
     b = np.bincount((high >> 24).astype(np.int64), minlength=256).astype(float)
@@ -157,11 +174,13 @@ def test_masked_inputs_of_different_inputs_are_identically_distributed() -> None
     assert (q_high[:-1] - q_low[:-1] == 2**CONFIG.bits - 1).all()
 
 
-def test_t_minus_1_colluding_neighbours_cannot_unmask_a_survivor() -> None:
+@pytest.mark.parametrize("authenticated", [True, False],
+                         ids=["authenticated", "unauthenticated"])
+def test_t_minus_1_colluding_neighbours_cannot_unmask_a_survivor(authenticated: bool) -> None:
     """t - 1 = 3 of the victim's neighbours pool the shares they hold with the server's
     transcript: the victim's mask key stays out of reach."""
     ids = ids_of(10)
-    rnd = setup_round(CONFIG, make_inputs(ids, 64))
+    rnd = setup_round(CONFIG, make_inputs(ids, 64), authenticated=authenticated)
     run(rnd, stop_at=Stage.UNMASK)
     server = rnd.server
     colluders = sorted(server.graph[VICTIM])[: CONFIG.threshold - 1]

@@ -8,7 +8,7 @@ import concurrent.futures
 
 import numpy as np
 import pytest
-from secagg_driver import ids_of, make_inputs, run, setup_round
+from secagg_driver import ids_of, make_inputs, pki, run, setup_round
 
 from fedloom.secagg import RoundId, SecAggConfig, SecAggServer, Stage
 from fedloom.secagg._unmask import RANGE_WORDS
@@ -27,7 +27,8 @@ def test_threaded_ranges_unmask_exactly_like_one_pass(drop: bool) -> None:
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         for map_fn in (map, pool.map):
             rnd = setup_round(CONFIG, inputs, RoundId("run", 1, 7))
-            rnd.server = SecAggServer(rnd.server.setup, map_fn=map_fn)
+            rnd.server = SecAggServer(rnd.server.setup, verifier=pki().verifier,
+                                      map_fn=map_fn)
             run(rnd, drop_at=drop_at)
             sums.append(rnd.server.result)
     sequential, threaded = sums
