@@ -1,36 +1,38 @@
-"""Secure aggregation (SecAgg+): the pure primitives and the stage definitions.
+"""Secure aggregation (SecAgg+): the protocol, its primitives and its state machines.
 
 SecAgg+ (Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic
 Overhead", CCS 2020) over the masking scheme of Bonawitz et al. ("Practical Secure
-Aggregation for Privacy-Preserving Machine Learning", CCS 2017). The server state
-machine is `SecAggServer`, the client half `SecAggClient`; both are pure objects driven
-by the messages defined here, so any transport can carry them (the gRPC server's in
-`fedloom.server.secure`, the client SDK's in `fedloom.client_sdk.secure_fit`, the local
-simulation engine's in `fedloom.simulations.local_secure`).
+Aggregation for Privacy-Preserving Machine Learning", CCS 2017), with the consistency
+check of Bonawitz et al.'s actively secure protocol adapted to the sparse graph. The
+server state machine is `SecAggServer`, the client half `SecAggClient`; both are pure
+objects driven by the messages defined here, so any transport can carry them (the gRPC
+server's in `fedloom.server.secure`, the client SDK's in
+`fedloom.client_sdk.secure_fit`, the local simulation engine's in
+`fedloom.simulations.local_secure`).
 
-This package holds no state machine and does no I/O: X25519 + HKDF-SHA256 +
-ChaCha20-Poly1305 (`_crypto`), the AES-128-CTR mask PRG (`_prg`), Shamir sharing over
-GF(2**521 - 1) (`_shamir`), quantization (`_quantize`), the neighbour graph (`_graph`),
-the configuration (`_config`) and the messages (`_messages`).
+This package does no I/O: X25519 + HKDF-SHA256 + ChaCha20-Poly1305 and the commitments
+and signed statements (`_crypto`), client certificates and signatures (`_identity`), the
+AES-128-CTR mask PRG (`_prg`), Shamir sharing over GF(2**521 - 1) (`_shamir`),
+quantization (`_quantize`), the derived, connected neighbour graph (`_graph`), the
+configuration (`_config`), the messages (`_messages`), the state machines (`_server`,
+`_client`) and the server's unmasking (`_unmask`).
 
-Threat model (what it protects, and against whom):
+Threat model (docs/secure-aggregation.md has the table and the argument). The server
+is the adversary; it must not learn one honest client's update.
 
-- in scope: an honest-but-curious server (it follows the protocol but reads
-  everything it sees) and up to t - 1 colluding clients, in particular t - 1 of one
-  client's neighbours, together with the server. They learn nothing about one client's
-  input beyond the sum over the survivors (Bonawitz et al., Theorem 6.3; Bell et al.,
-  Theorem 4.7 for the neighbour graph);
-- the clients also defend themselves against a server that deviates in the ways the
-  unmask stage allows: a client answers one unmask request per round attempt, refuses
-  overlapping survivor/dropped lists, ids that are not its neighbours and fewer than t
-  survivors, and never reveals both shares of one neighbour;
-- out of scope: a server that substitutes the public keys it relays (a man in the
-  middle between clients). Advertised keys are NOT signed with client identity keys in
-  this version; signatures would need identity keys that clients can check without
-  trusting the server (a PKI or pinned keys), which fedloom does not have yet. Also out
-  of scope: clients that send malformed masked inputs to spoil the sum (SecAgg hides
-  inputs, it does not check them), and the privacy of the sum itself (add differential
-  privacy for that).
+- Authenticated attempts (clients hold certificates of a client CA): secure against a
+  server that deviates from the protocol in any way — different survivor sets or models
+  to different clients, substituted or replayed keys, withheld shares — colluding with
+  at most ``2t - k - 1`` clients (`SecAggConfig.colluding_clients`). Clients sign their
+  keys and the survivor set they confirm, check each other's certificates and
+  signatures, derive the graph themselves, check shares against their dealers'
+  commitments, and reveal shares only under the one survivor set they confirmed, with t
+  neighbours' confirmations of it.
+- Unauthenticated attempts (no client PKI; servers must opt in): secure against a
+  server that follows the protocol, colluding with at most ``t - 1`` clients.
+- Not in scope: clients that spoil the sum with malformed inputs (SecAgg hides inputs,
+  it does not check them), differences between sums of different attempts or rounds,
+  and the privacy of the sum itself (add differential privacy for those).
 """
 
 from fedloom.secagg._client import SecAggClient
