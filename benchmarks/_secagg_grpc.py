@@ -4,21 +4,25 @@ The server runs in the benchmark's process (`fedloom.server.Server`); the client
 in a pool of worker processes started once with ``spawn`` and reused for every setting
 (starting 50 Python processes per setting would cost more than the rounds). A setting
 with more clients than workers puts several clients (threads, each a full
-`ClientRunner` with its own channel) in one process.
+`ClientRunner` with its own channel) in one process. Every client connects over mutual
+TLS with its own certificate (``bench-<index>`` of the benchmark's throwaway PKI), so
+secure rounds are authenticated: signed keys, checked certificates, the consistency
+stage.
 
 Each client is a `BenchRunner`: an ordinary `ClientRunner` that also
 
 - counts the protobuf bytes of every request it sends and every response it receives
-  (a gRPC client interceptor on its channel: what goes on the wire, less HTTP/2 framing);
+  (a gRPC client interceptor on its channel: what goes on the wire, less HTTP/2 framing
+  and TLS records), and the bytes it sends per SecAgg+ stage;
 - times its CPU per step: ``train`` (the client's fit), ``update`` (delta and
   serialisation of a plain update), each SecAgg+ stage (`ClientRunner.secagg_cpu_s`)
   and ``push`` (sending the result);
 - drops out when told: in a plain round a fifth of the clients (by index and round)
   train and then report a failure instead of their update; in a secure round the
-  clients `spread_dropouts` picks on the round's neighbour graph answer advertise keys
-  (when asked: from the second round on, the keys offered in the previous one are used)
-  and share keys, then report a failure to their masked-input task (they drop after
-  sharing their keys: the server removes their masks with their neighbours' shares).
+  clients `spread_dropouts` picks on the attempt's neighbour graph (which every client
+  derives at share keys) answer advertise keys and share keys, then report a failure to
+  their masked-input task (they drop after sharing their keys: the server removes their
+  masks with their neighbours' shares).
 """
 
 from __future__ import annotations
@@ -39,13 +43,8 @@ from fedloom.client_sdk import Client, ClientRunner, EvaluateOutput, FitOutput
 from fedloom.config import ClientConfig
 from fedloom.messages import ResultHeader, Session, TaskHeader
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
-from fedloom.secagg import (
-    AdvertiseKeysRequest,
-    MaskedInputRequest,
-    RoundSetup,
-    ShareKeysRequest,
-)
-from fedloom.simulations.local_secure import spread_dropouts
+from fedloom.secagg import STAGE_OF, MaskedInputRequest
+from fedloom.simulations.secure_dropout import spread_dropouts
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
 
@@ -132,16 +131,22 @@ class _Counter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercept
 
 
 def install_counter() -> None:
-    """Make every insecure channel count its traffic into the creating thread's
-    `Traffic` (a `BenchRunner` creates its channels in its own thread)."""
-    original = grpc.insecure_channel
+    """Make every channel count its traffic into the creating thread's `Traffic` (a
+    `BenchRunner` creates its channels in its own thread)."""
+    plain, secure = grpc.insecure_channel, grpc.secure_channel
 
-    def counting_channel(target: str, options: Any = None, compression: Any = None) -> Any:
-        channel = original(target, options=options, compression=compression)
+    def counted(channel: Any) -> Any:
         traffic = getattr(_local, "traffic", None)
         return channel if traffic is None else grpc.intercept_channel(channel, _Counter(traffic))
 
-    grpc.insecure_channel = counting_channel
+    def counting_plain(target: str, options: Any = None, compression: Any = None) -> Any:
+        return counted(plain(target, options=options, compression=compression))
+
+    def counting_secure(target: str, credentials: Any, options: Any = None,
+                        compression: Any = None) -> Any:
+        return counted(secure(target, credentials, options=options, compression=compression))
+
+    grpc.insecure_channel, grpc.secure_channel = counting_plain, counting_secure
 
 
 def fixed_step(index: int, size: int) -> np.ndarray:
@@ -174,16 +179,19 @@ class BenchClient(Client):
 class BenchRunner(ClientRunner):
     """A `ClientRunner` that counts bytes, times its steps and drops out on cue."""
 
-    def __init__(self, index: int, address: str, dropout: float, task_stream: bool = True
-                 ) -> None:
+    def __init__(self, index: int, address: str, dropout: float, pki: str,
+                 task_stream: bool = True) -> None:
         self.cpu: dict[str, float] = defaultdict(float)
-        config = ClientConfig(server_address=address, name=f"bench-{index}", insecure=True,
+        name = f"bench-{index}"
+        config = ClientConfig(server_address=address, name=name, root_ca=f"{pki}/ca.pem",
+                              cert=f"{pki}/{name}.pem", key=f"{pki}/{name}.key",
                               rpc_timeout_s=120.0, task_stream=task_stream)
         super().__init__(BenchClient(index, self.cpu), config)
         self.index, self.dropout = index, dropout
         self.traffic = Traffic()
+        self.stage_sent: dict[str, int] = defaultdict(int)  # bytes pushed per SecAgg+ stage
         self.dropped = 0
-        self._setup: RoundSetup | None = None
+        self._stage = ""
 
     def run(self) -> Any:
         _local.traffic = self.traffic
@@ -197,13 +205,14 @@ class BenchRunner(ClientRunner):
     def _execute(self, session: Session, task: TaskHeader, weights: Weights
                  ) -> tuple[ResultHeader, memoryview | None]:
         request = task.secagg
-        if isinstance(request, AdvertiseKeysRequest | ShareKeysRequest) and request.setup:
-            self._setup = request.setup  # share keys has it when advertising was skipped
-        if isinstance(request, MaskedInputRequest) and self.dropout and self._setup:
-            setup = self._setup
-            count = round(self.dropout * len(setup.participants))
-            if session.client_id in spread_dropouts(setup, setup.participants, count):
-                return self._failure(session, task)
+        self._stage = str(STAGE_OF[type(request)]) if request is not None else ""
+        if isinstance(request, MaskedInputRequest) and self.dropout and self._secure:
+            protocol = self._secure.protocol
+            setup, graph = protocol.setup, protocol.graph
+            if setup is not None and graph:
+                count = round(self.dropout * len(setup.participants))
+                if session.client_id in spread_dropouts(graph, setup.threshold, graph, count):
+                    return self._failure(session, task)
         if task.kind is not TaskKind.FIT:
             return super()._execute(session, task, weights)
         if self.dropout and (self.index + task.round) % round(1 / self.dropout) == 0:
@@ -215,15 +224,18 @@ class BenchRunner(ClientRunner):
         return result
 
     def _push(self, connection: Any, result: ResultHeader, payload: memoryview | None) -> None:
-        started = time.thread_time()
+        started, sent = time.thread_time(), self.traffic.sent
         try:
             super()._push(connection, result, payload)
         finally:
             self.cpu["push"] += time.thread_time() - started
+            if self._stage:
+                self.stage_sent[self._stage] += self.traffic.sent - sent
 
 
 def _serve_command(command: dict[str, Any]) -> list[dict[str, Any]]:
-    runners = [BenchRunner(i, command["address"], command["dropout"], command["task_stream"])
+    runners = [BenchRunner(i, command["address"], command["dropout"], command["pki"],
+                           command["task_stream"])
                for i in command["indices"]]
     threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
     started = time.process_time()
@@ -233,6 +245,7 @@ def _serve_command(command: dict[str, Any]) -> list[dict[str, Any]]:
         thread.join(command["timeout_s"])
     process_cpu = time.process_time() - started
     return [{"index": r.index, "sent": r.traffic.sent, "received": r.traffic.received,
+             "stage_sent": dict(r.stage_sent),
              "cpu_s": {**r.cpu, **r.secagg_cpu_s}, "dropped": r.dropped,
              "finished": r.stats.run_finished,
              "process_cpu_s": process_cpu / len(runners)} for r in runners]
@@ -265,15 +278,17 @@ class ClientPool:
             self.pipes.append(parent)
             self.processes.append(process)
 
-    def run(self, address: str, clients: int, dropout: float, timeout_s: float,
+    def run(self, address: str, clients: int, dropout: float, timeout_s: float, pki: str,
             task_stream: bool = True) -> list[tuple[int, Connection]]:
-        """Start ``clients`` clients spread over the workers; returns what to collect."""
+        """Start ``clients`` clients spread over the workers; returns what to collect.
+        ``pki``: the folder of ``ca.pem`` and each client's ``bench-<i>.pem``/``.key``."""
         used = min(clients, len(self.pipes))
         pending = []
         for w in range(used):
             indices = list(range(w, clients, used))
             self.pipes[w].send({"address": address, "indices": indices, "dropout": dropout,
-                                "timeout_s": timeout_s, "task_stream": task_stream})
+                                "timeout_s": timeout_s, "task_stream": task_stream,
+                                "pki": pki})
             pending.append((w, self.pipes[w]))
         return pending
 

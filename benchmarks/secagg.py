@@ -12,9 +12,11 @@ the same graph degree and the same t), clip range 8, 2**22 quantization levels, 
 
 Systems (each setting runs its plain round, then its secure round, back to back):
 
-- **fedloom gRPC**: `fedloom.server.Server` in this process on loopback, plaintext;
-  clients in spawned processes (`_secagg_grpc.ClientPool`: 20 workers, so 10 and 20
-  clients run one per process and 50 clients run 2 or 3 per process, as threads);
+- **fedloom gRPC**: `fedloom.server.Server` in this process on loopback, over mutual TLS
+  with a throwaway PKI for both modes (secure rounds are then authenticated: signed keys,
+  certificates checked, the consistency stage); clients in spawned processes
+  (`_secagg_grpc.ClientPool`: 20 workers, so 10 and 20 clients run one per process and
+  50 clients run 2 or 3 per process, as threads);
 - **fedloom local**: `run_local` in this process, plain or with `LocalSecureAggregation`;
 - **Flower sim**: `flwr.simulation.run_simulation`, legacy ``DefaultWorkflow`` with the
   default fit workflow or ``SecAggPlusWorkflow`` + ``secaggplus_mod`` (`_secagg_flower`),
@@ -58,8 +60,9 @@ from typing import Any
 import numpy as np
 from _secagg_grpc import fixed_step
 
+from fedloom.certs import write_certificates
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
-from fedloom.config import ServerConfig
+from fedloom.config import ServerConfig, TLSConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.server import Server
 from fedloom.simulations.local_engine import run_local
@@ -71,7 +74,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 NEIGHBOURS, THRESHOLD = 10, 6
 FLOWER_SECAGG = {"num_shares": NEIGHBOURS + 1, "reconstruction_threshold": THRESHOLD,
                  "max_weight": 100.0, "clipping_range": 8.0, "quantization_range": 2**22}
-STAGES = ("train", "advertise_keys", "share_keys", "masked_input", "unmask", "update", "push")
+STAGES = ("train", "advertise_keys", "share_keys", "masked_input", "consistency", "unmask",
+          "update", "push")
 FLOWER_STAGES = ("fit", "setup", "share_keys", "collect_masked_vectors", "unmask")
 
 
@@ -91,19 +95,28 @@ def initial(params: int) -> Weights:
 
 
 # -- fedloom over gRPC ----------------------------------------------------------------
+def make_pki(folder: Path, clients: int) -> Path:
+    """A throwaway CA, the server's certificate and ``bench-<i>`` client certificates."""
+    write_certificates(folder, clients=[f"bench-{i}" for i in range(clients)])
+    return folder
+
+
 def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: int,
-             state_root: Path, task_stream: bool = True) -> dict[str, Any]:
+             state_root: Path, pki: Path, task_stream: bool = True) -> dict[str, Any]:
     plain_min = n - round(dropout * n)
+    tls = TLSConfig(cert=str(pki / "server.pem"), key=str(pki / "server.key"),
+                    client_ca=str(pki / "ca.pem"))
     config = ServerConfig(
         address="127.0.0.1:0", num_rounds=rounds, min_clients=n,
         min_fit_clients=n if mode == "secure" else plain_min, fraction_fit=1.0,
         fraction_evaluate=0.0, state_dir=str(state_root / f"{mode}-{n}-{params}-{dropout}"),
-        progress=False, keep_checkpoints=1, round_timeout_s=600.0, insecure=True,
+        progress=False, keep_checkpoints=1, round_timeout_s=600.0, tls=tls,
         secure_aggregation=secagg_config() if mode == "secure" else SecAggConfig())
     server = Server(config, initial_weights=initial(params))
     handle = server.start()
     started_cpu, started = time.process_time(), time.perf_counter()
-    pending = pool.run(handle.address, n, dropout, timeout_s=1800.0, task_stream=task_stream)
+    pending = pool.run(handle.address, n, dropout, timeout_s=1800.0, pki=str(pki),
+                       task_stream=task_stream)
     history = handle.wait(1800.0)
     wall, server_cpu = time.perf_counter() - started, time.process_time() - started_cpu
     clients = pool.collect(pending, 120.0)
@@ -122,6 +135,8 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
         "sent_bytes": sum(c["sent"] for c in clients) / per,
         "received_bytes": sum(c["received"] for c in clients) / per,
         "dropped": sum(c["dropped"] for c in clients) / rounds,
+        "stage_sent_bytes": {s: sum(c["stage_sent"].get(s, 0) for c in clients) / per
+                             for s in STAGES if any(s in c["stage_sent"] for c in clients)},
     }
     if mode == "secure":
         stage_rows = [r["secure_aggregation"]["stage_s"] for r in rows[1:] or rows]
@@ -272,6 +287,19 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 cells.append(", ".join(f"{s} {cpu[s]:.4f}" for s in order if s in cpu) or "-")
             lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {mode} | "
                          + " | ".join(cells) + " |")
+    lines += ["", "fedloom over gRPC, each SecAgg+ stage of a steady secure round: wall s "
+              "(median), client CPU s and bytes sent per client:", "",
+              "| clients | params | dropout | " + " | ".join(STAGES[1:6]) + " |",
+              "|---|---|---|" + "---|" * 5]
+    for r in rows:
+        q = r.get("grpc", {}).get("secure")
+        if q is None:
+            continue
+        cells = [f"{q.get('stage_s', {}).get(s, 0):.4f} s, "
+                 f"{q.get('client_cpu_s', {}).get(s, 0) * 1e3:.2f} ms, "
+                 f"{q.get('stage_sent_bytes', {}).get(s, 0):,.0f} B" for s in STAGES[1:6]]
+        lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -372,10 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         pool = ClientPool(min(args.workers, max(args.clients)))
         try:
             with tempfile.TemporaryDirectory(prefix="secagg-bench-") as tmp:
+                pki = make_pki(Path(tmp) / "pki", max(args.clients))
                 for row in rows:
                     row["grpc"] = alternate(args.modes, args.repeats, lambda m, r=row: run_grpc(
                         pool, m, r["clients"], r["params"], r["dropout"], args.rounds, Path(tmp),
-                        task_stream=not args.pull))
+                        pki, task_stream=not args.pull))
                     progress("grpc", row)
         finally:
             pool.close()

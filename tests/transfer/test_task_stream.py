@@ -141,21 +141,39 @@ def test_each_task_comes_once_and_the_next_follows_on_the_same_stream(serve) -> 
         client.close()
 
 
-def test_a_new_stream_offers_the_unanswered_task_again(serve) -> None:  # type: ignore[no-untyped-def]
-    handle = serve(num_rounds=1)
+def test_a_broken_stream_ends_the_session_and_its_task(serve) -> None:  # type: ignore[no-untyped-def]
+    """A client whose task stream breaks is gone (its process died, or its connection
+    is cut): its session ends at once and its task fails, so no round waits for it; it
+    joins again as a new session and takes part in the next round."""
+    handle = serve(num_rounds=2)
     client = StreamClient(handle.address)
+    fresh = None
     try:
         client.open_stream()
         first = client.next_task()
         client.call.cancel()  # the stream broke before the client answered
-        client.messages = queue.Queue()
-        client.open_stream()
-        again = client.next_task()
-        assert again.task_id == first.task_id
-        client.answer(again)
-        assert [r["status"] for r in handle.wait(10) if r["round"] >= 1] == ["ok"]
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the cancel on its own schedule
+            try:
+                client.stub.Heartbeat(pb.HeartbeatRequest(session=client.session_proto),
+                                      timeout=5)
+            except grpc.RpcError as exc:
+                assert exc.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert "join again" in (exc.details() or "")
+                break
+            assert time.monotonic() < deadline, "the session outlived its stream"
+            time.sleep(0.02)
+        fresh = StreamClient(handle.address)  # joins again: a new session
+        fresh.open_stream()
+        task = fresh.next_task()
+        assert task.round == first.round + 1  # round 1 failed without waiting for it
+        fresh.answer(task)
+        statuses = [r["status"] for r in handle.wait(10) if r["round"] >= 1]
+        assert statuses == ["failed", "ok"]
     finally:
         client.close()
+        if fresh is not None:
+            fresh.close()
 
 
 def test_report_takes_a_result_without_a_payload_and_refuses_one_with(serve) -> None:  # type: ignore[no-untyped-def]
