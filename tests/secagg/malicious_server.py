@@ -138,8 +138,9 @@ class MaliciousServer:
 
     def share_keys(self, rosters: Mapping[str, tuple[AdvertisedKeys, ...]] | None = None
                    ) -> None:
-        """Stage share_keys: each advertiser gets its roster (the full one by default)."""
-        for cid in sorted(self.keys):
+        """Stage share_keys: each advertiser gets its roster (the full one by default).
+        ``keys`` may also hold keys the server made up (for no client)."""
+        for cid in sorted(set(self.keys) & set(self.clients)):
             roster = (rosters or {}).get(cid, self.full_roster())
             self.rosters[cid] = roster
             reply = self.send(cid, ShareKeysRequest(self.setups[cid].round_id, roster))
