@@ -189,8 +189,10 @@ def test_an_unauthenticated_client_seals_its_shares_for_a_substituted_key() -> N
     server's, and the server opens the victim's shares for that neighbour."""
     server = build(K6, N, authenticated=False)
     server.advertise()
-    victim = sorted(server.clients)[0]
-    for other in sorted(server.clients)[1:]:  # a substitution that lands next to the victim
+    everyone = sorted(server.clients)
+    victim = everyone[0]
+    for attempt in range(60):  # fresh keys until the substitution lands next to the victim
+        other = everyone[1 + attempt % (N - 1)]
         cipher_key, mask_key = generate_private_key(), generate_private_key()
         fake = AdvertisedKeys(server.setup.round_id, other, public_bytes(cipher_key),
                               public_bytes(mask_key))
