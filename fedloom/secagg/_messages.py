@@ -104,12 +104,16 @@ def config_digest(config: Mapping[str, Any]) -> bytes:
     parts: list[str | bytes | int | float] = [len(config)]
     for key in sorted(config):
         value = config[key]
-        if isinstance(value, bool):  # before int: bool is an int subclass
-            parts += [key, "bool", int(value)]
-        elif isinstance(value, int | float | str | bytes):
-            parts += [key, type(value).__name__, value]
+        # by the wire's types: a subclass (an IntEnum, numpy's float64) arrives as its base
+        for kind in (bool, int, float, str, bytes):  # bool first: an int subclass
+            if isinstance(value, kind):
+                break
         else:
             raise TypeError(f"fit config value {key!r} is a {type(value).__name__}")
+        plain = int(value) if kind is bool else kind(value)
+        if kind is int and not -(1 << 63) <= plain < 1 << 63:
+            raise ValueError(f"fit config value {key!r} does not fit in 64 bits")
+        parts += [key, kind.__name__, plain]
     return hashlib.sha256(PROTOCOL_LABEL + b"fit-config" + pack(*parts)).digest()
 
 

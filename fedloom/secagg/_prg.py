@@ -21,8 +21,9 @@ RFC 7748 section 1), and the self-mask seed travels in Shamir shares sealed unde
 from those same agreements; a 256-bit AES key would guard a door in a 128-bit wall.
 With AES instructions OpenSSL's AES-128-CTR makes 4 MB of mask in 0.43 ms, AES-256-CTR
 in 0.58 ms and ChaCha20 in 1.7 ms (measured on the benchmark machine). Protocol v1 used
-ChaCha20 and v2 AES-256-CTR; the protocol label moved to v3 with this PRG
-(`fedloom.secagg._crypto`), so parties of different versions refuse each other's
+ChaCha20 and v2 AES-256-CTR; v3 introduced this PRG and v4 (signed keys, the
+consistency stage) keeps it. The seed label is built from the protocol label
+(`fedloom.secagg._encoding`), so parties of different versions refuse each other's
 shares and commitments instead of mixing masks.
 
 `MaskExpander.apply` adds many masks to one accumulator block by block: each block of

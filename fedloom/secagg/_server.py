@@ -334,6 +334,7 @@ class SecAggServer:
                 self._open(Stage.UNMASK, self._survivors - self._gone)
         elif self._stage is Stage.CONSISTENCY:
             unconfirmed = self._survivors - done
+            self.failed_clients |= unconfirmed  # gone before the stage opened, too
             if unconfirmed:
                 self._fail(f"survivors {sorted(unconfirmed)[:5]} did not confirm the survivor set "
                            "(their neighbours reveal a survivor's self-mask share only with its "
@@ -570,6 +571,7 @@ class SecAggServer:
 
     def _fail(self, why: str) -> NoReturn:
         self.status, self.failure = SecAggStatus.FAILED, why
+        self.failed_clients |= self._gone  # vanished: a retry goes on without them
         self._total = np.zeros(0, dtype=np.uint32)
         raise SecureAggregationError(f"secure aggregation of {self.setup.round_id} failed: {why}")
 
