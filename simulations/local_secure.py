@@ -240,7 +240,7 @@ class LocalSecureAggregation:
                     self._run_stage(server, clients, inputs, vanishing, report, map_fn)
                     vanishing = frozenset()  # they are gone; nothing more to drop
             except SecureAggregationError as exc:
-                return str(exc), server.failed_clients | server.culprits
+                return str(exc), server.failed_clients | server.culprits | server.revealed
             return server.result, set()
 
     def _client(self, client_id: str, server_round: int, pki: _LocalPki | None

@@ -9,6 +9,10 @@ security of a client's input rests on the checks made here, not on the server:
   so masks are never reused; it takes part in at most ``max_attempts`` attempts of one
   round. (Unauthenticated attempts may use keys offered with the previous share-keys
   reply, a `KeyOffer`, once.)
+- **one sum per round**: once it has revealed shares in an attempt of a round, it takes
+  part in no other attempt of that round. Two unmasked attempts of one round over
+  survivor sets that differ by one client would hand the server that client's update
+  (the difference of the two sums; a retried attempt masks the same update).
 - **signed keys** (authenticated attempts, when the client holds a `SigningIdentity`):
   it signs its keys, bound to the setup, its id and identity; it checks every other
   participant's certificate against the client CA (`PeerVerifier`), its name against
@@ -182,6 +186,7 @@ class SecAggClient:
         self._offer: _Offer | None = None  # the latest KeyOffer sent, not used yet
         self._latest: dict[tuple[str, int], int] = {}  # (run, round) -> newest attempt
         self._attempts: dict[tuple[str, int], int] = {}  # (run, round) -> attempts begun
+        self._revealed: set[tuple[str, int]] = set()  # rounds whose shares went out
 
     # -- dispatch -------------------------------------------------------------------
 
@@ -284,6 +289,10 @@ class SecAggClient:
                          "is older than one seen; a restarted round needs a new attempt id")
         if self.client_id not in setup.participants:
             self._ignore("this client is not among the round's participants")
+        if key in self._revealed:
+            self._ignore(f"this client revealed shares in an earlier attempt of round "
+                         f"{rid.server_round}: a second unmasked attempt would show the server a "
+                         "second sum, and the difference of the two its missing clients' updates")
         limit = (self.policy or SecAggConfig()).max_attempts
         if self._attempts.get(key, 0) >= limit:
             self._ignore(f"this client already took part in {limit} attempts of round "
@@ -535,6 +544,7 @@ class SecAggClient:
         reply = UnmaskReply(setup.round_id, self.client_id, tuple(self_mask_shares),
                             tuple(mask_key_shares))
         attempt.held = {}  # one answer per attempt: nothing else can be revealed
+        self._revealed.add((setup.round_id.run_id, setup.round_id.server_round))
         attempt.answered[Stage.UNMASK] = (request, reply)
         return reply
 

@@ -164,6 +164,9 @@ class SecAggServer:
         self.culprits: set[str] = set()
         #: participants that did not do their part in some stage (gone, refused, silent)
         self.failed_clients: set[str] = set()
+        #: clients whose unmask reply was taken: they take part in no other attempt of
+        #: this round (a second sum would reveal the difference), so no retry with them
+        self.revealed: set[str] = set()
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: frozenset[str] = frozenset(setup.participants)
         self._answered: set[str] = set()
@@ -494,6 +497,7 @@ class SecAggServer:
             for share in shares:
                 store.setdefault(share.owner, {})[x] = share.value
         self._unmask_replies[holder] = reply
+        self.revealed.add(holder)
 
     def _finish(self) -> None:
         total = self._total

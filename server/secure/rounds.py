@@ -300,7 +300,7 @@ class SecureRounds:
                             "its committed secret", setup.round_id.server_round, culprit)
                 if self._strike is not None:
                     self._strike(culprit, RejectReason.INVALID)
-            return str(exc), machine.failed_clients | machine.culprits
+            return str(exc), machine.failed_clients | machine.culprits | machine.revealed
         finally:
             attempt.close_stage()
             ServerMetrics.tasks_closed("fit", attempt.fit_outcomes())

@@ -35,6 +35,7 @@ from secagg_driver import (
 )
 
 from fedloom import certs
+from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
     PRIME,
     SHARE_BYTES,
@@ -320,26 +321,28 @@ def test_a_refusal_ends_the_attempt_and_drops_its_secrets(stage: str) -> None:
 # -- across attempts ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "VULNERABILITY (documented in docs/secure-aggregation.md, 'Across attempts and "
-    "rounds', as out of scope): a server completes attempt 1 over every client, then "
-    "claims it failed and runs attempt 2 of the same round without the victim; the other "
-    "clients take part (attempt id newer, within max_attempts) and mask the SAME update "
-    "again (client_sdk/secure_fit.py), so the difference of the two sums is the victim's "
-    "weighted update to within a few quanta. No client check refuses a new attempt after "
-    "it answered unmask in an earlier one."))
 def test_two_attempts_that_differ_by_one_client_do_not_reveal_it() -> None:
+    """A server completes attempt 1 over every client, then claims it failed and starts
+    attempt 2 of the same round without the victim: the difference of the two sums would
+    be the victim's update (a retried attempt masks the same update). A client that
+    revealed shares in a round takes part in no other attempt of it, so attempt 2 never
+    gets started, and the second sum does not exist."""
     ids = ids_of(N)
     victim = ids[0]
     inputs = make_inputs(ids, 50)
     clients = {c: make_client(c, i) for i, c in enumerate(ids)}
     first = run(setup_round(K6, inputs, RoundId("run-1", 1, 1), clients))
+    assert first.server.status is SecAggStatus.SUCCEEDED
     rest = {c: inputs[c] for c in ids if c != victim}
-    second = run(setup_round(K6, rest, RoundId("run-1", 1, 2),
-                             {c: clients[c] for c in rest}))
-    assert first.server.status is second.server.status is SecAggStatus.SUCCEEDED
-    difference = first.server.result.weighted_sum - second.server.result.weighted_sum
-    vector, examples = inputs[victim]
-    truth = np.clip(vector, -K6.clip_range, K6.clip_range) * examples / K6.max_weight
-    # each sum is within one quantum per client of its plaintext: 2N quanta in all
-    assert not np.abs(difference - truth).max() <= 2 * N * K6.quantum
+    second = setup_round(K6, rest, RoundId("run-1", 1, 2), {c: clients[c] for c in rest})
+    with pytest.raises(SecureAggregationError):
+        run(second)
+    assert second.server.status is SecAggStatus.FAILED
+    refused = set(second.refusals)
+    revealed = set(first.server.revealed)
+    assert revealed and revealed - {victim} <= refused
+    assert all("revealed shares in an earlier attempt of round 1" in second.refusals[c]
+               for c in revealed - {victim})
+    # the same clients take part in the next round as usual
+    third = run(setup_round(K6, rest, RoundId("run-1", 2, 3), {c: clients[c] for c in rest}))
+    assert third.server.status is SecAggStatus.SUCCEEDED

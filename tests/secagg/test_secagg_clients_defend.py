@@ -389,7 +389,12 @@ def test_used_and_older_attempts_are_refused(authenticated: bool) -> None:
                            authenticated=authenticated)
         with pytest.raises(SecureAggregationError, match="already used or is older"):
             client.handle(AdvertiseKeysRequest(setup))
-    fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 4, 3), authenticated=authenticated)
+    # a newer attempt of the same round is refused too: this client revealed shares in
+    # round 4 already (a second sum would reveal the difference); the next round is not
+    newer = make_setup(CONFIG, ids, 8, RoundId("run-1", 4, 3), authenticated=authenticated)
+    with pytest.raises(SecureAggregationError, match="revealed shares in an earlier attempt"):
+        client.handle(AdvertiseKeysRequest(newer))
+    fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 5, 4), authenticated=authenticated)
     assert isinstance(client.handle(AdvertiseKeysRequest(fresh)), AdvertisedKeys)
 
 

@@ -3,6 +3,7 @@ authenticated attempts (signed keys, a consistency stage) and unauthenticated on
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +23,6 @@ from fedloom import ClientUpdate, Weights
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
-    ConsistencyReply,
     MaskedInputReply,
     RoundId,
     SecAggConfig,
@@ -252,8 +252,10 @@ def test_restarted_round_uses_a_new_attempt_and_fresh_masks(authenticated: bool)
     ids = ids_of(8)
     inputs = make_inputs(ids, 16)
     first = setup_round(CONFIG, inputs, authenticated=authenticated)
-    with pytest.raises(SecureAggregationError):
-        run(first, drop_at=dict.fromkeys(ids[:5], Stage.UNMASK))  # the attempt fails late
+    # the attempt fails late, before any share is revealed: too few masked inputs
+    with pytest.raises(SecureAggregationError, match="masked inputs"):
+        run(first, drop_at=dict.fromkeys(ids[:5], Stage.MASKED_INPUT))
+    assert not first.server.revealed
     second = _retry_without(first, [])
     assert second.server.setup.round_id.attempt == first.server.setup.round_id.attempt + 1
     assert_matches_plaintext(CONFIG, second, ids)
@@ -269,11 +271,32 @@ def test_restarted_round_uses_a_new_attempt_and_fresh_masks(authenticated: bool)
     for cid in ids:
         assert ca[cid].self_mask_commitment != cb[cid].self_mask_commitment
     ma, mb = sent(first, MaskedInputReply), sent(second, MaskedInputReply)
-    for cid in ids:  # same input, unrelated masked vectors
+    assert sorted(ma) == ids[5:]
+    for cid in ma:  # same input, unrelated masked vectors
         assert (ma[cid].masked != mb[cid].masked).mean() > 0.9
-    if authenticated:  # a confirmation is bound to its attempt as well
-        sa, sb = sent(first, ConsistencyReply), sent(second, ConsistencyReply)
-        assert all(sa[cid].signature != sb[cid].signature for cid in ids)
+
+
+@BOTH_MODES
+def test_after_an_attempt_that_revealed_shares_a_retry_goes_on_without_them(
+        authenticated: bool) -> None:
+    """An attempt that fails in unmask (5 of 8 gone there: too few shares) has revealed
+    the shares of the 3 that answered: they take part in no other attempt of the round
+    (`SecAggServer.revealed`). The retry runs over the 5 others; a server that asks the
+    3 again is refused by each of them."""
+    ids = ids_of(8)
+    inputs = make_inputs(ids, 16)
+    first = setup_round(CONFIG, inputs, authenticated=authenticated)
+    with pytest.raises(SecureAggregationError):
+        run(first, drop_at=dict.fromkeys(ids[:5], Stage.UNMASK))
+    assert first.server.revealed == set(ids[5:])
+    second = _retry_without(first, sorted(first.server.revealed))
+    assert_matches_plaintext(CONFIG, second, ids[:5])
+    rid = second.server.setup.round_id
+    again = setup_round(CONFIG, inputs, RoundId(rid.run_id, rid.server_round, rid.attempt + 1),
+                        clients=first.clients, authenticated=authenticated)
+    with contextlib.suppress(SecureAggregationError):
+        run(again)
+    assert all("revealed shares in an earlier attempt" in again.refusals[c] for c in ids[5:])
 
 
 @BOTH_MODES

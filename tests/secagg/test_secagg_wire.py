@@ -69,7 +69,8 @@ def rounds() -> dict[str, Transcript]:
                 drop_at=drop)
     offers = {cid: reply.next_keys for _, cid, _, reply in plain.transcript
               if isinstance(reply, ShareKeysReply) and reply.next_keys is not None}
-    on_offers = run(setup_round(CONFIG, inputs, RoundId("run-1", 1, 7), clients=plain.clients,
+    # the next round (a client that revealed shares in round 1 joins no other attempt of it)
+    on_offers = run(setup_round(CONFIG, inputs, RoundId("run-1", 2, 7), clients=plain.clients,
                                 offers=offers, authenticated=False))
     for rnd in (signed, plain, on_offers):
         assert rnd.server.status is SecAggStatus.SUCCEEDED, (rnd.refusals, rnd.rejections)
