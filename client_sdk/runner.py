@@ -34,7 +34,13 @@ from fedloom.config import ClientConfig
 from fedloom.errors import FedloomError, SecureAggregationError, TransportError
 from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo, serialize_difference
-from fedloom.secagg import MaskedInputRequest, PeerVerifier, SecAggConfig, SigningIdentity
+from fedloom.secagg import (
+    MaskedInputRequest,
+    PeerVerifier,
+    RoundLedger,
+    SecAggConfig,
+    SigningIdentity,
+)
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
 
@@ -123,6 +129,9 @@ class ClientRunner:
         self.secagg_cpu_s: dict[str, float] = {}
         self._connection: Connection | None = None
         self._secure: SecureFit | None = None
+        # what this client remembers of each secure round, across its sessions: a server
+        # that ends a session cannot make it forget that it revealed shares in a round
+        self._rounds = RoundLedger()
 
     def request_stop(self) -> None:
         self.stop.set()
@@ -273,7 +282,8 @@ class ClientRunner:
         if self._secure is None or self._secure.client_id != session.client_id:
             identity, peers = self._signing()
             self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation,
-                                     self.secagg_cpu_s, identity=identity, peers=peers)
+                                     self.secagg_cpu_s, identity=identity, peers=peers,
+                                     ledger=self._rounds)
         return self._secure
 
     def _signing(self) -> tuple[SigningIdentity | None, PeerVerifier | None]:

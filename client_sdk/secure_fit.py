@@ -53,6 +53,7 @@ from fedloom.secagg import (
     MaskedInputReply,
     MaskedInputRequest,
     PeerVerifier,
+    RoundLedger,
     RoundSetup,
     SecAggClient,
     SecAggConfig,
@@ -81,15 +82,17 @@ class SecureFit:
             mapping: ``"train"`` (the application's fit), then each `Stage`'s value.
         identity: this client's certificate and key (authenticated rounds).
         peers: the client CA, to check the other participants (with ``identity``).
+        ledger: the rounds this client took part in, kept across its sessions.
     """
 
     def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None,
                  cpu_s: dict[str, float] | None = None, *,
                  identity: SigningIdentity | None = None,
-                 peers: PeerVerifier | None = None) -> None:
+                 peers: PeerVerifier | None = None, ledger: RoundLedger | None = None) -> None:
         self.client = client
         self.client_id = client_id
-        self.protocol = SecAggClient(client_id, policy=policy, identity=identity, peers=peers)
+        self.protocol = SecAggClient(client_id, policy=policy, identity=identity, peers=peers,
+                                     ledger=ledger)
         self.cpu_s = cpu_s if cpu_s is not None else {}
         self._train_cpu_s = 0.0
         # (run, round, model digest, config digest) -> (flat clipped delta, num_examples):

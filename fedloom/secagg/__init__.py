@@ -35,7 +35,7 @@ is the adversary; it must not learn one honest client's update.
   and the privacy of the sum itself (add differential privacy for those).
 """
 
-from fedloom.secagg._client import SecAggClient
+from fedloom.secagg._client import RoundLedger, SecAggClient
 from fedloom.secagg._config import SecAggConfig, ceil_log2, dropout_failure_bound
 from fedloom.secagg._crypto import (
     MASK_KEY,
@@ -117,6 +117,7 @@ __all__ = [
     "PeerVerifier",
     "RevealedShare",
     "RoundId",
+    "RoundLedger",
     "RoundSetup",
     "SecAggClient",
     "SecAggConfig",

@@ -127,6 +127,22 @@ def _new_offer() -> _Offer:
 
 
 @dataclasses.dataclass(eq=False)
+class RoundLedger:
+    """What a client remembers of each round across its sessions: the newest attempt id
+    it has seen, how many attempts it began, and whether it revealed shares.
+
+    A server can end a session at will (the client then joins again under a new id), so
+    a client that keeps one ledger for all its sessions (`ClientRunner` does) cannot be
+    led into a second unmasked attempt of a round, nor back to an older attempt, by
+    starting it afresh.
+    """
+
+    latest: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    attempts: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    revealed: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(eq=False)
 class _Attempt:
     """What one client holds during one round attempt (secrets are dropped early)."""
 
@@ -167,11 +183,14 @@ class SecAggClient:
         rng: randomness for stochastic rounding (not secret); seeded from the OS if None.
         offer_keys: send a `KeyOffer` for the next attempt with each share-keys reply of
             an unauthenticated attempt (lets the server skip the next advertise_keys).
+        ledger: the rounds this client took part in, shared by all the client's
+            sessions (a new one if None).
     """
 
     def __init__(self, client_id: str, *, policy: SecAggConfig | None = None,
                  identity: SigningIdentity | None = None, peers: PeerVerifier | None = None,
-                 rng: np.random.Generator | None = None, offer_keys: bool = True) -> None:
+                 rng: np.random.Generator | None = None, offer_keys: bool = True,
+                 ledger: RoundLedger | None = None) -> None:
         if identity is not None and peers is None:
             raise SecureAggregationError(
                 "a client with a certificate needs the client CA (peers) to check the other "
@@ -184,9 +203,7 @@ class SecAggClient:
         self._rng = rng if rng is not None else np.random.default_rng()
         self._attempt: _Attempt | None = None
         self._offer: _Offer | None = None  # the latest KeyOffer sent, not used yet
-        self._latest: dict[tuple[str, int], int] = {}  # (run, round) -> newest attempt
-        self._attempts: dict[tuple[str, int], int] = {}  # (run, round) -> attempts begun
-        self._revealed: set[tuple[str, int]] = set()  # rounds whose shares went out
+        self.ledger = ledger if ledger is not None else RoundLedger()
 
     # -- dispatch -------------------------------------------------------------------
 
@@ -284,17 +301,18 @@ class SecAggClient:
         """Start a new attempt with these key pairs, if ``setup`` may start one."""
         rid = setup.round_id
         key = (rid.run_id, rid.server_round)
-        if rid.attempt <= self._latest.get(key, -1):
+        ledger = self.ledger
+        if rid.attempt <= ledger.latest.get(key, -1):
             self._ignore(f"round {rid.server_round} attempt {rid.attempt} was already used or "
                          "is older than one seen; a restarted round needs a new attempt id")
         if self.client_id not in setup.participants:
             self._ignore("this client is not among the round's participants")
-        if key in self._revealed:
+        if key in ledger.revealed:
             self._ignore(f"this client revealed shares in an earlier attempt of round "
                          f"{rid.server_round}: a second unmasked attempt would show the server a "
                          "second sum, and the difference of the two its missing clients' updates")
         limit = (self.policy or SecAggConfig()).max_attempts
-        if self._attempts.get(key, 0) >= limit:
+        if ledger.attempts.get(key, 0) >= limit:
             self._ignore(f"this client already took part in {limit} attempts of round "
                          f"{rid.server_round} (max_attempts): every attempt shows the server a "
                          "sum over its survivors, so it takes part in no more")
@@ -302,8 +320,8 @@ class SecAggClient:
             self._check_policy(setup)
         self._check_authentication(setup)
         self.abort()  # a new attempt supersedes any older one
-        self._latest[key] = rid.attempt
-        self._attempts[key] = self._attempts.get(key, 0) + 1
+        ledger.latest[key] = rid.attempt
+        ledger.attempts[key] = ledger.attempts.get(key, 0) + 1
         self._attempt = _Attempt(setup=setup, cipher_key=cipher_key, mask_key=mask_key,
                                  self_mask_seed=new_seed(),
                                  public_keys=(public_bytes(cipher_key), public_bytes(mask_key)))
@@ -544,7 +562,7 @@ class SecAggClient:
         reply = UnmaskReply(setup.round_id, self.client_id, tuple(self_mask_shares),
                             tuple(mask_key_shares))
         attempt.held = {}  # one answer per attempt: nothing else can be revealed
-        self._revealed.add((setup.round_id.run_id, setup.round_id.server_round))
+        self.ledger.revealed.add((setup.round_id.run_id, setup.round_id.server_round))
         attempt.answered[Stage.UNMASK] = (request, reply)
         return reply
 

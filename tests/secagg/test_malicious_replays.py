@@ -47,6 +47,7 @@ from fedloom.secagg import (
     MaskedInputRequest,
     RevealedShare,
     RoundId,
+    RoundLedger,
     SecAggConfig,
     SecAggStatus,
     ShareKeysRequest,
@@ -346,3 +347,34 @@ def test_two_attempts_that_differ_by_one_client_do_not_reveal_it() -> None:
     # the same clients take part in the next round as usual
     third = run(setup_round(K6, rest, RoundId("run-1", 2, 3), {c: clients[c] for c in rest}))
     assert third.server.status is SecAggStatus.SUCCEEDED
+
+
+def test_ending_the_session_does_not_make_a_client_forget_the_round() -> None:
+    """The same attack with a twist: after attempt 1 the server ends every session, so
+    the clients join again under new ids (new `SecAggClient` objects). They keep one
+    `RoundLedger` across their sessions (`ClientRunner` does), so they still refuse a
+    second attempt of round 1. (Unauthenticated, so that the new session ids need no
+    certificates of their own; the ledger is checked before anything else.)"""
+    ids = ids_of(N)
+    inputs = make_inputs(ids, 50)
+    ledgers = {c: RoundLedger() for c in ids}
+    first = run(setup_round(K6, inputs, RoundId("run-1", 1, 1),
+                            {c: make_client(c, i, authenticated=False, ledger=ledgers[c])
+                             for i, c in enumerate(ids)}, authenticated=False))
+    assert first.server.status is SecAggStatus.SUCCEEDED
+    rejoined = {f"{c}-again": c for c in ids[1:]}  # new session ids, the same clients
+    again = setup_round(K6, {new: inputs[old] for new, old in rejoined.items()},
+                        RoundId("run-1", 1, 2),
+                        {new: make_client(new, 0, authenticated=False, ledger=ledgers[old])
+                         for new, old in rejoined.items()}, authenticated=False)
+    with pytest.raises(SecureAggregationError):
+        run(again)
+    assert set(again.refusals) == set(rejoined)
+    assert all("revealed shares in an earlier attempt" in why
+               for why in again.refusals.values())
+    # without the shared ledger (a client that forgot), the second sum would exist
+    forgetful = setup_round(K6, {new: inputs[old] for new, old in rejoined.items()},
+                            RoundId("run-1", 1, 3),
+                            {new: make_client(new, 0, authenticated=False)
+                             for new in rejoined}, authenticated=False)
+    assert run(forgetful).server.status is SecAggStatus.SUCCEEDED

@@ -18,6 +18,7 @@ EXPORTED = {
     "AdvertiseKeysRequest", "AdvertisedKeys", "Confirmation", "ConsistencyReply",
     "ConsistencyRequest", "EncryptedShare", "KeyOffer", "MaskExpander",
     "MaskedInputReply", "MaskedInputRequest", "PeerVerifier", "RevealedShare", "RoundId",
+    "RoundLedger",
     "RoundSetup", "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareCommitment",
     "ShareKeysReply", "ShareKeysRequest", "SigningIdentity", "Stage", "UnmaskReply",
     "UnmaskRequest", "VerifiedPeer", "aes_ctr_keystream", "agree", "ceil_log2",
