@@ -152,6 +152,7 @@ class _Attempt:
     self_mask_seed: bytes | None
     public_keys: tuple[bytes, bytes]  # (cipher, mask), as the server presents them
     graph: Graph = dataclasses.field(default_factory=dict)
+    graph_seed: bytes = b""  # binds the roster this client was shown (shares, confirmations)
     neighbours: frozenset[str] = frozenset()
     roster: dict[str, AdvertisedKeys] = dataclasses.field(default_factory=dict)
     peers: dict[str, VerifiedPeer] = dataclasses.field(default_factory=dict)
@@ -378,8 +379,8 @@ class SecAggClient:
                 own.cipher_public_key, own.mask_public_key) != attempt.public_keys):
             self._refuse("the keys the server presents as this client's are not its own")
         self._take_roster(attempt, request.roster)
-        attempt.graph = neighbour_graph(attempt.roster, setup.neighbours,
-                                        graph_seed(setup, request.roster))
+        attempt.graph_seed = graph_seed(setup, request.roster)
+        attempt.graph = neighbour_graph(attempt.roster, setup.neighbours, attempt.graph_seed)
         attempt.neighbours = attempt.graph[self.client_id]
         if len(attempt.neighbours) < threshold:
             self._refuse(f"only {len(attempt.neighbours)} neighbours advertised keys; at least "
@@ -395,7 +396,8 @@ class SecAggClient:
             shared = secrets[v] = agree(attempt.cipher_key,
                                         attempt.roster[v].cipher_public_key)
             nonce, ciphertext = seal_share(derive_share_key(shared, setup, self.client_id, v),
-                                           setup, self.client_id, v, key_share + seed_share)
+                                           setup, self.client_id, v, key_share + seed_share,
+                                           graph_seed=attempt.graph_seed)
             sealed.append(EncryptedShare(self.client_id, v, nonce, ciphertext))
             commitments.append(ShareCommitment(
                 v, commit_share(setup, self.client_id, v, MASK_KEY, key_share),
@@ -505,7 +507,8 @@ class SecAggClient:
             self._refuse("an unauthenticated round has no consistency stage")
         self._check_survivors(attempt, request.survivors)
         assert self.identity is not None
-        signature = self.identity.sign(survivors_statement(setup, request.survivors))
+        signature = self.identity.sign(survivors_statement(setup, request.survivors,
+                                                           graph_seed=attempt.graph_seed))
         reply = ConsistencyReply(setup.round_id, self.client_id, signature)
         attempt.view = request.survivors
         attempt.answered[Stage.CONSISTENCY] = (request, reply)
@@ -569,7 +572,8 @@ class SecAggClient:
     def _check_confirmations(self, attempt: _Attempt, request: UnmaskRequest) -> set[str]:
         """The neighbours whose signature of the survivor set verifies (at least t)."""
         setup = attempt.setup
-        statement = survivors_statement(setup, request.survivors)
+        statement = survivors_statement(setup, request.survivors,
+                                        graph_seed=attempt.graph_seed)
         assert self.peers is not None
         confirmed = set()
         for confirmation in request.confirmations:
@@ -579,7 +583,7 @@ class SecAggClient:
                              "neighbour of this client")
             if not self.peers.verify(attempt.peers[signer], confirmation.signature, statement):
                 self._refuse(f"the confirmation of {signer!r} does not verify: it did not sign "
-                             "this survivor set for this attempt")
+                             "this survivor set for this attempt and roster")
             confirmed.add(signer)
         if len(confirmed) < setup.threshold:
             self._refuse(f"only {len(confirmed)} neighbours confirmed the survivor set; at "
@@ -634,8 +638,8 @@ class SecAggClient:
         setup = attempt.setup
         key = derive_share_key(shared, setup, sender, self.client_id)
         try:
-            plaintext = open_share(key, setup, sender, self.client_id,
-                                   share.nonce, share.ciphertext)
+            plaintext = open_share(key, setup, sender, self.client_id, share.nonce,
+                                   share.ciphertext, graph_seed=attempt.graph_seed)
         except SecureAggregationError as exc:
             self._refuse(str(exc))
         if len(plaintext) != 2 * SHARE_BYTES:

@@ -5,8 +5,10 @@
   purpose, the run, round and attempt, the setup digest (participants and parameters)
   and the ordered pair of client ids (sorted, so both ends derive the same key);
 - ChaCha20-Poly1305 (RFC 8439) seals the shares the server relays; the associated data
-  binds the setup, the sender and the receiver, so a share replayed from another round
-  or attempt, redirected to another client, or turned around fails to open;
+  binds the setup, the attempt's graph seed (so the roster of keys both clients were
+  shown), the sender and the receiver, so a share replayed from another round or
+  attempt, redirected to another client, turned around, or sent between clients shown
+  different rosters fails to open;
 - the self-mask commitment is SHA-256 over the setup, the client id and the seed;
 - a share commitment is SHA-256 over the setup, the dealer, the holder, the kind of
   share (mask key or self mask) and the share's value: a share is a uniformly random
@@ -97,28 +99,32 @@ def derive_mask_seed(shared_secret: bytes, setup: RoundSetup, a: str, b: str) ->
     return _hkdf(shared_secret, _pair_info(b"mask-seed", setup, a, b))
 
 
-def _share_aad(setup: RoundSetup, sender: str, receiver: str) -> bytes:
-    return PROTOCOL_LABEL + b"share-aad" + setup.binding + pack(sender, receiver)
+def _share_aad(setup: RoundSetup, graph_seed: bytes, sender: str, receiver: str) -> bytes:
+    return PROTOCOL_LABEL + b"share-aad" + setup.binding + pack(graph_seed, sender, receiver)
 
 
 def seal_share(key: bytes, setup: RoundSetup, sender: str, receiver: str,
-               plaintext: bytes) -> tuple[bytes, bytes]:
-    """Encrypt ``plaintext`` from ``sender`` to ``receiver``; returns (nonce, ciphertext)."""
+               plaintext: bytes, *, graph_seed: bytes) -> tuple[bytes, bytes]:
+    """Encrypt ``plaintext`` from ``sender`` to ``receiver``; returns (nonce, ciphertext).
+
+    ``graph_seed`` (`fedloom.secagg.graph_seed`) binds the roster the sender was shown.
+    """
     nonce = os.urandom(NONCE_BYTES)
     return nonce, ChaCha20Poly1305(key).encrypt(nonce, plaintext,
-                                                _share_aad(setup, sender, receiver))
+                                                _share_aad(setup, graph_seed, sender, receiver))
 
 
 def open_share(key: bytes, setup: RoundSetup, sender: str, receiver: str,
-               nonce: bytes, ciphertext: bytes) -> bytes:
+               nonce: bytes, ciphertext: bytes, *, graph_seed: bytes) -> bytes:
     """Decrypt and authenticate a sealed share; refuses anything tampered or misbound."""
     try:
         return ChaCha20Poly1305(key).decrypt(nonce, ciphertext,
-                                             _share_aad(setup, sender, receiver))
+                                             _share_aad(setup, graph_seed, sender, receiver))
     except InvalidTag as exc:
         raise SecureAggregationError(
             f"the share from {sender!r} to {receiver!r} failed authentication (tampered, "
-            "replayed from another round or attempt, or misaddressed)"
+            "replayed from another round or attempt, misaddressed, or sealed under another "
+            "roster of keys)"
         ) from exc
 
 
@@ -151,6 +157,9 @@ def key_statement(setup: RoundSetup, client_id: str, cipher_public_key: bytes,
         client_id, setup.identity_of(client_id), cipher_public_key, mask_public_key)
 
 
-def survivors_statement(setup: RoundSetup, survivors: tuple[str, ...]) -> bytes:
-    """What a client signs to confirm the survivor set of the attempt ``setup``."""
-    return PROTOCOL_LABEL + b"survivors" + setup.binding + pack(len(survivors), *survivors)
+def survivors_statement(setup: RoundSetup, survivors: tuple[str, ...], *,
+                        graph_seed: bytes) -> bytes:
+    """What a client signs to confirm the survivor set of the attempt ``setup``, under
+    the roster of keys (``graph_seed``) it was shown."""
+    return PROTOCOL_LABEL + b"survivors" + setup.binding + pack(graph_seed, len(survivors),
+                                                                 *survivors)

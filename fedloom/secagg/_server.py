@@ -158,6 +158,7 @@ class SecAggServer:
         self._verifier = verifier
         self._map_fn = map_fn  # runs the unmasking's ranges (a thread pool's map: parallel)
         self.graph: Graph = {}  # over the members, once advertise_keys has closed
+        self.graph_seed = b""  # derived from the setup and the members' keys
         self.status = SecAggStatus.RUNNING
         self.failure = ""
         #: clients proven to have cheated (dealt inconsistent shares)
@@ -411,8 +412,8 @@ class SecAggServer:
             self._fail(f"only {len(members)} clients advertised keys; at least {t + 1} are "
                        "needed")
         self._roster = tuple(self._advertised[c] for c in sorted(members))
-        self.graph = neighbour_graph(members, self.setup.neighbours,
-                                     graph_seed(self.setup, self._roster))
+        self.graph_seed = graph_seed(self.setup, self._roster)
+        self.graph = neighbour_graph(members, self.setup.neighbours, self.graph_seed)
         self._open(Stage.SHARE_KEYS, members - self._gone)
 
     def _take_shares(self, reply: ShareKeysReply) -> None:
@@ -469,7 +470,8 @@ class SecAggServer:
 
     def _take_confirmation(self, reply: ConsistencyReply) -> None:
         assert self._verifier is not None
-        statement = survivors_statement(self.setup, tuple(sorted(self._survivors)))
+        statement = survivors_statement(self.setup, tuple(sorted(self._survivors)),
+                                        graph_seed=self.graph_seed)
         if not self._verifier.verify(self._peers[reply.client_id], reply.signature, statement):
             raise _reject(RejectReason.INVALID, "the confirmation does not verify: it is not a "
                           "signature of this attempt's survivor set by the client's certificate")

@@ -204,8 +204,8 @@ class MaliciousServer:
             if v in self.colluders:
                 identity = self.clients[v].identity
                 assert identity is not None
-                found.append(Confirmation(v, identity.sign(survivors_statement(setup,
-                                                                               survivors))))
+                found.append(Confirmation(v, identity.sign(survivors_statement(
+                    setup, survivors, graph_seed=self.seed_of(cid)))))
             elif v in self.signed and self.signed[v][0] == survivors:
                 found.append(Confirmation(v, self.signed[v][1]))
         return tuple(found)
@@ -230,12 +230,15 @@ class MaliciousServer:
 
     # -- what the server knows ----------------------------------------------------------
 
+    def seed_of(self, cid: str) -> bytes:
+        """The graph seed ``cid`` derived from the roster and setup it was shown."""
+        return graph_seed(self.setups[cid], self.rosters.get(cid, self.full_roster()))
+
     def graph_of(self, cid: str) -> Graph:
         """The neighbour graph ``cid`` derived from the roster and setup it was shown."""
         roster = self.rosters.get(cid, self.full_roster())
-        setup = self.setups[cid]
-        return neighbour_graph([k.client_id for k in roster], setup.neighbours,
-                               graph_seed(setup, roster))
+        return neighbour_graph([k.client_id for k in roster], self.setups[cid].neighbours,
+                               self.seed_of(cid))
 
     @property
     def graph(self) -> Graph:

@@ -205,7 +205,8 @@ def test_an_unauthenticated_client_seals_its_shares_for_a_substituted_key() -> N
     share = next(s for s in server.shares[victim].shares if s.receiver == other)
     setup, victim_cipher = server.setup, server.keys[victim].cipher_public_key
     key = derive_share_key(agree(cipher_key, victim_cipher), setup, victim, other)
-    plaintext = open_share(key, setup, victim, other, share.nonce, share.ciphertext)
+    plaintext = open_share(key, setup, victim, other, share.nonce, share.ciphertext,
+                           graph_seed=server.seed_of(victim))
     commitment = next(c for c in server.shares[victim].share_commitments if c.holder == other)
     assert commit_share(setup, victim, other, MASK_KEY, plaintext[:66]) == commitment.mask_key
 
@@ -276,3 +277,37 @@ def test_a_sybil_seat_signed_by_a_colluder_is_refused() -> None:
     assert set(server.refusals) == set(ids)
     assert all(f"the certificate of 'ghost' names {colluder!r}" in m
                for m in server.refusals.values())
+
+
+def test_different_rosters_for_two_halves_of_the_federation_cannot_be_mixed() -> None:
+    """A colluder signs a second pair of keys, so the server holds two genuine rosters
+    that differ in the colluder's entry, hence two graphs: it shows one to half of the
+    clients and the other to the rest, to shape each half's neighbourhoods. Every share
+    and confirmation is bound to the roster its client was shown (the graph seed), so a
+    share sealed under one roster does not open under the other: the holder refuses."""
+    server = build(K6, N)
+    everyone = sorted(server.clients)
+    colluder = everyone[-1]
+    server.colluders = frozenset({colluder})
+    server.advertise()
+    identity = server.clients[colluder].identity
+    assert identity is not None
+    second = _signed_by(identity, server.setup, colluder, _fresh_keys())
+    one = server.full_roster()
+    other = tuple(second if k.client_id == colluder else k for k in one)
+    half = set(everyone[: N // 2]) | {colluder}  # the colluder itself is shown its own keys
+    server.share_keys({cid: one if cid in half else other for cid in everyone})
+    assert not server.refusals  # every roster is genuine, every signature good
+    assert server.seed_of(everyone[0]) != server.seed_of(everyone[N // 2])
+    assert server.graph_of(everyone[0]) != server.graph_of(everyone[N // 2])
+    # deliver to each client only shares from its own graph's neighbours (a server
+    # that delivers the others is refused for that already: "not a neighbour")
+    withhold = {(sender, cid) for cid in everyone for sender in everyone
+                if sender not in server.graph_of(cid)[cid]}
+    server.masked_input(withhold)
+    crossed = {cid for cid in everyone
+               if any((s in half) != (cid in half) for s in server.delivered.get(cid, ()))}
+    assert crossed  # with 12 clients and k = 6 the two halves' graphs share edges
+    for cid in crossed:
+        assert "sealed under another roster" in server.refusals[cid], server.refusals.get(cid)
+    assert all(server.recover(v).missing for v in everyone if v != colluder)

@@ -103,7 +103,7 @@ def _forge(forgery: str, server: MaliciousServer, first: MaliciousServer, cid: s
     if forgery == "server_key":  # signed with the server's own (CA-issued) key
         issued = certs.make_server_cert(pki().ca)
         signature = SigningIdentity(issued.cert, issued.key).sign(
-            survivors_statement(server.setup, everyone))
+            survivors_statement(server.setup, everyone, graph_seed=server.seed_of(cid)))
         return [*honest, Confirmation(x, signature)]
     if forgery == "swapped_signers":
         a, b = honest[0], honest[1]

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
     RoundId,
@@ -25,6 +26,7 @@ from fedloom.secagg import (
     derive_share_key,
     graph_seed,
     key_statement,
+    open_share,
     seal_share,
     survivors_statement,
 )
@@ -85,10 +87,13 @@ def test_pair_derivations_bind_the_attempt_and_the_unordered_pair(a: str, b: str
 
 
 def test_a_sealed_share_opens_only_under_the_documented_associated_data() -> None:
-    key = bytes(32)
-    nonce, sealed = seal_share(key, SETUP, "c1", "c4", b"share")
-    aad = LABEL + b"share-aad" + _fields("c1", "c4")
+    key, seed = bytes(32), b"\5" * 32
+    nonce, sealed = seal_share(key, SETUP, "c1", "c4", b"share", graph_seed=seed)
+    aad = LABEL + b"share-aad" + _fields(seed, "c1", "c4")
     assert ChaCha20Poly1305(key).decrypt(nonce, sealed, aad) == b"share"
+    # a client shown another roster (so another graph seed) cannot open it
+    with pytest.raises(SecureAggregationError, match="another roster"):
+        open_share(key, SETUP, "c1", "c4", nonce, sealed, graph_seed=b"\6" * 32)
 
 
 def test_the_self_mask_commitment_is_the_documented_hash() -> None:
@@ -114,10 +119,14 @@ def test_the_signed_statements_are_the_documented_bytes() -> None:
     # the key statement names the client's id and the identity the setup seats there
     assert key_statement(SETUP, "c2", cipher, mask) == (
         LABEL + b"keys" + _fields("c2", "site-two", cipher, mask))
-    assert survivors_statement(SETUP, ("c0", "c2", "c5")) == (
-        LABEL + b"survivors" + _fields(3, "c0", "c2", "c5"))
-    assert survivors_statement(SETUP, ("c0", "c2")) != survivors_statement(
-        SETUP, ("c0", "c2", "c5"))
+    seed = b"\5" * 32
+    assert survivors_statement(SETUP, ("c0", "c2", "c5"), graph_seed=seed) == (
+        LABEL + b"survivors" + _fields(seed, 3, "c0", "c2", "c5"))
+    assert survivors_statement(SETUP, ("c0", "c2"), graph_seed=seed) != survivors_statement(
+        SETUP, ("c0", "c2", "c5"), graph_seed=seed)
+    # confirmed under another roster (another graph seed): another statement
+    assert survivors_statement(SETUP, ("c0", "c2"), graph_seed=seed) != survivors_statement(
+        SETUP, ("c0", "c2"), graph_seed=b"\6" * 32)
 
 
 def test_the_graph_seed_is_the_documented_hash_of_the_members_keys() -> None:

@@ -124,7 +124,8 @@ def _deal_inconsistently(rnd: Round, dealer: str, kind: str) -> Any:
         for v, bad, good in zip(receivers, mixed, consistent, strict=True):
             key_share, seed_share = (bad, good) if kind == MASK_KEY else (good, bad)
             key = derive_share_key(attempt.cipher_secrets[v], setup, dealer, v)
-            nonce, sealed = seal_share(key, setup, dealer, v, key_share + seed_share)
+            nonce, sealed = seal_share(key, setup, dealer, v, key_share + seed_share,
+                                       graph_seed=attempt.graph_seed)
             shares.append(EncryptedShare(dealer, v, nonce, sealed))
             commitments.append(ShareCommitment(
                 v, commit_share(setup, dealer, v, MASK_KEY, key_share),
