@@ -244,9 +244,22 @@ def revealed_share_from_proto(message: ProtoRevealedShare) -> RevealedShare:
 
 
 # ---- tasks (server -> client) ---------------------------------------------------------
+#: The last roster encoded, and its messages: every client of an attempt is sent the same
+#: roster (the state machine hands out one tuple), so it is encoded once, not once per
+#: client (20 x 20 keys with certificates, each round, on the server's event loop).
+_last_roster: tuple[tuple[AdvertisedKeys, ...], list[ProtoAdvertisedKeys]] = ((), [])
+
+
+def _roster_to_proto(roster: tuple[AdvertisedKeys, ...]) -> list[ProtoAdvertisedKeys]:
+    global _last_roster
+    if _last_roster[0] is not roster:
+        _last_roster = (roster, [advertised_keys_to_proto(k) for k in roster])
+    return _last_roster[1]
+
+
 def share_keys_task_to_proto(request: ShareKeysRequest) -> ProtoShareKeysTask:
     task = ProtoShareKeysTask(round_id=round_id_to_proto(request.round_id),
-                              roster=[advertised_keys_to_proto(k) for k in request.roster])
+                              roster=_roster_to_proto(request.roster))
     if request.setup is not None and request.own_keys is not None:
         task.setup.CopyFrom(round_setup_to_proto(request.setup))
         task.own_keys.CopyFrom(advertised_keys_to_proto(request.own_keys))

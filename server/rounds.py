@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import queue
 from collections.abc import Iterator
+from typing import Any
 
 from fedloom.errors import RoundAbortedError
 from fedloom.messages import TaskHeader
@@ -39,7 +40,8 @@ class IssuedTask:
     client_id: str
     payload: memoryview
     status: TaskStatus = TaskStatus.PENDING
-    result_fingerprint: bytes = b""  # identifies the accepted result, for idempotent retries
+    # identifies the accepted result, for idempotent retries (bytes; a stage task's reply)
+    result_fingerprint: Any = b""
     in_flight: bool = False  # an upload for this task is being received
 
     @property

@@ -105,15 +105,22 @@ def config_digest(config: Mapping[str, Any]) -> bytes:
     for key in sorted(config):
         value = config[key]
         # by the wire's types: a subclass (an IntEnum, numpy's float64) arrives as its base
-        for kind in (bool, int, float, str, bytes):  # bool first: an int subclass
-            if isinstance(value, kind):
-                break
+        plain: str | bytes | int | float
+        if isinstance(value, bool):  # before int: bool is an int subclass
+            kind, plain = "bool", int(value)
+        elif isinstance(value, int):
+            kind, plain = "int", int(value)
+            if not -(1 << 63) <= plain < 1 << 63:
+                raise ValueError(f"fit config value {key!r} does not fit in 64 bits")
+        elif isinstance(value, float):
+            kind, plain = "float", float(value)
+        elif isinstance(value, str):
+            kind, plain = "str", str(value)
+        elif isinstance(value, bytes):
+            kind, plain = "bytes", bytes(value)
         else:
             raise TypeError(f"fit config value {key!r} is a {type(value).__name__}")
-        plain = int(value) if kind is bool else kind(value)
-        if kind is int and not -(1 << 63) <= plain < 1 << 63:
-            raise ValueError(f"fit config value {key!r} does not fit in 64 bits")
-        parts += [key, kind.__name__, plain]
+        parts += [key, kind, plain]
     return hashlib.sha256(PROTOCOL_LABEL + b"fit-config" + pack(*parts)).digest()
 
 

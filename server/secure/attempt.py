@@ -82,10 +82,11 @@ def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
     return MessageRejectedError(reason, message)
 
 
-def result_fingerprint(header: ResultHeader) -> bytes:
-    """Identifies a stage result, so a retried Push is answered "duplicate"."""
+def result_fingerprint(header: ResultHeader) -> tuple[Any, ...]:
+    """Identifies a stage result, so a retried Push is answered "duplicate": the reply
+    itself (frozen, compared field by field) and, for a masked input, its digest."""
     sha = header.update.sha256 if header.update is not None else b""
-    return hashlib.sha256(repr((header.kind, header.secagg, sha)).encode()).digest()
+    return (header.kind, header.secagg, sha)
 
 
 class SecureAttempt:
@@ -247,7 +248,7 @@ class SecureAttempt:
             self.drop(client_id, f"{task.stage} refused: {exc}")
             raise
 
-    async def _take(self, task: StageTask, header: ResultHeader, fingerprint: bytes
+    async def _take(self, task: StageTask, header: ResultHeader, fingerprint: tuple[Any, ...]
                     ) -> tuple[StageTask, Spool] | bool:
         reply = header.secagg
         if header.kind is not TaskKind.SECAGG or reply is None:
@@ -312,7 +313,7 @@ class SecureAttempt:
         self.machine.receive(client_id, reply, digest=digest)
         return self._is_complete()
 
-    def _accept(self, task: StageTask, fingerprint: bytes) -> None:
+    def _accept(self, task: StageTask, fingerprint: tuple[Any, ...]) -> None:
         task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
 
     # -- progress ---------------------------------------------------------------------
