@@ -141,9 +141,34 @@ class SecureAttempt:
         return await self._loop.run_in_executor(self._executor, fn, *args)
 
     async def open_stage(self) -> Stage:
-        """Issue the current stage's request to every client that owes one."""
-        requests: Mapping[str, SecAggRequest] = await self.call(self._requests)
-        stage = self.machine.stage
+        """Issue the first stage's request to every client that owes one."""
+        return self._issue(*await self.call(self._opening))
+
+    async def advance(self) -> Stage | None:
+        """Close the stage in the state machine and issue the next stage's requests, in
+        one hop to its thread (the last stage unmasks there); the next stage, or None
+        when the attempt has finished.
+
+        Raises:
+            SecureAggregationError: the attempt cannot go on (the machine has FAILED).
+        """
+        opened = await self.call(self._advance_and_open)
+        return None if opened is None else self._issue(*opened)
+
+    def _opening(self) -> tuple[Stage, dict[str, SecAggRequest], bool]:
+        """(In the machine's thread.) The open stage, its requests, whether it is done."""
+        machine = self.machine
+        requests = {cid: machine.request_for(cid) for cid in machine.pending()}
+        return machine.stage, requests, self._is_complete()
+
+    def _advance_and_open(self) -> tuple[Stage, dict[str, SecAggRequest], bool] | None:
+        self.machine.advance()
+        if self.machine.status is not SecAggStatus.RUNNING:
+            return None
+        return self._opening()
+
+    def _issue(self, stage: Stage, requests: Mapping[str, SecAggRequest],
+               complete: bool) -> Stage:
         self._stage, self._open = stage, {}
         self.complete.clear()
         timeout = stage_deadline_s(self._config, stage)
@@ -164,11 +189,9 @@ class SecureAttempt:
             self.tasks[task.task_id] = task
             self._open[client_id] = task
             self._wake(client_id)
-        await self.check_complete()
+        if complete:
+            self.complete.set()
         return stage
-
-    def _requests(self) -> dict[str, SecAggRequest]:
-        return {cid: self.machine.request_for(cid) for cid in self.machine.pending()}
 
     def close_stage(self) -> None:
         """No more replies for this stage: unanswered tasks fail (their clients drop)."""
@@ -176,10 +199,6 @@ class SecureAttempt:
             if task.status is TaskStatus.PENDING:
                 task.status = TaskStatus.FAILED
         self._open = {}
-
-    async def check_complete(self) -> None:
-        if await self.call(self._is_complete):
-            self.complete.set()
 
     def _is_complete(self) -> bool:
         machine = self.machine

@@ -61,7 +61,6 @@ from fedloom.secagg import (
     RoundId,
     RoundSetup,
     SecAggResult,
-    SecAggStatus,
     Stage,
     config_digest,
     model_digest,
@@ -278,20 +277,21 @@ class SecureRounds:
         self._attempt = attempt
         self.last_stage_s = {}
         try:
-            while attempt.machine.status is SecAggStatus.RUNNING:
-                started = time.monotonic()
-                stage = await attempt.open_stage()
+            started = time.monotonic()
+            stage: Stage | None = await attempt.open_stage()
+            while stage is not None:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(stage_deadline_s(self.config, stage)):
                         await attempt.complete.wait()
                 answered, issued = attempt.counts()
                 attempt.close_stage()
-                await attempt.call(attempt.machine.advance)  # the last one unmasks
+                following = await attempt.advance()  # the last one unmasks
                 self.last_stage_s[str(stage)] = time.monotonic() - started
                 crashpoint("mid_secure_aggregation")  # recovery tests: a kill between stages
                 log.info("secure round %d: %s closed after %.2f s (%d/%d answered)",
                          setup.round_id.server_round, stage, time.monotonic() - started,
                          answered, issued)
+                stage, started = following, time.monotonic()
             return attempt.machine.result, set()
         except SecureAggregationError as exc:
             machine = attempt.machine
