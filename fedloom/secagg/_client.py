@@ -428,9 +428,9 @@ class SecAggClient:
                     self._refuse(f"{who!r} advertised a public key listed before (keys were "
                                  "substituted or replayed)")
                 seen_keys.add(k)
-            if setup.authenticated:
+            if setup.authenticated and who != self.client_id:  # its own: compared below
                 attempt.peers[who] = self._check_signed(setup, keys)
-            elif keys.signed:
+            elif keys.signed and not setup.authenticated:
                 self._refuse("an unauthenticated round carries signed keys")
             attempt.roster[who] = keys
         mine = attempt.roster.get(self.client_id)
