@@ -30,6 +30,7 @@ from fedloom import Weights
 from fedloom.config import StrategyConfig
 from fedloom.secagg import Stage, flatten, unflatten
 from fedloom.server import Server
+from fedloom.server.metrics import ServerMetrics
 
 
 def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
@@ -39,6 +40,8 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
         **mtls, num_rounds=2, min_clients=6, min_fit_clients=6, keep_checkpoints=5,
                            secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
+    fits = ServerMetrics.tasks.labels(kind="fit", outcome="accepted")
+    fits_before = fits._value.get()
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=10 * (i + 1)) for i in range(6)]
     runners, threads = start_runners(handle.address, clients, pki=pki)
@@ -46,6 +49,7 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     stop_runners(runners, threads)
     assert [r["status"] for r in history] == ["ok", "ok"]
     assert [r["num_updates"] for r in history] == [6, 6]
+    assert fits._value.get() - fits_before == 12  # secure fits count like plain ones
     assert history[0]["fit"] == {"num_updates": 6, "num_examples": 210}  # sums only
     assert set(history[0]["secure_aggregation"]["stage_s"]) == {str(s) for s in Stage}
     assert {"train", *(str(s) for s in Stage)} == set(runners[0].secagg_cpu_s)
