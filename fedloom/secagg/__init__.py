@@ -14,8 +14,8 @@ This package does no I/O: X25519 + HKDF-SHA256 + ChaCha20-Poly1305 and the commi
 and signed statements (`_crypto`), client certificates and signatures (`_identity`), the
 AES-128-CTR mask PRG (`_prg`), Shamir sharing over GF(2**521 - 1) (`_shamir`),
 quantization (`_quantize`), the derived, connected neighbour graph (`_graph`), the
-configuration (`_config`), the messages (`_messages`), the state machines (`_server`,
-`_client`) and the server's unmasking (`_unmask`).
+configuration (`_config`), the setup (`_setup`), the messages (`_messages`), the state
+machines (`_server`, `_client`) and the server's unmasking (`_unmask`).
 
 Threat model (docs/secure-aggregation.md has the table and the argument). The server
 is the adversary; it must not learn one honest client's update.
@@ -78,8 +78,6 @@ from fedloom.secagg._messages import (
     MaskedInputReply,
     MaskedInputRequest,
     RevealedShare,
-    RoundId,
-    RoundSetup,
     SecAggReply,
     SecAggRequest,
     ShareCommitment,
@@ -88,12 +86,11 @@ from fedloom.secagg._messages import (
     Stage,
     UnmaskReply,
     UnmaskRequest,
-    config_digest,
-    model_digest,
 )
 from fedloom.secagg._prg import MaskExpander, aes_ctr_keystream, expand_mask, split_mask_seed
 from fedloom.secagg._quantize import clip_delta, dequantize, flatten, quantize, unflatten
 from fedloom.secagg._server import SecAggResult, SecAggServer, SecAggStatus
+from fedloom.secagg._setup import RoundId, RoundSetup, config_digest, model_digest
 from fedloom.secagg._shamir import PRIME, SHARE_BYTES, reconstruct, split
 
 __all__ = [

@@ -91,7 +91,6 @@ from fedloom.secagg._messages import (
     MaskedInputReply,
     MaskedInputRequest,
     RevealedShare,
-    RoundSetup,
     SecAggReply,
     SecAggRequest,
     ShareCommitment,
@@ -103,6 +102,7 @@ from fedloom.secagg._messages import (
 )
 from fedloom.secagg._prg import MaskExpander
 from fedloom.secagg._quantize import quantize
+from fedloom.secagg._setup import RoundSetup
 from fedloom.secagg._shamir import SHARE_BYTES, split
 
 _R = TypeVar("_R")

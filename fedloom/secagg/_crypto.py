@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg._encoding import PROTOCOL_LABEL, pack
-from fedloom.secagg._messages import NONCE_BYTES, SEED_BYTES, RoundSetup
+from fedloom.secagg._setup import NONCE_BYTES, SEED_BYTES, RoundSetup
 from fedloom.secagg._shamir import SHARE_BYTES
 
 #: Bytes of one sealed share: two 66-byte Shamir shares plus the 16-byte Poly1305 tag.

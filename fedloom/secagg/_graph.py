@@ -43,7 +43,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 from fedloom.secagg._encoding import PROTOCOL_LABEL, pack
-from fedloom.secagg._messages import AdvertisedKeys, RoundSetup
+from fedloom.secagg._messages import AdvertisedKeys
+from fedloom.secagg._setup import RoundSetup
 
 Graph = Mapping[str, frozenset[str]]
 

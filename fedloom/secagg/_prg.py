@@ -51,7 +51,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedloom.secagg._encoding import PROTOCOL_LABEL
-from fedloom.secagg._messages import MAX_VECTOR_LENGTH, SEED_BYTES
+from fedloom.secagg._setup import MAX_VECTOR_LENGTH, SEED_BYTES
 
 #: Bytes of the AES-128 key of a mask, and of its counter-block nonce.
 MASK_KEY_BYTES = 16

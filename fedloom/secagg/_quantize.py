@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from fedloom.errors import SecureAggregationError
-from fedloom.secagg._messages import SEED_BYTES
 from fedloom.secagg._prg import keystream_words
+from fedloom.secagg._setup import SEED_BYTES
 from fedloom.weights import TensorSpec, Weights
 
 #: Values quantized per block (256 KiB of float64 scratch: the passes stay in cache;

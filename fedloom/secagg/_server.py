@@ -85,7 +85,6 @@ from fedloom.secagg._messages import (
     MaskedInputReply,
     MaskedInputRequest,
     RevealedShare,
-    RoundSetup,
     SecAggReply,
     SecAggRequest,
     ShareCommitment,
@@ -96,6 +95,7 @@ from fedloom.secagg._messages import (
     UnmaskRequest,
 )
 from fedloom.secagg._quantize import dequantize
+from fedloom.secagg._setup import RoundSetup
 from fedloom.secagg._shamir import PRIME, SHARE_BYTES
 from fedloom.secagg._unmask import DealerFaultError, MapFn, unmask_sum
 

@@ -35,8 +35,9 @@ from fedloom.secagg._crypto import (
     private_key_from_bytes,
     public_bytes,
 )
-from fedloom.secagg._messages import AdvertisedKeys, RoundSetup
+from fedloom.secagg._messages import AdvertisedKeys
 from fedloom.secagg._prg import MaskExpander
+from fedloom.secagg._setup import RoundSetup
 from fedloom.secagg._shamir import reconstruct
 
 #: How many threshold-sized subsets to try when a reconstruction fails its check
