@@ -27,9 +27,9 @@ the participants.
 
 The round's setup (`RoundId`, `RoundSetup`, the model and config digests it binds) is in
 `fedloom.secagg._setup`. The messages are plain data (bytes, ints, strings, one uint32
-array) so a transport can carry them in any envelope. Constructors check only the shape of a message (types and
-byte lengths) and raise `MessageRejectedError`; whether a message makes sense for the
-round is the state machines' business.
+array) so a transport can carry them in any envelope. Constructors check only the shape
+of a message (types and byte lengths) and raise `MessageRejectedError`; whether a message
+makes sense for the round is the state machines' business.
 """
 
 from __future__ import annotations
