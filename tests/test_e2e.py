@@ -95,13 +95,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _SteadyClient(ScriptedClient):
+    """Takes 30 ms to train, so 40 rounds last over a second: a stop after round 1
+    lands mid-run even when the test's thread is descheduled for a while."""
+
+    def fit(self, weights, config):  # type: ignore[no-untyped-def]
+        time.sleep(0.03)
+        return super().fit(weights, config)
+
+
 def test_clients_survive_a_server_restart_and_the_run_resumes(server_config) -> None:
     port = _free_port()
     config = server_config(
         address=f"127.0.0.1:{port}", num_rounds=40, min_clients=2, min_fit_clients=2
     )
     first = Server(config, initial_weights=small_weights()).start()
-    clients = [ScriptedClient(seed=i, num_examples=3) for i in range(2)]
+    clients = [_SteadyClient(seed=i, num_examples=3) for i in range(2)]
     threads = run_clients(first.address, clients)
     deadline = time.time() + 30
     while not first.server.coordinator.history and time.time() < deadline:
