@@ -53,14 +53,15 @@ Example, one authenticated attempt (``reply`` goes back to the server)::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedloom.errors import SecureAggregationError
+from fedloom.secagg._client_checks import ClientChecks
+from fedloom.secagg._client_state import Attempt, NotThisAttempt, Offer, RoundLedger, new_offer
 from fedloom.secagg._config import SecAggConfig
 from fedloom.secagg._crypto import (
     MASK_KEY,
@@ -73,21 +74,19 @@ from fedloom.secagg._crypto import (
     generate_private_key,
     key_statement,
     new_seed,
-    open_share,
     private_bytes,
     public_bytes,
     seal_share,
     survivors_statement,
 )
-from fedloom.secagg._graph import Graph, graph_seed, is_connected, neighbour_graph
-from fedloom.secagg._identity import PeerVerifier, SigningIdentity, VerifiedPeer
+from fedloom.secagg._graph import Graph, graph_seed, neighbour_graph
+from fedloom.secagg._identity import PeerVerifier, SigningIdentity
 from fedloom.secagg._messages import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
     ConsistencyReply,
     ConsistencyRequest,
     EncryptedShare,
-    KeyOffer,
     MaskedInputReply,
     MaskedInputRequest,
     RevealedShare,
@@ -103,71 +102,12 @@ from fedloom.secagg._messages import (
 from fedloom.secagg._prg import MaskExpander
 from fedloom.secagg._quantize import quantize
 from fedloom.secagg._setup import RoundSetup
-from fedloom.secagg._shamir import SHARE_BYTES, split
+from fedloom.secagg._shamir import split
 
 _R = TypeVar("_R")
 
 
-class _NotThisAttempt(SecureAggregationError):
-    """A request for another (older, used or foreign) round attempt."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Offer:
-    """The private halves of the client's outstanding `KeyOffer`."""
-
-    cipher_key: X25519PrivateKey
-    mask_key: X25519PrivateKey
-    public: KeyOffer
-
-
-def _new_offer() -> _Offer:
-    cipher_key, mask_key = generate_private_key(), generate_private_key()
-    return _Offer(cipher_key, mask_key, KeyOffer(public_bytes(cipher_key), public_bytes(mask_key)))
-
-
-@dataclasses.dataclass(eq=False)
-class RoundLedger:
-    """What a client remembers of each round across its sessions: the newest attempt id
-    it has seen, how many attempts it began, and whether it revealed shares.
-
-    A server can end a session at will (the client then joins again under a new id), so
-    a client that keeps one ledger for all its sessions (`ClientRunner` does) cannot be
-    led into a second unmasked attempt of a round, nor back to an older attempt, by
-    starting it afresh.
-    """
-
-    latest: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
-    attempts: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
-    revealed: set[tuple[str, int]] = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass(eq=False)
-class _Attempt:
-    """What one client holds during one round attempt (secrets are dropped early)."""
-
-    setup: RoundSetup
-    cipher_key: X25519PrivateKey | None
-    mask_key: X25519PrivateKey | None
-    self_mask_seed: bytes | None
-    public_keys: tuple[bytes, bytes]  # (cipher, mask), as the server presents them
-    graph: Graph = dataclasses.field(default_factory=dict)
-    graph_seed: bytes = b""  # binds the roster this client was shown (shares, confirmations)
-    neighbours: frozenset[str] = frozenset()
-    roster: dict[str, AdvertisedKeys] = dataclasses.field(default_factory=dict)
-    peers: dict[str, VerifiedPeer] = dataclasses.field(default_factory=dict)
-    # neighbour -> X25519 secret of the cipher keys (agreed to seal, reused to open; as
-    # secret as cipher_key, and dropped with it)
-    cipher_secrets: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    # owner -> (share of owner's mask key, share of owner's self-mask seed)
-    held: dict[str, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict)
-    view: tuple[str, ...] | None = None  # the survivor set this client confirmed
-    answered: dict[Stage, tuple[SecAggRequest, SecAggReply]] = dataclasses.field(
-        default_factory=dict
-    )
-
-
-class SecAggClient:
+class SecAggClient(ClientChecks):
     """One client's SecAgg+ state across round attempts.
 
     Args:
@@ -202,8 +142,8 @@ class SecAggClient:
         self.peers = peers
         self.offer_keys = offer_keys
         self._rng = rng if rng is not None else np.random.default_rng()
-        self._attempt: _Attempt | None = None
-        self._offer: _Offer | None = None  # the latest KeyOffer sent, not used yet
+        self._attempt: Attempt | None = None
+        self._offer: Offer | None = None  # the latest KeyOffer sent, not used yet
         self.ledger = ledger if ledger is not None else RoundLedger()
 
     # -- dispatch -------------------------------------------------------------------
@@ -268,7 +208,7 @@ class SecAggClient:
     def _guarded(self, stage: Callable[..., _R], *args: Any) -> _R:
         try:
             return stage(*args)
-        except _NotThisAttempt:
+        except NotThisAttempt:
             raise
         except SecureAggregationError:
             self.abort()
@@ -287,7 +227,7 @@ class SecAggClient:
         attempt.answered[Stage.ADVERTISE_KEYS] = (request, reply)
         return reply
 
-    def _own_keys(self, attempt: _Attempt) -> AdvertisedKeys:
+    def _own_keys(self, attempt: Attempt) -> AdvertisedKeys:
         """This client's advertised keys for the attempt (signed when authenticated)."""
         setup, (cipher, mask) = attempt.setup, attempt.public_keys
         if not setup.authenticated:
@@ -323,24 +263,10 @@ class SecAggClient:
         self.abort()  # a new attempt supersedes any older one
         ledger.latest[key] = rid.attempt
         ledger.attempts[key] = ledger.attempts.get(key, 0) + 1
-        self._attempt = _Attempt(setup=setup, cipher_key=cipher_key, mask_key=mask_key,
+        self._attempt = Attempt(setup=setup, cipher_key=cipher_key, mask_key=mask_key,
                                  self_mask_seed=new_seed(),
                                  public_keys=(public_bytes(cipher_key), public_bytes(mask_key)))
 
-    def _check_authentication(self, setup: RoundSetup) -> None:
-        if self.identity is None:
-            if setup.authenticated:
-                self._ignore("the round signs its keys (authenticated), but this client has no "
-                             "certificate to sign with: give it its client certificate and key")
-            return
-        if not setup.authenticated:
-            self._ignore("this client holds a certificate and takes part only in rounds whose "
-                         "keys are signed; an unauthenticated round would let the server "
-                         "substitute keys unseen")
-        seated = setup.identity_of(self.client_id)
-        if seated != self.identity.name:
-            self._ignore(f"the setup seats this client as {seated!r}, but its certificate "
-                         f"names {self.identity.name!r}")
 
     def _begin_from_offer(self, request: ShareKeysRequest) -> None:
         """A share request that skips advertise_keys: start its attempt with the keys of
@@ -404,7 +330,7 @@ class SecAggClient:
                 commit_share(setup, self.client_id, v, SELF_MASK, seed_share)))
         offer = None
         if self.offer_keys and not setup.authenticated:  # keys of this client's next attempt
-            self._offer = _new_offer()
+            self._offer = new_offer()
             offer = self._offer.public
         reply = ShareKeysReply(setup.round_id, self.client_id, tuple(sealed),
                                commit_self_mask(setup, self.client_id, attempt.self_mask_seed),
@@ -413,56 +339,6 @@ class SecAggClient:
         attempt.answered[Stage.SHARE_KEYS] = (request, reply)
         return reply
 
-    def _take_roster(self, attempt: _Attempt, roster: tuple[AdvertisedKeys, ...]) -> None:
-        """Check every participant's advertised keys; keep them (and their certificates)."""
-        setup = attempt.setup
-        seen_keys: set[bytes] = set()
-        for keys in roster:
-            who = keys.client_id
-            if keys.round_id != setup.round_id:
-                self._refuse(f"the keys of {who!r} are for another round attempt")
-            if who not in setup.participants:
-                self._refuse(f"{who!r} advertised keys but is not a participant")
-            for k in (keys.cipher_public_key, keys.mask_public_key):
-                if k in seen_keys:
-                    self._refuse(f"{who!r} advertised a public key listed before (keys were "
-                                 "substituted or replayed)")
-                seen_keys.add(k)
-            if setup.authenticated and who != self.client_id:  # its own: compared below
-                attempt.peers[who] = self._check_signed(setup, keys)
-            elif keys.signed and not setup.authenticated:
-                self._refuse("an unauthenticated round carries signed keys")
-            attempt.roster[who] = keys
-        mine = attempt.roster.get(self.client_id)
-        if mine is None or (mine.cipher_public_key, mine.mask_public_key) != attempt.public_keys:
-            self._refuse("the keys the roster lists as this client's are not its own")
-        if setup.authenticated and len(attempt.roster) != len(setup.participants):
-            missing = sorted(set(setup.participants) - set(attempt.roster))
-            self._refuse(f"the roster leaves out {len(missing)} participants ({missing[:5]}): "
-                         "in an authenticated round every participant's keys shape the graph, so "
-                         "the server must start a new attempt without them rather than choose "
-                         "which keys count")
-        if len(attempt.roster) < setup.threshold + 1:
-            self._refuse(f"only {len(attempt.roster)} participants advertised keys; at least "
-                         f"threshold + 1 = {setup.threshold + 1} are needed")
-
-    def _check_signed(self, setup: RoundSetup, keys: AdvertisedKeys) -> VerifiedPeer:
-        who = keys.client_id
-        if not keys.signed:
-            self._refuse(f"the keys of {who!r} are not signed in an authenticated round")
-        assert self.peers is not None
-        try:
-            peer = self.peers.verify_certificate(keys.certificate)
-        except SecureAggregationError as exc:
-            self._refuse(f"the certificate of {who!r}: {exc}")
-        if peer.name != setup.identity_of(who):
-            self._refuse(f"the certificate of {who!r} names {peer.name!r}, but the setup seats "
-                         f"{setup.identity_of(who)!r} there")
-        statement = key_statement(setup, who, keys.cipher_public_key, keys.mask_public_key)
-        if not self.peers.verify(peer, keys.signature, statement):
-            self._refuse(f"the signature on the keys of {who!r} does not verify (keys "
-                         "substituted, or signed for another attempt)")
-        return peer
 
     def _masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
                       num_examples: int) -> MaskedInputReply:
@@ -514,30 +390,6 @@ class SecAggClient:
         attempt.answered[Stage.CONSISTENCY] = (request, reply)
         return reply
 
-    def _check_survivors(self, attempt: _Attempt, survivors: tuple[str, ...]) -> None:
-        """The checks a survivor set must pass before this client acts on it."""
-        setup, mine = attempt.setup, set(survivors)
-        if self.client_id not in mine:
-            self._refuse("the survivor set leaves this client out, yet asks it to act on it")
-        strangers = mine - set(attempt.roster)
-        if strangers:
-            self._refuse(f"the survivor set names {sorted(strangers)[:5]}, which advertised no "
-                         "keys in this attempt")
-        near = attempt.neighbours & mine
-        withheld = near - set(attempt.held)
-        if withheld:
-            self._refuse(f"the survivor set names the neighbours {sorted(withheld)[:5]}, whose "
-                         "shares the server never delivered to this client (a server that "
-                         "withholds shares could isolate a small group)")
-        if len(near) < setup.threshold:
-            self._refuse(f"only {len(near)} surviving neighbours; fewer than the threshold "
-                         f"({setup.threshold}) would expose too small a sum")
-        if len(survivors) < setup.min_survivors:
-            self._refuse(f"only {len(survivors)} survivors; this round unmasks no fewer than "
-                         f"min_survivors = {setup.min_survivors}")
-        if not is_connected(attempt.graph, survivors):
-            self._refuse("the survivors are not connected in the neighbour graph: each part's "
-                         "sum would be revealed on its own")
 
     def _unmask(self, request: UnmaskRequest) -> UnmaskReply:
         attempt = self._enter(Stage.UNMASK, request)
@@ -569,27 +421,6 @@ class SecAggClient:
         attempt.answered[Stage.UNMASK] = (request, reply)
         return reply
 
-    def _check_confirmations(self, attempt: _Attempt, request: UnmaskRequest) -> set[str]:
-        """The neighbours whose signature of the survivor set verifies (at least t)."""
-        setup = attempt.setup
-        statement = survivors_statement(setup, request.survivors,
-                                        graph_seed=attempt.graph_seed)
-        assert self.peers is not None
-        confirmed = set()
-        for confirmation in request.confirmations:
-            signer = confirmation.signer
-            if signer not in attempt.neighbours or signer not in request.survivors:
-                self._refuse(f"a confirmation from {signer!r}, which is not a surviving "
-                             "neighbour of this client")
-            if not self.peers.verify(attempt.peers[signer], confirmation.signature, statement):
-                self._refuse(f"the confirmation of {signer!r} does not verify: it did not sign "
-                             "this survivor set for this attempt and roster")
-            confirmed.add(signer)
-        if len(confirmed) < setup.threshold:
-            self._refuse(f"only {len(confirmed)} neighbours confirmed the survivor set; at "
-                         f"least the threshold ({setup.threshold}) must, before any share is "
-                         "revealed")
-        return confirmed
 
     # -- helpers --------------------------------------------------------------------
 
@@ -617,64 +448,11 @@ class SecAggClient:
             self._refuse(f"{stage} arrived out of order")
         return attempt
 
-    def _replay(self, attempt: _Attempt, stage: Stage, request: Any) -> SecAggReply:
+    def _replay(self, attempt: Attempt, stage: Stage, request: Any) -> SecAggReply:
         cached = attempt.answered.get(stage)
         if cached is None or cached[0] != request:
             self._refuse(f"a second, different {stage} request for one round attempt")
         assert cached is not None
         return cached[1]
 
-    def _open(self, attempt: _Attempt, share: EncryptedShare, commitment: ShareCommitment,
-              held: dict[str, tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
-        """Authenticate, decrypt and check one share; returns (mask-key share, seed share)."""
-        sender = share.sender
-        if share.receiver != self.client_id:
-            self._refuse(f"a share addressed to {share.receiver!r} was delivered here")
-        if sender not in attempt.cipher_secrets:
-            self._refuse(f"a share from {sender!r}, which is not a neighbour of this client")
-        if sender in held:
-            self._refuse(f"two shares from {sender!r} (a replay)")
-        shared = attempt.cipher_secrets[sender]  # agreed when this client sealed its shares
-        setup = attempt.setup
-        key = derive_share_key(shared, setup, sender, self.client_id)
-        try:
-            plaintext = open_share(key, setup, sender, self.client_id, share.nonce,
-                                   share.ciphertext, graph_seed=attempt.graph_seed)
-        except SecureAggregationError as exc:
-            self._refuse(str(exc))
-        if len(plaintext) != 2 * SHARE_BYTES:
-            self._refuse(f"the share from {sender!r} is malformed")
-        key_share, seed_share = plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:]
-        if (commit_share(setup, sender, self.client_id, MASK_KEY, key_share)
-                != commitment.mask_key
-                or commit_share(setup, sender, self.client_id, SELF_MASK, seed_share)
-                != commitment.self_mask):
-            self._refuse(f"the shares from {sender!r} do not match the commitments published "
-                         "with them (a dealer that commits to one share and sends another)")
-        return key_share, seed_share
 
-    def _check_policy(self, setup: RoundSetup) -> None:
-        policy = self.policy
-        assert policy is not None
-        if len(setup.participants) > policy.max_participants:
-            self._ignore(f"{len(setup.participants)} participants exceed this client's "
-                         f"max_participants ({policy.max_participants})")
-        theirs = (setup.neighbours, setup.threshold, setup.clip_range, setup.bits,
-                  setup.max_weight)
-        mine = (policy.neighbours, policy.threshold, float(policy.clip_range), policy.bits,
-                float(policy.max_weight))
-        if theirs != mine:
-            self._ignore(f"the round's parameters (neighbours, threshold, clip_range, bits, "
-                         f"max_weight) = {theirs} differ from this client's secure_aggregation "
-                         f"settings {mine}")
-        if setup.min_survivors < policy.survivor_floor:
-            self._ignore(f"the round unmasks sums of {setup.min_survivors} survivors; this "
-                         f"client requires at least {policy.survivor_floor} (min_survivors)")
-
-    def _refuse(self, why: str) -> NoReturn:
-        """Refuse a request of the current attempt; `_guarded` then ends the attempt."""
-        raise SecureAggregationError(f"client {self.client_id!r} refuses: {why}")
-
-    def _ignore(self, why: str) -> NoReturn:
-        """Refuse a request that is not part of the current attempt (which goes on)."""
-        raise _NotThisAttempt(f"client {self.client_id!r} refuses: {why}")
