@@ -15,7 +15,8 @@ and signed statements (`_crypto`), client certificates and signatures (`_identit
 AES-128-CTR mask PRG (`_prg`), Shamir sharing over GF(2**521 - 1) (`_shamir`),
 quantization (`_quantize`), the derived, connected neighbour graph (`_graph`), the
 configuration (`_config`), the setup (`_setup`), the messages (`_messages`), the state
-machines (`_server`, `_client`) and the server's unmasking (`_unmask`).
+machines (`_server`; `_client`, with its state in `_client_state` and its checks in
+`_client_checks`) and the server's unmasking (`_unmask`).
 
 Threat model (docs/secure-aggregation.md has the table and the argument). The server
 is the adversary; it must not learn one honest client's update.
