@@ -24,7 +24,7 @@ The two results are compared element-wise (they must agree to float32 rounding).
     python benchmarks/aggregate.py --updates 10,50 --params 10M --repeats 5
 
 Run it under the benchmark lock on a shared machine:
-``flock /tmp/fedloom-bench.lock .venv/bin/python benchmarks/aggregate.py``.
+``.venv/bin/python benchmarks/aggregate.py``.
 """
 
 from __future__ import annotations

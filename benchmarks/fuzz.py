@@ -15,7 +15,7 @@ the same targets with fresh randomness for a time budget (or an example count) e
 
     python benchmarks/fuzz.py                     # 20 s per target
     python benchmarks/fuzz.py --seconds 120       # longer
-    flock /tmp/fedloom-bench.lock .venv/bin/python benchmarks/fuzz.py --seconds 60
+    .venv/bin/python benchmarks/fuzz.py --seconds 60
 
 Prints a table and writes ``benchmarks/results/fuzz.json``. Exit status 1 if anything
 failed (the failing input, shrunk by hypothesis, is in the report).

@@ -9,7 +9,7 @@ results.
 
 Run (under the benchmark lock, so figures are not taken while another benchmark runs)::
 
-    flock /tmp/fedloom-bench.lock .venv/bin/python benchmarks/load.py \\
+    .venv/bin/python benchmarks/load.py \\
         --clients 500 --rounds 5 --out benchmarks/results/load-500.json
 
 Reported (JSON, and a summary on stdout):

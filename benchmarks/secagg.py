@@ -37,7 +37,7 @@ client per round (fedloom over gRPC: protobuf bytes of every request; fedloom lo
 the payload of the SecAgg+ messages; Flower: the payload of every reply its ClientApp
 returns: arrays, bytes, 8 per number).
 
-    flock /tmp/fedloom-bench.lock .venv/bin/python benchmarks/secagg.py
+    .venv/bin/python benchmarks/secagg.py
     .venv/bin/python benchmarks/secagg.py --quick        # 10 and 20 clients, 100k, 3 rounds
 
 Writes ``benchmarks/results/secagg.json`` (or ``--out``) and prints the tables.

@@ -23,7 +23,7 @@ last table shows how much noise FedAvg absorbs (its accuracy per noise factor).
     python benchmarks/strategies.py --part poisoning --seeds 0 1
     python benchmarks/strategies.py --quick            # a smoke run (minutes)
 
-Run figures under the benchmark lock: ``flock /tmp/fedloom-bench.lock python ...``.
+Run one benchmark at a time (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ reported beside it). Ratios are against Flower in the same invocation.
     python benchmarks/transfer.py --sides fedloom --shared-upload-connection  # A/B
 
 Run it under the benchmark lock on a shared machine:
-``flock /tmp/fedloom-bench.lock .venv/bin/python benchmarks/transfer.py``.
+``.venv/bin/python benchmarks/transfer.py``.
 """
 
 from __future__ import annotations
