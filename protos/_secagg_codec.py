@@ -252,9 +252,10 @@ _last_roster: tuple[tuple[AdvertisedKeys, ...], list[ProtoAdvertisedKeys]] = (()
 
 def _roster_to_proto(roster: tuple[AdvertisedKeys, ...]) -> list[ProtoAdvertisedKeys]:
     global _last_roster
-    if _last_roster[0] is not roster:
-        _last_roster = (roster, [advertised_keys_to_proto(k) for k in roster])
-    return _last_roster[1]
+    cached = _last_roster  # one read: another thread may replace it meanwhile
+    if cached[0] is not roster:
+        cached = _last_roster = (roster, [advertised_keys_to_proto(k) for k in roster])
+    return cached[1]
 
 
 def share_keys_task_to_proto(request: ShareKeysRequest) -> ProtoShareKeysTask:

@@ -267,7 +267,6 @@ class SecAggClient(ClientChecks):
                                  self_mask_seed=new_seed(),
                                  public_keys=(public_bytes(cipher_key), public_bytes(mask_key)))
 
-
     def _begin_from_offer(self, request: ShareKeysRequest) -> None:
         """A share request that skips advertise_keys: start its attempt with the keys of
         the outstanding offer (used up here, whatever happens next)."""
@@ -339,7 +338,6 @@ class SecAggClient(ClientChecks):
         attempt.answered[Stage.SHARE_KEYS] = (request, reply)
         return reply
 
-
     def _masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
                       num_examples: int) -> MaskedInputReply:
         attempt = self._enter(Stage.MASKED_INPUT, request)
@@ -390,7 +388,6 @@ class SecAggClient(ClientChecks):
         attempt.answered[Stage.CONSISTENCY] = (request, reply)
         return reply
 
-
     def _unmask(self, request: UnmaskRequest) -> UnmaskReply:
         attempt = self._enter(Stage.UNMASK, request)
         if isinstance(attempt, UnmaskReply):
@@ -420,7 +417,6 @@ class SecAggClient(ClientChecks):
         self.ledger.revealed.add((setup.round_id.run_id, setup.round_id.server_round))
         attempt.answered[Stage.UNMASK] = (request, reply)
         return reply
-
 
     # -- helpers --------------------------------------------------------------------
 

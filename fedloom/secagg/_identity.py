@@ -124,12 +124,7 @@ class SigningIdentity:
         if name is None:
             raise SecureAggregationError("the client certificate names no identity (no CN "
                                          "and no subjectAltName)")
-        public = self.private_key.public_key()
-        if public.public_bytes(serialization.Encoding.DER,
-                               serialization.PublicFormat.SubjectPublicKeyInfo) != \
-                self.certificate.public_key().public_bytes(
-                    serialization.Encoding.DER,
-                    serialization.PublicFormat.SubjectPublicKeyInfo):
+        if self.private_key.public_key() != self.certificate.public_key():
             raise SecureAggregationError("the private key does not belong to the client "
                                          "certificate")
         der = self.certificate.public_bytes(serialization.Encoding.DER)

@@ -188,6 +188,8 @@ class SecAggServer:
         self._total = np.zeros(setup.masked_length, dtype=np.uint32)
         self._digests: dict[str, bytes] = {}
         self._survivors: frozenset[str] = frozenset()
+        self._survivor_ids: tuple[str, ...] = ()  # the same, sorted: as requests carry it
+        self._statement = b""  # what each survivor signs to confirm them (authenticated)
         self._dropped: frozenset[str] = frozenset()
         self._confirmations: dict[str, bytes] = {}
         self._unmask_replies: dict[str, UnmaskReply] = {}
@@ -239,7 +241,7 @@ class SecAggServer:
             return ShareKeysRequest(rid, self._roster)
         if self._stage is Stage.MASKED_INPUT:
             return self._inbox[client_id]
-        survivors = tuple(sorted(self._survivors))
+        survivors = self._survivor_ids
         if self._stage is Stage.CONSISTENCY:
             return ConsistencyRequest(rid, survivors)
         confirmations = tuple(Confirmation(v, self._confirmations[v])
@@ -329,10 +331,12 @@ class SecAggServer:
             self._deliver_shares()
             self._open(Stage.MASKED_INPUT, self._sharers)
         elif self._stage is Stage.MASKED_INPUT:
-            self._survivors = done
+            self._survivors, self._survivor_ids = done, tuple(sorted(done))
             self._dropped = self._sharers - done
             self._check_recoverable()
             if self.setup.authenticated:
+                self._statement = survivors_statement(self.setup, self._survivor_ids,
+                                                      graph_seed=self.graph_seed)
                 self._open(Stage.CONSISTENCY, self._survivors - self._gone)
             else:
                 self._open(Stage.UNMASK, self._survivors - self._gone)
@@ -470,9 +474,8 @@ class SecAggServer:
 
     def _take_confirmation(self, reply: ConsistencyReply) -> None:
         assert self._verifier is not None
-        statement = survivors_statement(self.setup, tuple(sorted(self._survivors)),
-                                        graph_seed=self.graph_seed)
-        if not self._verifier.verify(self._peers[reply.client_id], reply.signature, statement):
+        if not self._verifier.verify(self._peers[reply.client_id], reply.signature,
+                                     self._statement):
             raise _reject(RejectReason.INVALID, "the confirmation does not verify: it is not a "
                           "signature of this attempt's survivor set by the client's certificate")
         self._confirmations[reply.client_id] = reply.signature
@@ -522,7 +525,7 @@ class SecAggServer:
             weighted_sum=weighted,
             total_weight=weight,
             total_examples=weight * self.setup.max_weight,
-            survivors=tuple(sorted(self._survivors)),
+            survivors=self._survivor_ids,
             dropped=tuple(sorted(self._dropped)),
         )
         self.status = SecAggStatus.SUCCEEDED

@@ -9,6 +9,7 @@ attempt) cannot pair. Constructors check shapes and raise `MessageRejectedError`
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import math
@@ -252,16 +253,10 @@ class RoundSetup:
 
     def index(self, client_id: str) -> int:
         """The client's 0-based position in ``participants`` (`KeyError` if absent)."""
-        lo, hi = 0, len(self.participants)
-        while lo < hi:  # binary search in the sorted tuple
-            mid = (lo + hi) // 2
-            if self.participants[mid] < client_id:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == len(self.participants) or self.participants[lo] != client_id:
+        at = bisect.bisect_left(self.participants, client_id)  # the tuple is sorted
+        if at == len(self.participants) or self.participants[at] != client_id:
             raise KeyError(client_id)
-        return lo
+        return at
 
     def x_coordinate(self, client_id: str) -> int:
         """The client's Shamir x-coordinate (its 1-based position in ``participants``)."""

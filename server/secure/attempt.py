@@ -46,6 +46,7 @@ from fedloom.secagg import (
     KeyOffer,
     MaskedInputReply,
     MaskedInputRequest,
+    PeerVerifier,
     RoundSetup,
     SecAggReply,
     SecAggRequest,
@@ -53,7 +54,6 @@ from fedloom.secagg import (
     SecAggStatus,
     Stage,
 )
-from fedloom.secagg._identity import PeerVerifier
 from fedloom.secagg._unmask import MapFn
 from fedloom.server.rounds import IssuedTask, TaskStatus
 from fedloom.server.uploads import Spool, SpooledWeights
