@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from fedloom.errors import ConfigError
 from fedloom.payload import DEFAULT_CHUNK_SIZE
+from fedloom.privacy._config import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 
 _MiB = 1 << 20
@@ -166,6 +167,7 @@ class ServerConfig:
     tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
+    privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         check_address("address", self.address)
@@ -223,6 +225,8 @@ class ServerConfig:
         _check_security(self.insecure, self.tls, self.auth)
         self.secure_aggregation.check_server(self.min_fit_clients, self.over_selection,
                                              authenticated=self.mutual_tls)
+        self.privacy.check_server(secure=self.secure_aggregation.enabled,
+                                  over_selection=self.over_selection)
 
     @property
     def mutual_tls(self) -> bool:

@@ -12,7 +12,8 @@ application can catch one root. Messages say what went wrong and how to fix it.
     ├── CheckpointError          a checkpoint is missing, torn or fails its digest
     ├── AggregationError         a strategy cannot combine the updates it was given
     │   └── RoundAbortedError    a round ended without enough results to aggregate
-    └── SecureAggregationError   a secure-aggregation stage was refused or failed
+    ├── SecureAggregationError   a secure-aggregation stage was refused or failed
+    └── PrivacyBudgetExhausted   the next round would spend more than the privacy budget
 
 Third-party errors are translated at the edge (``raise TransportError(...) from exc``).
 A failure of one client is data (an error on its result), not an exception that
@@ -80,3 +81,21 @@ class RoundAbortedError(AggregationError):
 
 class SecureAggregationError(FedloomError):
     """A secure-aggregation stage was refused or could not complete."""
+
+
+class PrivacyBudgetExhausted(FedloomError):
+    """The next round would take the run past its privacy budget (``target_epsilon``).
+
+    Raised by a differentially private strategy before the round starts; the server
+    and the simulation engines end the run cleanly at the last committed round.
+    """
+
+    def __init__(self, epsilon: float, next_epsilon: float, target: float, delta: float) -> None:
+        self.epsilon = epsilon
+        self.next_epsilon = next_epsilon
+        self.target = target
+        self.delta = delta
+        super().__init__(
+            f"privacy budget reached: epsilon is {epsilon:.4g} at delta {delta:g}, and the "
+            f"next round would make it {next_epsilon:.4g}, above target_epsilon {target:g}"
+        )

@@ -38,7 +38,7 @@ from fedloom.server.progress import RoundReporter
 from fedloom.server.servicer import FleetServicer
 from fedloom.server.tls import server_credentials
 from fedloom.server.wire import add_fleet_servicer
-from fedloom.strategies import Strategy, build_strategy, check_secure_strategy
+from fedloom.strategies import Strategy, apply_privacy, build_strategy, check_secure_strategy
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.server")
@@ -92,6 +92,9 @@ class Server:
                 seed=config.seed,
             )
         )
+        # [privacy] wraps the strategy (a differentially private mean; refused for rules
+        # that cannot be made private), before the secure-aggregation check sees it.
+        self.strategy = apply_privacy(self.strategy, config.privacy)
         check_secure_strategy(self.strategy, config.secure_aggregation)
         self.initial_weights = initial_weights
         self.evaluate_fn = evaluate_fn

@@ -28,7 +28,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fedloom.config import ServerConfig
-from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
+from fedloom.errors import (
+    AggregationError,
+    MessageRejectedError,
+    PrivacyBudgetExhausted,
+    RejectReason,
+)
 from fedloom.messages import (
     PROTOCOL_VERSION,
     JoinReply,
@@ -93,6 +98,7 @@ class Coordinator:
         self.run_id = persistence.run_id
         self.finished = asyncio.Event()  # set only once the run is over and recorded
         self.stopping = False  # run() has ended, finished or not (e.g. the server stops)
+        self.stopped_reason = ""  # why the run ended before num_rounds (the privacy budget)
         self.history: list[dict[str, Any]] = persistence.history()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aggregate")
         self._phase: RoundTasks | None = None
@@ -403,7 +409,14 @@ class Coordinator:
                     self.history.append({"round": 0, "status": "ok", "server": initial})
                     self.reporter.round_finished(self.history[-1])
             for server_round in range(self.next_round, self.config.num_rounds + 1):
-                await self._run_round(loop, server_round)
+                try:
+                    await self._run_round(loop, server_round)
+                except PrivacyBudgetExhausted as exc:
+                    # Raised before the round's tasks go out: the last committed round is
+                    # the run's final model, and nothing past the budget is released.
+                    log.warning("run ends before round %d: %s", server_round, exc)
+                    self.stopped_reason = str(exc)
+                    break
             self.persistence.finish()
             self.finished.set()
         finally:
@@ -520,7 +533,8 @@ class Coordinator:
             started,
         )
         self.history.append(record)
-        ServerMetrics.round_done(record["status"], record["duration_s"], server_round)
+        epsilon = record.get("fit", {}).get("privacy_epsilon")
+        ServerMetrics.round_done(record["status"], record["duration_s"], server_round, epsilon)
         self.reporter.round_finished(record)
 
     def _close_phase(self, phase: RoundTasks) -> None:

@@ -12,7 +12,9 @@ updated:
   (client failure, dropped, deadline) or ``cancelled`` (over-selection);
 - ``fedloom_bytes_received_total`` / ``fedloom_bytes_sent_total``: weights chunks in
   Push / Pull (servicer; payload bytes, not protobuf framing);
-- ``fedloom_rejected_messages_total{reason}``: every refused message (servicer).
+- ``fedloom_rejected_messages_total{reason}``: every refused message (servicer);
+- ``fedloom_privacy_epsilon``: ε spent so far, at the run's δ, when a private round
+  commits (``[privacy]``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class ServerMetrics:
         registry=registry,
     )
 
+    privacy_epsilon = Gauge(
+        "fedloom_privacy_epsilon", "Privacy spent so far (epsilon at the run's delta)",
+        registry=registry,
+    )
+
     @classmethod
     def rejected(cls, reason: str) -> None:
         cls.rejections.labels(reason=str(reason)).inc()
@@ -65,8 +72,11 @@ class ServerMetrics:
         cls.sent.inc(n)
 
     @classmethod
-    def round_done(cls, status: str, seconds: float, server_round: int | None = None) -> None:
+    def round_done(cls, status: str, seconds: float, server_round: int | None = None,
+                   epsilon: float | None = None) -> None:
         cls.rounds.labels(status=status).inc()
+        if epsilon is not None:
+            cls.privacy_epsilon.set(epsilon)
         cls.round_seconds.observe(seconds)
         if server_round is not None:
             cls.last_round.set(server_round)

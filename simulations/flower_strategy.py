@@ -46,6 +46,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerBaseStrategy
 
+from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.simulations._records import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -111,6 +112,7 @@ class FlowerStrategy(FlowerBaseStrategy):
         self.on_fit_round = on_fit_round
         self.on_evaluate_round = on_evaluate_round
         self.current: Weights | None = None
+        self.stopped_reason = ""  # set when the privacy budget ended the run early
         self._client_of_node: dict[int, ClientInfo] = {}
         self._node_of_client: dict[str, int] = {}
         self._seed_index: dict[str, int] = {}
@@ -171,7 +173,15 @@ class FlowerStrategy(FlowerBaseStrategy):
     ) -> Iterable[Message]:
         current = arrays_to_weights(arrays)
         self.current = current
-        plan = self.strategy.configure_fit(server_round, current, self._clients(grid))
+        if self.stopped_reason:
+            return []
+        try:
+            plan = self.strategy.configure_fit(server_round, current, self._clients(grid))
+        except PrivacyBudgetExhausted as exc:
+            # Flower's loop runs its num_rounds; from here on no round is sent out.
+            logger.warning("run ends before round %d: %s", server_round, exc)
+            self.stopped_reason = str(exc)
+            return []
         self._plan_order = list(plan.client_ids)
         defaults = {**self.fit_defaults, **record_to_config(config)}
         messages = []
@@ -206,6 +216,8 @@ class FlowerStrategy(FlowerBaseStrategy):
         current = self.current
         if current is None:
             raise RuntimeError("aggregate_train before configure_train")
+        if self.stopped_reason:
+            return None, None
         ordered = self._ordered(replies)
         failures = [0]
 

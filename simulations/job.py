@@ -17,7 +17,7 @@ from fedloom.client_sdk.torch_trainer import TorchClient, evaluate_module, load_
 from fedloom.simulations import datasets, partition
 from fedloom.simulations.models import initial_weights, make_mlp, make_torch_client
 from fedloom.simulations.scenario import Scenario
-from fedloom.strategies import Strategy, build_strategy
+from fedloom.strategies import Strategy, apply_privacy, build_strategy
 from fedloom.types import Scalar
 from fedloom.weights import Weights
 
@@ -97,7 +97,8 @@ class Job:
         )
 
     def build_strategy(self) -> Strategy:
-        return build_strategy(self.scenario.strategy, **self.scenario.sampling())
+        strategy = build_strategy(self.scenario.strategy, **self.scenario.sampling())
+        return apply_privacy(strategy, self.scenario.privacy)
 
     def fit_defaults(self) -> dict[str, Scalar]:
         """Run-wide client settings every fit config carries (a strategy's own win).

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from fedloom.client_sdk._client import Client
+from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.strategies import Strategy
@@ -91,7 +92,11 @@ def run_local(
     current = initial
     recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None)
     for server_round in range(1, num_rounds + 1):
-        plan = strategy.configure_fit(server_round, current, infos)
+        try:
+            plan = strategy.configure_fit(server_round, current, infos)
+        except PrivacyBudgetExhausted as exc:  # before the round: nothing past it released
+            logger.warning("run ends before round %d: %s", server_round, exc)
+            break
         if secure_aggregation is not None:
             plan = secure_aggregation.limit(plan)
         failures: list[str] = []

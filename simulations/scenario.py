@@ -40,6 +40,9 @@
     neighbours = 6              # k; clients_per_round >= threshold + 1
     threshold = 4
 
+    [privacy]                   # differential privacy (same keys as the server's)
+    mode = "off"                # "central" (both engines) or "distributed" (with SecAgg+)
+
     [secure_dropout]            # clients that vanish mid-protocol (secure rounds only)
     fraction = 0.0
     after = "share_keys"        # or "advertise_keys", "masked_input"
@@ -70,6 +73,7 @@ from typing import Any
 
 from fedloom.config import StrategyConfig, from_mapping, load_toml
 from fedloom.errors import ConfigError
+from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.simulations.secure_dropout import SecureDropout
 
@@ -200,6 +204,7 @@ class Scenario:
     flower: FlowerSpec = dataclasses.field(default_factory=FlowerSpec)
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
     secure_dropout: SecureDropout = dataclasses.field(default_factory=SecureDropout)
+    privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "name", "must be a plain file name")
@@ -226,6 +231,7 @@ class Scenario:
                    "clients_per_round", f"must be in threshold + 1 .. max_participants "
                    f"({secure.threshold + 1}..{secure.max_participants}) under secure "
                    "aggregation: every survivor needs threshold surviving neighbours")
+        self.privacy.check_server(secure=self.secure_aggregation.enabled, over_selection=1.0)
         synthetic = self.dataset.name == "synthetic"
         if synthetic:
             _check(self.partition.name in ("auto", "natural"), "partition.name",

@@ -8,8 +8,10 @@ Linear strategies (FedAvg, FedAvgM, FedProx, FedAdagrad, FedAdam, FedYogi) aggre
 a stream; the robust ones (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) hold the
 round's updates (their aggregator's ``holds_all_updates`` is true). `NormBoundedStrategy`
 bounds update norms for any of them; `clip_update` is the client-side form.
-`aggregate_secure_mean` hands a secure round's mean (SecAgg+: the server holds only the
-sum) to a mean-based strategy, and `check_secure_strategy` refuses the others.
+`CentralDPStrategy` (built by `apply_privacy` from a ``[privacy]`` table) makes a
+mean-based strategy differentially private. `aggregate_secure_mean` hands a secure
+round's mean (SecAgg+: the server holds only the sum) to a mean-based strategy, and
+`check_secure_strategy` refuses the others.
 """
 
 from fedloom.strategies._adaptive import (
@@ -21,6 +23,7 @@ from fedloom.strategies._adaptive import (
 from fedloom.strategies._base import Aggregator, MeanUpdate, ServerOptimizer, StateDict, Strategy
 from fedloom.strategies._bulyan import Bulyan, BulyanAggregator
 from fedloom.strategies._composed import ComposedStrategy
+from fedloom.strategies._dp import CentralDPStrategy, apply_privacy
 from fedloom.strategies._fedavg import FedAvg
 from fedloom.strategies._fedopt import FedAdagrad, FedAdam, FedYogi
 from fedloom.strategies._fedprox import FedProx
@@ -52,6 +55,7 @@ __all__ = [
     "Aggregator",
     "Bulyan",
     "BulyanAggregator",
+    "CentralDPStrategy",
     "ClientSampler",
     "ComposedStrategy",
     "CoordinateMedianAggregator",
@@ -81,6 +85,7 @@ __all__ = [
     "WeightedMeanAggregator",
     "add_delta",
     "aggregate_secure_mean",
+    "apply_privacy",
     "build_strategy",
     "check_secure_strategy",
     "clip_update",

@@ -39,6 +39,18 @@ class ClientSampler:
         picked = self._rng.choice(n, size=k, replace=False)
         return tuple(ordered[int(i)].client_id for i in sorted(picked))
 
+    def sample_poisson(self, clients: Sequence[ClientInfo], rate: float) -> tuple[str, ...]:
+        """Each client independently with probability ``rate`` (Poisson sampling).
+
+        The number chosen varies from round to round (it may be 0); differential
+        privacy's amplification by Poisson sampling assumes exactly this.
+        """
+        if not 0.0 <= rate <= 1.0:
+            raise ConfigError("fraction", f"must be in [0, 1], got {rate}")
+        ordered = sorted(clients, key=lambda c: (c.name, c.client_id))
+        picked = self._rng.random(len(ordered)) < rate
+        return tuple(c.client_id for c, keep in zip(ordered, picked, strict=True) if keep)
+
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._seed, "bit_generator": self._rng.bit_generator.state}
 

@@ -134,13 +134,13 @@ def test_every_setting_is_documented() -> None:
 def test_exported_names_are_pinned() -> None:
     assert sorted(strategies_pkg.__all__) == sorted([
         "MEAN_STRATEGIES", "STRATEGIES", "AdaptiveServerOptimizer", "Aggregator", "Bulyan",
-        "BulyanAggregator",
+        "BulyanAggregator", "CentralDPStrategy",
         "ClientSampler", "ComposedStrategy", "CoordinateMedianAggregator", "FedAdagrad",
         "FedAdam", "FedAvg", "FedAvgM", "FedMedian", "FedProx", "FedTrimmedAvg", "FedYogi",
         "HoldingAggregator", "Krum", "KrumAggregator", "MeanUpdate", "MultiKrum",
         "NormBoundedStrategy", "ServerAdagrad", "ServerAdam", "ServerMomentum",
         "ServerOptimizer", "ServerSGD", "ServerYogi", "StateDict", "Strategy",
-        "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta",
+        "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta", "apply_privacy",
         "aggregate_secure_mean", "build_strategy", "check_secure_strategy", "clip_update",
         "describe_strategies", "strategy_settings", "update_norm",
     ])

@@ -1,0 +1,262 @@
+"""Central differential privacy around a mean-based strategy (DP-FedAvg and its family).
+
+`CentralDPStrategy` is McMahan et al.'s DP-FedAvg (ICLR 2018) as a wrapper: each round
+it
+
+1. samples clients (the inner strategy's sampler: m of n, or Poisson with probability
+   ``fraction_fit``) and asks them to clip their delta to C (the fit config's
+   ``max_update_norm``; `TorchClient` does and reports the norm before clipping);
+2. clips every update again to C on arrival (a client that ignores the bound is
+   clipped, not trusted), and sums the clipped deltas as a stream;
+3. adds Gaussian noise of std ``z_delta * C`` to the sum, from a generator seeded by
+   the operating system's CSPRNG (never checkpointed: whoever reads a checkpoint must
+   not be able to predict the noise of later rounds), and divides by the expected
+   number of clients (m, or q n), which does not depend on the data;
+4. hands that noised mean, as the round's one update, to the inner strategy, whose
+   server optimizer (SGD, momentum, Adagrad, Adam, Yogi) post-processes it;
+5. records the round in the `PrivacyAccountant` and reports ε in the round's metrics.
+
+With ``clipping = "adaptive"`` (Andrew et al., NeurIPS 2021) C follows the
+``target_quantile`` of the update norms: each client adds ``b - 1/2`` (b = 1 when its
+norm was within C) to a second sum, noised with std ``count_noise_std``, and
+``C <- C * exp(-rate * (b_mean - quantile))``. The two releases together cost what
+one of multiplier z does, for ``z_delta = (z**-2 - (2 sigma_b)**-2) ** -0.5``.
+
+Before a round starts, `configure_fit` projects ε with that round included and raises
+`PrivacyBudgetExhausted` when it would pass ``target_epsilon``: the round is never run,
+so no model past the budget is released.
+
+Not private: integer tensors (e.g. ``num_batches_tracked``) are not updated (their
+deltas count examples), and the clients' own fit metrics are not aggregated (they are
+functions of the data); federated evaluation metrics are released as they are. The
+operator's logs (who took part) are outside the guarantee, which covers the models.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedloom.errors import AggregationError, ConfigError, PrivacyBudgetExhausted
+from fedloom.privacy import PrivacyAccountant, PrivacyConfig, RoundEvent
+from fedloom.strategies._base import StateDict
+from fedloom.strategies._composed import ComposedStrategy
+from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._norm_bound import MODE_KEY
+from fedloom.types import (
+    MAX_NORM_KEY,
+    AggregateResult,
+    ClientInfo,
+    ClientUpdate,
+    EvaluatePlan,
+    EvaluateResult,
+    FitPlan,
+    Metrics,
+    Scalar,
+)
+from fedloom.weights import Weights
+
+#: The client id of the noised mean handed to the inner strategy.
+DP_MEAN_ID = "dp-mean"
+#: The fit metric with the client's norm before it clipped (`TorchClient` reports it).
+REPORTED_NORM_KEY = "update_norm"
+DP_STRATEGIES = "fedavg, fedavgm, fedprox, fedadagrad, fedadam or fedyogi"
+
+
+def check_dp_strategy(inner: Any) -> ComposedStrategy:
+    """Refuse an inner strategy that is not a plain mean (robust rules, wrappers)."""
+    aggregator = getattr(inner, "aggregator", None)
+    if not isinstance(inner, ComposedStrategy) or not isinstance(
+            aggregator, WeightedMeanAggregator):
+        raise ConfigError(
+            "strategy.name",
+            f"{type(inner).__name__} cannot run with [privacy]: differential privacy adds "
+            "noise to the sum of clipped updates, which needs a mean-based strategy "
+            f"({DP_STRATEGIES}); robust rules choose among individual updates, and no "
+            "noise calibrated to one client's influence covers that",
+        )
+    return inner
+
+
+def split_noise(z: float, count_noise_std: float) -> float:
+    """The delta sum's multiplier that, with the count's noise, costs one release of ``z``."""
+    if 2.0 * count_noise_std <= z:
+        raise ConfigError(
+            "privacy.count_noise_std",
+            f"adaptive clipping needs 2 * count_noise_std ({2 * count_noise_std:g}) above "
+            f"the noise multiplier ({z:g}): raise count_noise_std or the clients per round",
+        )
+    return (z**-2 - (2.0 * count_noise_std) ** -2) ** -0.5
+
+
+class CentralDPStrategy:
+    """Client-level DP with the noise added by the server; see the module docstring.
+
+    Args:
+        inner: a mean-based `ComposedStrategy` (FedAvg, FedAvgM, FedProx, FedAdagrad,
+            FedAdam, FedYogi) whose sampler and server optimizer are used.
+        privacy: the ``[privacy]`` settings, ``mode = "central"``.
+        rng: the noise generator; leave it out (a CSPRNG-seeded one) except in tests.
+    """
+
+    def __init__(self, inner: ComposedStrategy, privacy: PrivacyConfig, *,
+                 rng: np.random.Generator | None = None) -> None:
+        if privacy.mode != "central":
+            raise ConfigError("privacy.mode", f'CentralDPStrategy needs "central", got '
+                              f"{privacy.mode!r}")
+        self.inner = check_dp_strategy(inner)
+        self.privacy = privacy
+        self.clip_norm = privacy.clip_norm
+        self.accountant = PrivacyAccountant(privacy.accountant, privacy.sampling, privacy.delta)
+        self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
+        # round -> (the event it would record, the data-independent denominator)
+        self._planned: dict[int, tuple[RoundEvent, float]] = {}
+
+    def __repr__(self) -> str:
+        return (f"CentralDPStrategy({self.inner!r}, z={self.privacy.noise_multiplier}, "
+                f"clipping={self.privacy.clipping!r}, sampling={self.privacy.sampling!r})")
+
+    # -- fit -------------------------------------------------------------------------
+    def configure_fit(
+        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
+    ) -> FitPlan:
+        p, inner = self.privacy, self.inner
+        n = len(clients)
+        if p.sampling == "poisson":
+            rate = inner.fraction_fit
+            chosen = inner.sampler.sample_poisson(clients, rate)
+            config = inner.fit_round_config(server_round)
+            event, expected = RoundEvent(p.noise_multiplier, 0, n, rate), rate * n
+        else:
+            plan = inner.configure_fit(server_round, current, clients)
+            chosen, config = plan.client_ids, plan.config
+            m = len(chosen)
+            event, expected = RoundEvent(p.noise_multiplier, m, n), float(m)
+        if chosen and p.target_epsilon:
+            spent, projected = self.accountant.epsilon(), self.accountant.epsilon_if(event)
+            if projected > p.target_epsilon:
+                raise PrivacyBudgetExhausted(spent, projected, p.target_epsilon, p.delta)
+        self._planned = {server_round: (event, expected)} if chosen else {}
+        config = {**config, MAX_NORM_KEY: self.clip_norm, MODE_KEY: "clip"}
+        return FitPlan(chosen, config)
+
+    def aggregate_fit(
+        self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
+    ) -> AggregateResult:
+        planned = self._planned.get(server_round)
+        if planned is None:
+            raise AggregationError(f"round {server_round} was not configured by this strategy")
+        event, expected = planned
+        clip = self.clip_norm
+        sums = {name: np.zeros(arr.shape, np.float64) for name, arr in current.items()
+                if arr.dtype.kind == "f"}
+        count = unclipped = 0
+        for update in updates:  # the stream; nothing of this object changes in the loop
+            arrays = {name: np.asarray(update.delta[name], np.float64) for name in sums}
+            norm = math.sqrt(sum(float(np.dot(a.ravel(), a.ravel())) for a in arrays.values()))
+            reported = update.metrics.get(REPORTED_NORM_KEY)
+            before = (float(reported) if isinstance(reported, int | float)
+                      and not isinstance(reported, bool) and math.isfinite(reported) else norm)
+            unclipped += before <= clip
+            scale = min(1.0, clip / norm) if norm > 0 else 1.0
+            for name, total in sums.items():
+                total += arrays[name] * scale
+            count += 1
+        if count == 0:
+            return AggregateResult(None, num_updates=0, reason="no client returned an update")
+        z_delta, count_std = self._noise_split(expected)
+        for total in sums.values():
+            total += self._rng.normal(0.0, z_delta * clip, total.shape)
+            total /= expected
+        mean = Weights((name, sums[name].astype(arr.dtype) if name in sums
+                        else np.zeros_like(arr)) for name, arr in current.items())
+        result = self.inner.aggregate_fit(
+            server_round, current, [ClientUpdate(DP_MEAN_ID, mean, 1, server_round - 1)])
+        if result.weights is None:
+            return AggregateResult(None, num_updates=count, reason=result.reason)
+        # The round is released: from here on its cost is spent and C moves.
+        del self._planned[server_round]
+        epsilon = self.accountant.record(event)
+        if self.privacy.clipping == "adaptive":
+            noisy = unclipped - count / 2.0 + self._rng.normal(0.0, count_std)
+            share = noisy / expected + 0.5
+            self.clip_norm = clip * math.exp(
+                -self.privacy.clip_learning_rate * (share - self.privacy.target_quantile))
+        metrics: dict[str, Scalar] = {
+            k: v for k, v in result.metrics.items() if k not in ("num_updates", "num_examples")}
+        metrics.update(num_updates=count, privacy_epsilon=epsilon,
+                       privacy_delta=self.privacy.delta, clip_norm=clip,
+                       noise_multiplier=self.privacy.noise_multiplier,
+                       noise_std=z_delta * clip / expected)
+        return AggregateResult(result.weights, metrics, num_updates=count)
+
+    def _noise_split(self, expected: float) -> tuple[float, float]:
+        """(z of the delta sum, std of the clipped count's noise) for this round."""
+        z = self.privacy.noise_multiplier
+        if self.privacy.clipping != "adaptive":
+            return z, 0.0
+        count_std = self.privacy.count_noise_for(expected)
+        return split_noise(z, count_std), count_std
+
+    # -- evaluate --------------------------------------------------------------------
+    def configure_evaluate(
+        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
+    ) -> EvaluatePlan:
+        return self.inner.configure_evaluate(server_round, current, clients)
+
+    def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:
+        return self.inner.aggregate_evaluate(server_round, results)
+
+    # -- state -----------------------------------------------------------------------
+    def privacy_spent(self) -> tuple[float, float]:
+        """(ε, δ) of the rounds released so far."""
+        return self.accountant.epsilon(), self.privacy.delta
+
+    def state_dict(self) -> StateDict:
+        return {"inner": self.inner.state_dict(),
+                "privacy": {"accountant": self.accountant.state_dict(),
+                            "clip_norm": self.clip_norm}}
+
+    def load_state_dict(self, state: StateDict) -> None:
+        privacy = state.get("privacy")
+        if not isinstance(privacy, dict):
+            raise ConfigError(
+                "privacy", "the run was checkpointed without [privacy]: a run cannot become "
+                "private half way (its earlier rounds were released without noise)")
+        clip = float(np.asarray(privacy["clip_norm"]).reshape(-1)[0])
+        if not (math.isfinite(clip) and clip > 0):
+            raise ValueError(f"a checkpointed clip norm must be positive, got {clip!r}")
+        self.accountant.load_state_dict(privacy["accountant"])
+        self.inner.load_state_dict(state["inner"])
+        self.clip_norm = clip
+        self._planned = {}
+
+
+
+def apply_privacy(strategy: Any, privacy: PrivacyConfig) -> Any:
+    """``strategy`` wrapped for ``privacy``'s mode (unchanged when it is off).
+
+    Raises:
+        ConfigError: the strategy cannot run privately (a robust rule; a norm bound of
+            its own, where ``privacy.clip_norm`` is the bound), or the mode needs what
+            this build of the strategy lacks.
+    """
+    from fedloom.strategies._norm_bound import NormBoundedStrategy
+
+    if not privacy.enabled or isinstance(strategy, CentralDPStrategy):
+        return strategy
+    if isinstance(strategy, NormBoundedStrategy):
+        raise ConfigError(
+            "strategy.max_update_norm",
+            "is replaced by privacy.clip_norm under [privacy] (the clipping bound is part "
+            "of the guarantee); remove max_update_norm from [strategy]",
+        )
+    if privacy.mode == "central":
+        return CentralDPStrategy(strategy, privacy)
+    from fedloom.strategies._ddp import DistributedDPStrategy
+
+    return DistributedDPStrategy(strategy, privacy)
