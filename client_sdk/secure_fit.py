@@ -47,6 +47,7 @@ from fedloom.client_sdk._client import Client
 from fedloom.errors import SecureAggregationError
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
+from fedloom.privacy._distributed import encode_for_secagg, from_fit_config, survivor_floor
 from fedloom.secagg import (
     STAGE_OF,
     AdvertiseKeysRequest,
@@ -169,7 +170,13 @@ class SecureFit:
     def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights
                ) -> tuple[np.ndarray, int]:
         size = sum(spec.size for spec in weights.specs())
-        if size != setup.vector_length:
+        private = from_fit_config(task.config, size)  # distributed DP: encode it here
+        if private is not None and setup.min_survivors < survivor_floor(task.config):
+            raise SecureAggregationError(
+                f"the round's noise needs {survivor_floor(task.config)} survivors, but its "
+                f"setup would unmask a sum of {setup.min_survivors}")
+        expected = size if private is None else private[0].padded_dimension
+        if expected != setup.vector_length:
             raise SecureAggregationError(
                 f"the round announces {setup.vector_length} values, the model has {size}")
         started = time.thread_time()
@@ -179,6 +186,8 @@ class SecureFit:
         weights.check_same_layout(fit.weights, what="the client's new weights")
         setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
         delta = fit.weights.subtract(weights)
+        if private is not None:  # clipped, rotated, rounded and noised, in the ring
+            return encode_for_secagg(flatten(delta, dtype=None), *private), fit.num_examples
         bound = task.config.get(MAX_NORM_KEY)
         if isinstance(bound, int | float) and not isinstance(bound, bool):
             delta = clip_delta(delta, float(bound))

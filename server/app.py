@@ -94,7 +94,9 @@ class Server:
         )
         # [privacy] wraps the strategy (a differentially private mean; refused for rules
         # that cannot be made private), before the secure-aggregation check sees it.
-        self.strategy = apply_privacy(self.strategy, config.privacy)
+        self.strategy = apply_privacy(
+            self.strategy, config.privacy,
+            colluding_clients=config.secure_aggregation.colluding_clients)
         check_secure_strategy(self.strategy, config.secure_aggregation)
         self.initial_weights = initial_weights
         self.evaluate_fn = evaluate_fn

@@ -98,7 +98,9 @@ class Job:
 
     def build_strategy(self) -> Strategy:
         strategy = build_strategy(self.scenario.strategy, **self.scenario.sampling())
-        return apply_privacy(strategy, self.scenario.privacy)
+        secure = self.scenario.secure_aggregation
+        return apply_privacy(strategy, self.scenario.privacy,
+                             colluding_clients=secure.colluding_clients)
 
     def fit_defaults(self) -> dict[str, Scalar]:
         """Run-wide client settings every fit config carries (a strategy's own win).

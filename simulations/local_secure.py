@@ -66,6 +66,12 @@ import numpy as np
 from fedloom import certs
 from fedloom.errors import ConfigError, MessageRejectedError, SecureAggregationError
 from fedloom.payload import digest, serialize
+from fedloom.privacy._distributed import (
+    encode_for_secagg,
+    from_fit_config,
+    masked_length,
+    round_secagg,
+)
 from fedloom.secagg import (
     MaskedInputReply,
     PeerVerifier,
@@ -190,8 +196,9 @@ class LocalSecureAggregation:
             report.attempt, report.attempts = self._attempt, report.attempts + 1
             try:
                 setup = RoundSetup.create(
-                    self.config, RoundId(self.run_id, server_round, self._attempt),
-                    participants, sum(spec.size for spec in current.specs()),
+                    round_secagg(self.config, plan.config),
+                    RoundId(self.run_id, server_round, self._attempt), participants,
+                    masked_length(plan.config, sum(spec.size for spec in current.specs())),
                     identities={c: _LocalPki.name(c) for c in participants},
                     authenticated=self.authenticated, **binding)
             except ConfigError as exc:
@@ -215,7 +222,7 @@ class LocalSecureAggregation:
         return dataclasses.replace(result, metrics=metrics)
 
     def _run_attempt(self, setup: RoundSetup, server_round: int,
-                     inputs: dict[str, tuple[Weights, int]], report: SecureRoundReport
+                     inputs: dict[str, tuple[Weights | np.ndarray, int]], report: SecureRoundReport
                      ) -> tuple[SecAggResult | str, set[str]]:
         """One attempt; its result (or why it failed) and the clients a retry leaves out."""
         with contextlib.ExitStack() as stack:
@@ -252,11 +259,11 @@ class LocalSecureAggregation:
                             rng=rng)
 
     def _train(self, plan: FitPlan, updates: Iterable[ClientUpdate], failures: list[str],
-               report: SecureRoundReport) -> dict[str, tuple[Weights, int]]:
+               report: SecureRoundReport) -> dict[str, tuple[Weights | np.ndarray, int]]:
         """Each client's (delta, num_examples), clipped to the norm bound; a client that
         fails to train or claims more than ``max_weight`` is a failure (as over gRPC)."""
         bound = plan.config.get(MAX_NORM_KEY)
-        inputs: dict[str, tuple[Weights, int]] = {}
+        inputs: dict[str, tuple[Weights | np.ndarray, int]] = {}
         iterator: Iterator[ClientUpdate] = iter(updates)
         while True:
             started = time.thread_time()
@@ -271,12 +278,20 @@ class LocalSecureAggregation:
                 failures.append(update.client_id)
                 continue
             delta = update.delta
+            size = sum(spec.size for spec in delta.specs())
+            private = from_fit_config(plan.config, size)
+            if private is not None:  # distributed DP: the client's encoding, noise included
+                # seeded like the rounding, so a simulated run is reproducible
+                rng = self._rounding_rng(report.server_round, update.client_id)
+                vector = encode_for_secagg(flatten(delta, dtype=None), *private, rng=rng)
+                inputs[update.client_id] = (vector, update.num_examples)
+                continue
             if isinstance(bound, int | float) and not isinstance(bound, bool):
                 delta = clip_delta(delta, float(bound))
             inputs[update.client_id] = (delta, update.num_examples)
 
     def _run_stage(self, server: SecAggServer, clients: dict[str, SecAggClient],
-                   inputs: dict[str, tuple[Weights, int]], vanishing: frozenset[str],
+                   inputs: dict[str, tuple[Weights | np.ndarray, int]], vanishing: frozenset[str],
                    report: SecureRoundReport, map_fn: MapFn) -> None:
         """Every pending client answers the open stage (``map_fn`` may compute the
         masked inputs in parallel); the server takes them in order, then closes it."""
@@ -298,8 +313,8 @@ class LocalSecureAggregation:
                 if stage is not Stage.MASKED_INPUT:
                     return cid, clients[cid].handle(request), None
                 delta, num_examples = inputs[cid]
-                reply = clients[cid].handle(request, vector=flatten(delta, dtype=None),
-                                            num_examples=num_examples)
+                vector = delta if isinstance(delta, np.ndarray) else flatten(delta, dtype=None)
+                reply = clients[cid].handle(request, vector=vector, num_examples=num_examples)
             except SecureAggregationError as exc:  # a refusal is a dropout
                 logger.warning("secure round: %s", exc)
                 return cid, None, None

@@ -237,7 +237,7 @@ class CentralDPStrategy:
 
 
 
-def apply_privacy(strategy: Any, privacy: PrivacyConfig) -> Any:
+def apply_privacy(strategy: Any, privacy: PrivacyConfig, *, colluding_clients: int = 1) -> Any:
     """``strategy`` wrapped for ``privacy``'s mode (unchanged when it is off).
 
     Raises:
@@ -245,9 +245,10 @@ def apply_privacy(strategy: Any, privacy: PrivacyConfig) -> Any:
             its own, where ``privacy.clip_norm`` is the bound), or the mode needs what
             this build of the strategy lacks.
     """
+    from fedloom.strategies._ddp import DistributedDPStrategy
     from fedloom.strategies._norm_bound import NormBoundedStrategy
 
-    if not privacy.enabled or isinstance(strategy, CentralDPStrategy):
+    if not privacy.enabled or isinstance(strategy, CentralDPStrategy | DistributedDPStrategy):
         return strategy
     if isinstance(strategy, NormBoundedStrategy):
         raise ConfigError(
@@ -257,6 +258,4 @@ def apply_privacy(strategy: Any, privacy: PrivacyConfig) -> Any:
         )
     if privacy.mode == "central":
         return CentralDPStrategy(strategy, privacy)
-    from fedloom.strategies._ddp import DistributedDPStrategy
-
-    return DistributedDPStrategy(strategy, privacy)
+    return DistributedDPStrategy(strategy, privacy, colluding_clients=colluding_clients)

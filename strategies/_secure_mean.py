@@ -41,6 +41,8 @@ def check_secure_strategy(strategy: Strategy, config: SecAggConfig) -> None:
     """
     if not config.enabled:
         return
+    if getattr(strategy, "aggregate_secure_sum", None) is not None:
+        strategy = strategy.inner  # type: ignore[attr-defined]  # a wrapper of a mean
     inner: Any = strategy
     if isinstance(strategy, NormBoundedStrategy):
         if strategy.norm_bound_mode == "reject":
@@ -88,6 +90,10 @@ def aggregate_secure_mean(strategy: Strategy, server_round: int, current: Weight
     ``num_examples`` (their examples, to within quantization), plus whatever the
     strategy itself reports. Synchronous (heavy numpy: run it off an event loop).
     """
+    own_sum = getattr(strategy, "aggregate_secure_sum", None)
+    if own_sum is not None:  # a strategy that decodes the sum itself (distributed DP)
+        result: AggregateResult = own_sum(server_round, current, outcome)
+        return result
     update = secure_mean_update(outcome, current, server_round)
     inner = strategy.inner if isinstance(strategy, NormBoundedStrategy) else strategy
     result = inner.aggregate_fit(server_round, current, [update])

@@ -65,7 +65,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedloom.errors import ConfigError, SecureAggregationError
 from fedloom.privacy._hadamard import padded_length, rotate, unrotate
@@ -340,6 +339,9 @@ def skellam_epsilon(orders: Sequence[int], rdp: np.ndarray, delta: float) -> tup
     values = np.asarray(rdp, dtype=np.float64)
     if values.shape != alpha.shape:
         raise ConfigError("rdp", f"needs one value per order ({alpha.size}), got {values.shape}")
+    # dp-accounting takes most of a second to import: only the server's accounting pays.
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     epsilon, order = rdp_privacy_accountant.compute_epsilon(
         [float(a) for a in alpha], [float(v) for v in values], delta)
     return float(epsilon), int(order)

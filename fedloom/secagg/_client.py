@@ -194,7 +194,12 @@ class SecAggClient(ClientChecks):
 
     def masked_input(self, request: MaskedInputRequest, vector: np.ndarray,
                      num_examples: int) -> MaskedInputReply:
-        """Stage masked_input: open the neighbours' shares, mask the weighted update."""
+        """Stage masked_input: open the neighbours' shares, mask the weighted update.
+
+        ``vector`` is the float update (quantized here, weighted by ``num_examples``),
+        or a uint32 vector of ``setup.masked_length`` the caller encoded itself (the
+        distributed-DP encoding, `fedloom.privacy.encode_for_secagg`), masked as it is.
+        """
         return self._guarded(self._masked_input, request, vector, num_examples)
 
     def consistency(self, request: ConsistencyRequest) -> ConsistencyReply:
@@ -352,10 +357,16 @@ class SecAggClient(ClientChecks):
                          f"({setup.threshold}) must survive for this input to be unmasked")
         weight = setup.config().weight_of(num_examples)
         values = np.asarray(vector)
-        if values.shape != (setup.vector_length,):
+        if values.dtype == np.uint32:  # encoded by the caller (distributed DP): as it is
+            if values.shape != (setup.masked_length,):
+                self._refuse(f"the encoded input has shape {values.shape}; the round expects "
+                             f"({setup.masked_length},)")
+            masked = values.copy()
+        elif values.shape != (setup.vector_length,):
             self._refuse(f"the update has shape {values.shape}; the round expects "
                          f"({setup.vector_length},)")
-        masked = quantize(values, weight, setup.clip_range, setup.bits, self._rng)
+        else:
+            masked = quantize(values, weight, setup.clip_range, setup.bits, self._rng)
         assert attempt.mask_key is not None and attempt.self_mask_seed is not None
         masks = [(attempt.self_mask_seed, 1)]
         for v in sorted(held):

@@ -118,6 +118,8 @@ class SecAggResult:
             within quantization).
         survivors: clients whose masked input is in the sum.
         dropped: clients that shared keys but whose input is not in the sum.
+        total: the unmasked sum itself, uint32 (modulo 2**32): what a round whose
+            clients encoded their own vectors (distributed DP) decodes.
     """
 
     mean: np.ndarray
@@ -126,6 +128,7 @@ class SecAggResult:
     total_examples: float
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
+    total: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint32))
 
 
 def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
@@ -527,6 +530,7 @@ class SecAggServer:
             total_examples=weight * self.setup.max_weight,
             survivors=self._survivor_ids,
             dropped=tuple(sorted(self._dropped)),
+            total=total,
         )
         self.status = SecAggStatus.SUCCEEDED
 

@@ -55,6 +55,7 @@ from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.payload import PayloadInfo
+from fedloom.privacy._distributed import masked_length, round_secagg
 from fedloom.secagg import (
     KeyOffer,
     PeerVerifier,
@@ -216,7 +217,7 @@ class SecureRounds:
         outcome: SecAggResult | str = "no attempt was made"
         for number in range(1, self.secagg.max_attempts + 1):
             try:
-                setup = self._setup(server_round, participants, current, binding)
+                setup = self._setup(server_round, participants, current, binding, plan.config)
             except ConfigError as exc:
                 outcome = f"the round cannot start: {exc}"
                 break
@@ -249,15 +250,16 @@ class SecureRounds:
         return result, record
 
     def _setup(self, server_round: int, participants: list[str], current: Weights,
-               binding: dict[str, bytes]) -> RoundSetup:
+               binding: dict[str, bytes], fit_config: Any) -> RoundSetup:
         identities = {}
         for cid in participants:
             client = self.registry.get(cid)
             if client is not None:
                 identities[cid] = client.info.name
         setup = RoundSetup.create(
-            self.secagg, RoundId(self.run_id, server_round, self._next_attempt()),
-            sorted(identities), sum(spec.size for spec in current.specs()),
+            round_secagg(self.secagg, fit_config),
+            RoundId(self.run_id, server_round, self._next_attempt()), sorted(identities),
+            masked_length(fit_config, sum(spec.size for spec in current.specs())),
             identities=identities, authenticated=self.authenticated, **binding)
         self.last_setup = setup
         return setup
@@ -320,3 +322,4 @@ class SecureRounds:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, aggregate_secure_mean, strategy,
                                           server_round, current, outcome)
+
