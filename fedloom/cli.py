@@ -6,6 +6,7 @@
 - ``fedloom simulate scenario.toml`` (see ``fedloom.simulations.cli``)
 - ``fedloom certs`` / ``fedloom tokens add NAME`` (see ``fedloom.security_cli``)
 - ``fedloom runs [RUN_ID] [--state-dir DIR] [--json]`` (past runs, per-round metrics)
+- ``fedloom privacy calibrate --epsilon 8 --rounds 100 ...`` (see ``fedloom.privacy_cli``)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tomllib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedloom import security_cli
+from fedloom import privacy_cli, security_cli
 from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
 from fedloom.errors import FedloomError
 from fedloom.logs import FORMATS, configure_logging
@@ -76,7 +77,8 @@ def _parse_bool(text: str) -> bool:
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: str) -> None:
     for field in dataclasses.fields(cls):
-        if field.name in ("transfer", "strategy", "tls", "auth", "insecure", "secure_aggregation"):
+        if field.name in ("transfer", "strategy", "tls", "auth", "insecure", "secure_aggregation",
+                          "privacy"):
             continue
         parsers: dict[str, Callable[[str], Any]] = {
             "int": int, "float": float, "bool": _parse_bool
@@ -150,6 +152,7 @@ def _server_parser(sub: Any) -> None:
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
     _add_secagg_flags(p)
+    privacy_cli.add_server_flags(p)
     security_cli.add_server_flags(p)
 
 
@@ -175,6 +178,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             data.setdefault("transfer", {})[key[9:]] = value
         elif key.startswith("secagg_"):
             data.setdefault("secure_aggregation", {})[key[7:]] = value
+        elif key.startswith("privacy_") and key != "privacy_command":
+            data.setdefault("privacy", {})[key[8:]] = value
         elif key.startswith(("tls_", "auth_")):  # security_cli's flags: [tls] / [auth]
             table, _, name = key.partition("_")
             data.setdefault(table, {})[name] = value
@@ -255,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--log-level", default="INFO")
     security_cli.add_client_flags(c)
     security_cli.add_certs_parser(sub)
+    privacy_cli.add_parser(sub)
     security_cli.add_tokens_parser(sub)
     _add_log_format(c)
     r = sub.add_parser("runs", help="list past runs, or one run's per-round metrics")
@@ -295,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return security_cli.run_tokens(args)
         if args.command == "runs":
             return _run_runs(args)
+        if args.command == "privacy":
+            return privacy_cli.run(args)
         from fedloom.simulations.demo import main as demo_main
 
         return demo_main(args)

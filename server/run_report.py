@@ -97,9 +97,11 @@ def runs_table(store: RunStore) -> str:
 
 
 def rounds_table(store: RunStore, run: RunRecord) -> str:
-    """One line per committed round of ``run``."""
+    """One line per committed round of ``run`` (with ε spent, in a private run)."""
     rows = []
-    for r in _training_rounds(store, run.run_id):
+    rounds = _training_rounds(store, run.run_id)
+    private = any("privacy_epsilon" in r.metrics.get("fit", {}) for r in rounds)
+    for r in rounds:
         m = r.metrics
         rows.append(
             [
@@ -112,13 +114,15 @@ def rounds_table(store: RunStore, run: RunRecord) -> str:
                 _number(m.get("duration_s"), ".2f"),
                 _number(_pick(m, "loss")),
                 _number(_pick(m, "accuracy")),
+                *([_number(m.get("fit", {}).get("privacy_epsilon"), ".3f")] if private else []),
             ]
         )
     title = f"run {run.run_id} ({run.status}, {len(rows)} of {run.num_rounds} rounds committed)"
     if not rows:
         return f"{title}\nno rounds committed yet"
     header = ["ROUND", "STATUS", "SAMPLED", "UPDATES", "FAILED", "CANCELLED", "SECONDS"]
-    return f"{title}\n" + _table([*header, "LOSS", "ACCURACY"], rows)
+    extra = ["EPSILON"] if private else []
+    return f"{title}\n" + _table([*header, "LOSS", "ACCURACY", *extra], rows)
 
 
 def find_run(store: RunStore, prefix: str) -> RunRecord:
