@@ -31,6 +31,11 @@ finish (`spread_dropouts`; Flower's ring kept in its random sampled order with e
 fifth marked). In plain rounds the same fifth fails instead of uploading (fedloom: they
 train, then report a failure; Flower: an error reply to the fit message).
 
+Distributed DP (``--ddp``): a third mode, "secure-ddp", runs the secure round with
+``[privacy] mode = "distributed"`` (z = 1, ``expected_dropout`` = the setting's dropout):
+each client clips, rotates, rounds and adds Skellam noise before masking a vector of
+``d' + 1`` values (d' the next power of two). Reported beside the secure round without it.
+
 Reported per system and mode: seconds per steady round (median of rounds 2..R; round 1
 is warm-up), client CPU seconds per stage per client per round, and bytes sent per
 client per round (fedloom over gRPC: protobuf bytes of every request; fedloom local:
@@ -39,6 +44,7 @@ returns: arrays, bytes, 8 per number).
 
     .venv/bin/python benchmarks/secagg.py
     .venv/bin/python benchmarks/secagg.py --quick        # 10 and 20 clients, 100k, 3 rounds
+    .venv/bin/python benchmarks/secagg.py --clients 20 --params 1000000 --skip flower --ddp
 
 Writes ``benchmarks/results/secagg.json`` (or ``--out``) and prints the tables.
 """
@@ -63,11 +69,12 @@ from _secagg_grpc import fixed_step
 from fedloom.certs import write_certificates
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
 from fedloom.config import ServerConfig, TLSConfig
+from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.server import Server
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.local_secure import LocalSecureAggregation, SecureDropout
-from fedloom.strategies import FedAvg
+from fedloom.strategies import FedAvg, apply_privacy
 from fedloom.weights import Weights
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -83,6 +90,12 @@ def secagg_config() -> SecAggConfig:
     return SecAggConfig(enabled=True, neighbours=NEIGHBOURS, threshold=THRESHOLD,
                         clip_range=8.0, bits=22, max_weight=100.0, max_participants=64,
                         stage_timeout_s=120.0)
+
+
+def ddp_config(dropout: float) -> PrivacyConfig:
+    """Distributed DP at z = 1; the clip bound does not bind the benchmark's step."""
+    return PrivacyConfig(mode="distributed", noise_multiplier=1.0, clip_norm=1e4,
+                         sampling="none", expected_dropout=dropout)
 
 
 def steady(seconds: list[float]) -> float:
@@ -108,10 +121,11 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
                     client_ca=str(pki / "ca.pem"))
     config = ServerConfig(
         address="127.0.0.1:0", num_rounds=rounds, min_clients=n,
-        min_fit_clients=n if mode == "secure" else plain_min, fraction_fit=1.0,
+        min_fit_clients=n if mode != "plain" else plain_min, fraction_fit=1.0,
         fraction_evaluate=0.0, state_dir=str(state_root / f"{mode}-{n}-{params}-{dropout}"),
         progress=False, keep_checkpoints=1, round_timeout_s=600.0, tls=tls,
-        secure_aggregation=secagg_config() if mode == "secure" else SecAggConfig())
+        secure_aggregation=secagg_config() if mode != "plain" else SecAggConfig(),
+        privacy=ddp_config(dropout) if mode == "secure-ddp" else PrivacyConfig())
     server = Server(config, initial_weights=initial(params))
     handle = server.start()
     started_cpu, started = time.process_time(), time.perf_counter()
@@ -138,7 +152,7 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
         "stage_sent_bytes": {s: sum(c["stage_sent"].get(s, 0) for c in clients) / per
                              for s in STAGES if any(s in c["stage_sent"] for c in clients)},
     }
-    if mode == "secure":
+    if mode != "plain":
         stage_rows = [r["secure_aggregation"]["stage_s"] for r in rows[1:] or rows]
         out["stage_s"] = {s: statistics.median(x[s] for x in stage_rows) for s in stage_rows[0]}
         out["survivors"] = [r["secure_aggregation"]["survivors"] for r in rows]
@@ -173,11 +187,13 @@ def run_local_mode(mode: str, n: int, params: int, dropout: float,
                    rounds: int) -> dict[str, Any]:
     cpu: dict[str, float] = {}
     secure = (LocalSecureAggregation(secagg_config(), SecureDropout(dropout, "share_keys"))
-              if mode == "secure" else None)
+              if mode != "plain" else None)
     clients = [LocalClient(i, dropout if secure is None else 0.0, cpu) for i in range(n)]
     logging.getLogger("fedloom.simulations").setLevel(logging.ERROR)
-    history = run_local(FedAvg(fraction_fit=1.0, min_fit_clients=n, fraction_evaluate=0.0,
-                               seed=0), clients.__getitem__, initial(params), num_clients=n,
+    strategy = FedAvg(fraction_fit=1.0, min_fit_clients=n, fraction_evaluate=0.0, seed=0)
+    if mode == "secure-ddp":
+        strategy = apply_privacy(strategy, ddp_config(dropout))
+    history = run_local(strategy, clients.__getitem__, initial(params), num_clients=n,
                         num_rounds=rounds, secure_aggregation=secure)
     seconds = [float(r.get("seconds")) for r in history.rounds[1:]]
     per = n * rounds
@@ -300,6 +316,24 @@ def tables(rows: list[dict[str, Any]]) -> str:
                  f"{q.get('stage_sent_bytes', {}).get(s, 0):,.0f} B" for s in STAGES[1:6]]
         lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | "
                      + " | ".join(cells) + " |")
+    ddp = [r for r in rows if "secure-ddp" in r.get("grpc", {}) or "secure-ddp" in r.get(
+        "local", {})]
+    if ddp:
+        lines += ["", "Distributed DP under SecAgg+ (Skellam, z = 1) beside the secure round "
+                  "without it: steady round s, and bytes sent per client / float32:", "",
+                  "| clients | params | dropout | gRPC secure s | gRPC secure + DDP s | ratio "
+                  "| local secure s | local secure + DDP s | ratio | DDP bytes / float32 |",
+                  "|" + "---|" * 10]
+    for r in ddp:
+        g, lo = r.get("grpc", {}), r.get("local", {})
+        gs, gd = g.get("secure", {}).get("round_s"), g.get("secure-ddp", {}).get("round_s")
+        ls, ld = lo.get("secure", {}).get("round_s"), lo.get("secure-ddp", {}).get("round_s")
+        sent = (g.get("secure-ddp", {}).get("sent_bytes")
+                or lo.get("secure-ddp", {}).get("sent_bytes"))
+        lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | "
+                     f"{fmt(gs)} | {fmt(gd)} | {fmt(ratio(gd, gs), '.2f')}x | {fmt(ls)} | "
+                     f"{fmt(ld)} | {fmt(ratio(ld, ls), '.2f')}x | "
+                     f"{fmt(ratio(sent, 4 * r['params']), '.3f')} |")
     return "\n".join(lines)
 
 
@@ -321,6 +355,11 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
             x = ratio(f["secure"]["round_s"], lo["secure"]["round_s"])
             out.append(f"Flower SecAgg+ / fedloom local secure ({tag}): {fmt(x, '.1f')}x "
                        "(target >= 5x)")
+        if r["clients"] == 20 and "secure" in g and "secure-ddp" in g:
+            x = ratio(g["secure-ddp"]["round_s"], g["secure"]["round_s"])
+            fast = ratio(g["secure-ddp"].get("min_round_s"), g["secure"].get("min_round_s"))
+            out.append(f"gRPC secure with distributed DP / secure ({tag}): {fmt(x, '.2f')}x "
+                       f"median, {fmt(fast, '.2f')}x fastest rounds (target <= 1.2x)")
         if not r["dropout"] and "secure" in g:
             x = ratio(g["secure"]["sent_bytes"], 4e6)
             out.append(f"upload expansion, gRPC bytes sent / float32 ({tag}): "
@@ -376,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs of each mode per setting, alternating (gRPC, local)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["grpc", "local", "flower"])
     parser.add_argument("--modes", nargs="+", default=["plain", "secure"],
-                        choices=["plain", "secure"], help="(profiling) run only these")
+                        choices=["plain", "secure", "secure-ddp"],
+                        help="(profiling) run only these")
+    parser.add_argument("--ddp", action="store_true",
+                        help="add the secure round with distributed DP (mode secure-ddp)")
     parser.add_argument("--pull", action="store_true",
                         help="(A/B) clients Pull each task instead of reading a Tasks stream")
     parser.add_argument("--quick", action="store_true",
@@ -385,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.params, args.rounds, args.repeats = [10, 20], [100_000], 3, 1
+    if args.ddp and "secure-ddp" not in args.modes:
+        args.modes.append("secure-ddp")
     logging.basicConfig(level=logging.WARNING)
     settings = [(n, p, d) for p in args.params for n in args.clients for d in args.dropouts]
     rows = [{"clients": n, "params": p, "dropout": d} for n, p, d in settings]

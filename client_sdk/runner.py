@@ -283,7 +283,8 @@ class ClientRunner:
             identity, peers = self._signing()
             self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation,
                                      self.secagg_cpu_s, identity=identity, peers=peers,
-                                     ledger=self._rounds)
+                                     ledger=self._rounds,
+                                     min_noise_multiplier=self.config.min_noise_multiplier)
         return self._secure
 
     def _signing(self) -> tuple[SigningIdentity | None, PeerVerifier | None]:

@@ -47,7 +47,13 @@ from fedloom.client_sdk._client import Client
 from fedloom.errors import SecureAggregationError
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
-from fedloom.privacy._distributed import encode_for_secagg, from_fit_config, survivor_floor
+from fedloom.privacy._distributed import (
+    encode_for_secagg,
+    from_fit_config,
+    noise_multiplier_of,
+    survivor_floor,
+)
+from fedloom.privacy._skellam import SkellamParams
 from fedloom.secagg import (
     STAGE_OF,
     AdvertiseKeysRequest,
@@ -84,17 +90,21 @@ class SecureFit:
         identity: this client's certificate and key (authenticated rounds).
         peers: the client CA, to check the other participants (with ``identity``).
         ledger: the rounds this client took part in, kept across its sessions.
+        min_noise_multiplier: in a distributed-DP round, refuse announced noise that,
+            summed over the round's survivor floor, is below this multiplier.
     """
 
     def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None,
                  cpu_s: dict[str, float] | None = None, *,
                  identity: SigningIdentity | None = None,
-                 peers: PeerVerifier | None = None, ledger: RoundLedger | None = None) -> None:
+                 peers: PeerVerifier | None = None, ledger: RoundLedger | None = None,
+                 min_noise_multiplier: float = 0.0) -> None:
         self.client = client
         self.client_id = client_id
         self.protocol = SecAggClient(client_id, policy=policy, identity=identity, peers=peers,
                                      ledger=ledger)
         self.cpu_s = cpu_s if cpu_s is not None else {}
+        self.min_noise_multiplier = min_noise_multiplier
         self._train_cpu_s = 0.0
         # (run, round, model digest, config digest) -> (flat clipped delta, num_examples):
         # the update of this round, masked again if the server retries the round
@@ -171,10 +181,8 @@ class SecureFit:
                ) -> tuple[np.ndarray, int]:
         size = sum(spec.size for spec in weights.specs())
         private = from_fit_config(task.config, size)  # distributed DP: encode it here
-        if private is not None and setup.min_survivors < survivor_floor(task.config):
-            raise SecureAggregationError(
-                f"the round's noise needs {survivor_floor(task.config)} survivors, but its "
-                f"setup would unmask a sum of {setup.min_survivors}")
+        if private is not None:
+            self._check_noise(private[0], setup, survivor_floor(task.config))
         expected = size if private is None else private[0].padded_dimension
         if expected != setup.vector_length:
             raise SecureAggregationError(
@@ -184,14 +192,26 @@ class SecureFit:
         self._train_cpu_s = time.thread_time() - started
         self.cpu_s["train"] = self.cpu_s.get("train", 0.0) + self._train_cpu_s
         weights.check_same_layout(fit.weights, what="the client's new weights")
-        setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
         delta = fit.weights.subtract(weights)
         if private is not None:  # clipped, rotated, rounded and noised, in the ring
             return encode_for_secagg(flatten(delta, dtype=None), *private), fit.num_examples
+        setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
         bound = task.config.get(MAX_NORM_KEY)
         if isinstance(bound, int | float) and not isinstance(bound, bool):
             delta = clip_delta(delta, float(bound))
         return flatten(delta, dtype=None), fit.num_examples  # quantize widens per block
+
+    def _check_noise(self, params: SkellamParams, setup: RoundSetup, floor: int) -> None:
+        """Refuse a distributed-DP round whose noise a server could have cut short."""
+        if setup.min_survivors < floor:
+            raise SecureAggregationError(
+                f"the round's noise needs {floor} survivors, but its setup would unmask a "
+                f"sum of {setup.min_survivors}")
+        announced = noise_multiplier_of(params, floor)
+        if announced < self.min_noise_multiplier:
+            raise SecureAggregationError(
+                f"the round announces noise multiplier {announced:.4g} over its {floor} "
+                f"survivors; this client requires at least {self.min_noise_multiplier:g}")
 
     def _masked_payload(self, reply: MaskedInputReply
                         ) -> tuple[MaskedInputHeader, memoryview, PayloadInfo]:

@@ -292,6 +292,10 @@ class ClientConfig:
     one Pull call per task. A call costs both sides about a millisecond of CPU to set up
     in Python gRPC, and a secure round has four tasks per client; off, every task is a
     Pull (for proxies that cut long streams, or to compare).
+
+    ``min_noise_multiplier`` (distributed differential privacy, docs/privacy.md): the
+    client refuses a round whose announced Skellam noise, summed over the round's survivor
+    floor, is below this noise multiplier z; 0 (default) takes the server's word for it.
     """
 
     server_address: str
@@ -311,9 +315,12 @@ class ClientConfig:
     insecure: bool = False
     separate_upload_connection: bool = True
     task_stream: bool = True
+    min_noise_multiplier: float = 0.0
 
     def __post_init__(self) -> None:
         check_address("server_address", self.server_address)
+        _check(math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0,
+               "min_noise_multiplier", "must be a number >= 0 (0: no floor)")
         _check_client_tls(self)
         for name in ("long_poll_s", "rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
             value = getattr(self, name)

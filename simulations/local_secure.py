@@ -271,12 +271,6 @@ class LocalSecureAggregation:
             self._add(report.client_cpu_s, "train", time.thread_time() - started)
             if update is None:
                 return inputs
-            try:
-                self.config.weight_of(update.num_examples)
-            except SecureAggregationError as exc:
-                logger.warning("client %s refuses the secure round: %s", update.client_id, exc)
-                failures.append(update.client_id)
-                continue
             delta = update.delta
             size = sum(spec.size for spec in delta.specs())
             private = from_fit_config(plan.config, size)
@@ -285,6 +279,12 @@ class LocalSecureAggregation:
                 rng = self._rounding_rng(report.server_round, update.client_id)
                 vector = encode_for_secagg(flatten(delta, dtype=None), *private, rng=rng)
                 inputs[update.client_id] = (vector, update.num_examples)
+                continue
+            try:
+                self.config.weight_of(update.num_examples)
+            except SecureAggregationError as exc:
+                logger.warning("client %s refuses the secure round: %s", update.client_id, exc)
+                failures.append(update.client_id)
                 continue
             if isinstance(bound, int | float) and not isinstance(bound, bool):
                 delta = clip_delta(delta, float(bound))

@@ -120,6 +120,12 @@ def decode_secagg_total(total: np.ndarray, params: SkellamParams, seed: bytes
     return decode_sum(values[:-1], params, signs), int(values[-1])
 
 
+def noise_multiplier_of(params: SkellamParams, survivors: int) -> float:
+    """The noise multiplier z (std over C, in the update domain) of ``survivors`` clients'
+    noise: ``sqrt(2 mu_client survivors) / (gamma C)``."""
+    return math.sqrt(2.0 * params.client_noise_mu * survivors) / (params.scale * params.clip_norm)
+
+
 def noisy_shares(survivors: int, colluding: int) -> int:
     """Noise shares the ledger counts in a sum over ``survivors`` (module docstring)."""
     return survivors - 1 - colluding

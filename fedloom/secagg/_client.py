@@ -355,7 +355,6 @@ class SecAggClient(ClientChecks):
         if len(held) < setup.threshold:
             self._refuse(f"only {len(held)} neighbours shared keys; at least the threshold "
                          f"({setup.threshold}) must survive for this input to be unmasked")
-        weight = setup.config().weight_of(num_examples)
         values = np.asarray(vector)
         if values.dtype == np.uint32:  # encoded by the caller (distributed DP): as it is
             if values.shape != (setup.masked_length,):
@@ -366,6 +365,7 @@ class SecAggClient(ClientChecks):
             self._refuse(f"the update has shape {values.shape}; the round expects "
                          f"({setup.vector_length},)")
         else:
+            weight = setup.config().weight_of(num_examples)
             masked = quantize(values, weight, setup.clip_range, setup.bits, self._rng)
         assert attempt.mask_key is not None and attempt.self_mask_seed is not None
         masks = [(attempt.self_mask_seed, 1)]

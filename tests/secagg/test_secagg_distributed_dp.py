@@ -177,3 +177,30 @@ def test_the_local_engine_runs_distributed_dp_and_stops_at_the_budget() -> None:
                         num_rounds=3, secure_aggregation=LocalSecureAggregation(secure, seed=1))
     assert [r.round for r in history.rounds] == [0, 1, 2]
     assert history.rounds[-1].metrics["privacy_epsilon"] == pytest.approx(eps[1])
+
+
+def _setup(min_survivors: int, participants: int = 10) -> Any:
+    import dataclasses
+
+    from fedloom.secagg import RoundId, RoundSetup
+
+    config = dataclasses.replace(secagg(), min_survivors=min_survivors)
+    return RoundSetup.create(config, RoundId("run", 1, 1), [f"c{i}" for i in range(participants)],
+                             1 << 10, model_digest=b"m" * 32, config_digest=b"c" * 32)
+
+
+def test_a_client_refuses_noise_below_its_floor_or_a_setup_below_the_survivor_floor() -> None:
+    """A server that announces less noise than the client requires, or would unmask a
+    sum over fewer survivors than the noise was calibrated for, is refused."""
+    from fedloom.client_sdk.secure_fit import SecureFit
+    from fedloom.privacy._distributed import noise_multiplier_of
+
+    params = calibrate(CLIP, 1000, 10, 1.0)
+    assert noise_multiplier_of(params, 10) == pytest.approx(1.0, rel=1e-6)
+    strict = SecureFit(RecordingClient(0, 1), "c0", min_noise_multiplier=1.2)
+    with pytest.raises(SecureAggregationError, match="requires at least"):
+        strict._check_noise(params, _setup(10), floor=10)
+    lenient = SecureFit(RecordingClient(0, 1), "c0", min_noise_multiplier=0.9)
+    lenient._check_noise(params, _setup(10), floor=10)  # accepted
+    with pytest.raises(SecureAggregationError, match="survivors"):
+        lenient._check_noise(params, _setup(5), floor=10)
