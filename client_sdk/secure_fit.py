@@ -48,6 +48,7 @@ from fedloom.errors import SecureAggregationError
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import (
+    NoiseReserve,
     encode_for_secagg,
     from_fit_config,
     noise_multiplier_of,
@@ -105,6 +106,7 @@ class SecureFit:
                                      ledger=ledger)
         self.cpu_s = cpu_s if cpu_s is not None else {}
         self.min_noise_multiplier = min_noise_multiplier
+        self._noise = NoiseReserve()  # distributed DP: the next round's draws, ahead
         self._train_cpu_s = 0.0
         # (run, round, model digest, config digest) -> (flat clipped delta, num_examples):
         # the update of this round, masked again if the server retries the round
@@ -194,7 +196,11 @@ class SecureFit:
         weights.check_same_layout(fit.weights, what="the client's new weights")
         delta = fit.weights.subtract(weights)
         if private is not None:  # clipped, rotated, rounded and noised, in the ring
-            return encode_for_secagg(flatten(delta, dtype=None), *private), fit.num_examples
+            params, length = private[0], private[0].padded_dimension
+            noise = self._noise.take(params.client_noise_mu, length)
+            vector = encode_for_secagg(flatten(delta, dtype=None), *private, noise=noise)
+            self._noise.refill(params.client_noise_mu, length)  # while the server works
+            return vector, fit.num_examples
         setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
         bound = task.config.get(MAX_NORM_KEY)
         if isinstance(bound, int | float) and not isinstance(bound, bool):

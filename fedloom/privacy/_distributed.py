@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ from fedloom.privacy._skellam import (
     decode_sum,
     encode,
     round_rdp,
+    sample_skellam,
     skellam_epsilon,
 )
 from fedloom.secagg._config import SecAggConfig
@@ -94,17 +96,18 @@ def from_fit_config(config: Mapping[str, Any], dimension: int
 
 
 def encode_for_secagg(update: np.ndarray, params: SkellamParams, seed: bytes,
-                      rng: np.random.Generator | None = None) -> np.ndarray:
+                      rng: np.random.Generator | None = None,
+                      noise: np.ndarray | None = None) -> np.ndarray:
     """A client's masked-input vector: the Skellam encoding of ``update``, then a 1.
 
     ``update`` is the flat delta (length ``params.dimension``); the result is uint32 of
     length ``d' + 1``. The noise comes from a CSPRNG-seeded generator unless ``rng``
-    is given (tests).
+    is given (tests); ``noise`` is drawn ahead by a `NoiseReserve`, or here.
     """
     rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
     signs = rotation_signs(seed, params.padded_dimension)
     out = np.empty(params.padded_dimension + 1, np.uint32)
-    out[:-1] = encode(update, params, signs, rng)
+    out[:-1] = encode(update, params, signs, rng, noise)
     out[-1] = 1
     return out
 
@@ -204,3 +207,47 @@ def round_secagg(secagg: SecAggConfig, fit_config: Mapping[str, Any]) -> SecAggC
     if floor <= secagg.survivor_floor:
         return secagg
     return dataclasses.replace(secagg, min_survivors=floor)
+
+
+class NoiseReserve:
+    """One round's Skellam noise, drawn ahead in a background thread.
+
+    The noise depends only on (μ_client, d'), which stay the same from round to round of
+    a run, and drawing it is most of a client's encoding cost (two Poisson draws per
+    coordinate). After each encoding the client asks for the next round's draws
+    (`refill`) while it waits for the server; `take` hands them over once, if the next
+    round announces the same (μ, d'), and drops them otherwise. Draws are never used
+    twice and come from a generator seeded by the OS CSPRNG.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[float, int] | None = None
+        self._ready = threading.Event()
+        self._noise: np.ndarray | None = None
+
+    def take(self, mu: float, length: int) -> np.ndarray | None:
+        """The reserved draws for ``(mu, length)`` (waiting for them), or None."""
+        with self._lock:
+            key, ready, self._key = self._key, self._ready, None
+        if key != (mu, length):
+            return None
+        ready.wait()
+        with self._lock:
+            noise, self._noise = self._noise, None
+        return noise
+
+    def refill(self, mu: float, length: int) -> None:
+        """Start drawing ``length`` values of ``Sk(mu)`` for the next round."""
+        with self._lock:
+            self._key, self._noise = (mu, length), None
+            self._ready = ready = threading.Event()
+
+        def draw() -> None:
+            noise = sample_skellam(mu, length, np.random.default_rng(secrets.randbits(128)))
+            with self._lock:
+                if self._ready is ready:
+                    self._noise = noise
+            ready.set()
+
+        threading.Thread(target=draw, name="fedloom-noise", daemon=True).start()

@@ -245,15 +245,21 @@ def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
 
 
 def encode(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
-           rng: np.random.Generator) -> np.ndarray:
+           rng: np.random.Generator, noise: np.ndarray | None = None) -> np.ndarray:
     """A client's noisy contribution: uint32 of length d', values below ``2**bits``.
 
     `discretize`, then ``Sk(params.client_noise_mu)`` per coordinate, then mod
     ``2**bits``. ``update`` (1-D, any float dtype, length ``params.dimension``) is not
     modified; ``signs`` is ``rotation_signs(round_seed, params.padded_dimension)``.
+    ``noise``: the ``Sk(params.client_noise_mu)`` draws (int64 of d'), when the caller
+    drew them ahead (`NoiseReserve`); they must be fresh and used once.
     """
     integers = discretize(update, params, signs, rng)
-    integers += sample_skellam(params.client_noise_mu, integers.shape[0], rng)
+    if noise is None:
+        noise = sample_skellam(params.client_noise_mu, integers.shape[0], rng)
+    elif noise.shape != integers.shape or noise.dtype != np.int64:
+        raise SecureAggregationError(f"the noise must be int64 of shape {integers.shape}")
+    integers += noise
     return np.mod(integers, params.modulus).astype(np.uint32)
 
 

@@ -204,3 +204,24 @@ def test_a_client_refuses_noise_below_its_floor_or_a_setup_below_the_survivor_fl
     lenient._check_noise(params, _setup(10), floor=10)  # accepted
     with pytest.raises(SecureAggregationError, match="survivors"):
         lenient._check_noise(params, _setup(5), floor=10)
+
+
+def test_reserved_noise_is_handed_over_once_and_only_for_its_round_shape() -> None:
+    from fedloom.privacy._distributed import NoiseReserve
+
+    reserve = NoiseReserve()
+    assert reserve.take(100.0, 1 << 16) is None  # nothing drawn ahead
+    reserve.refill(100.0, 1 << 16)
+    noise = reserve.take(100.0, 1 << 16)
+    assert noise is not None and noise.shape == (1 << 16,) and noise.dtype == np.int64
+    assert noise.var() == pytest.approx(200.0, rel=0.03)  # Sk(mu): variance 2 mu
+    assert reserve.take(100.0, 1 << 16) is None  # used once
+    reserve.refill(100.0, 1 << 16)
+    assert reserve.take(50.0, 1 << 16) is None  # another round's noise: dropped
+    assert reserve.take(100.0, 1 << 16) is None
+    reserve.refill(100.0, 1 << 10)
+    reserve.refill(100.0, 1 << 10)
+    first = reserve.take(100.0, 1 << 10)
+    reserve.refill(100.0, 1 << 10)
+    second = reserve.take(100.0, 1 << 10)
+    assert first is not None and second is not None and not np.array_equal(first, second)
