@@ -136,6 +136,8 @@ class CentralDPStrategy:
             chosen, config = plan.client_ids, plan.config
             m = len(chosen)
             event, expected = RoundEvent(p.noise_multiplier, m, n), float(m)
+        if chosen:
+            self._noise_split(expected)  # an impossible split is refused before clients train
         if chosen and p.target_epsilon:
             spent, projected = self.accountant.epsilon(), self.accountant.epsilon_if(event)
             if projected > p.target_epsilon:

@@ -70,10 +70,25 @@ class RoundEvent:
     def from_state(cls, value: Any) -> RoundEvent:
         if not (isinstance(value, list | tuple) and len(value) == 4):
             raise ValueError(f"a privacy event is [z, m, n, q], got {value!r}")
-        z, m, n, q = (float(v) for v in value)
-        if not (math.isfinite(z) and z > 0 and m >= 0 and n >= 0 and 0 <= q <= 1):
+        z, m, n, q = (_number(v, "a privacy event") for v in value)
+        if not (z > 0 and 0 <= q <= 1):
             raise ValueError(f"a privacy event out of range: {value!r}")
-        return cls(z, int(m), int(n), q)
+        return cls(z, _whole(m, "a privacy event's m"), _whole(n, "a privacy event's n"), q)
+
+
+def _number(value: Any, what: str) -> float:
+    """A finite number from a checkpoint (JSON or a 0-d/1-element array), else ValueError."""
+    if hasattr(value, "reshape") and getattr(value, "size", 0) == 1:
+        value = value.reshape(-1)[0].item()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what} must hold finite numbers, got {value!r}")
+    return float(value)
+
+
+def _whole(value: float, what: str) -> int:
+    if value < 0 or value != int(value):
+        raise ValueError(f"{what} must be a whole number >= 0, got {value!r}")
+    return int(value)
 
 
 def dp_event(event: RoundEvent, sampling: str) -> Any:
@@ -179,7 +194,7 @@ class PrivacyAccountant:
         for item in events:
             if not (isinstance(item, list | tuple) and len(item) == 2):
                 raise ValueError(f"a privacy ledger entry is [event, count], got {item!r}")
-            count = int(item[1])
+            count = _whole(_number(item[1], "a privacy ledger count"), "a privacy ledger count")
             if count < 1:
                 raise ValueError(f"a privacy ledger count must be >= 1, got {item[1]!r}")
             ledger.append((RoundEvent.from_state(item[0]), count))

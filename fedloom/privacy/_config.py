@@ -133,6 +133,14 @@ class PrivacyConfig:
             raise _fail("target_epsilon", "must be >= 0 (0: no budget; epsilon is reported)")
         if not 0.0 <= self.expected_dropout < 1.0:
             raise _fail("expected_dropout", f"must be in [0, 1), got {self.expected_dropout}")
+        if (self.clipping == "adaptive" and self.count_noise_std
+                and 2.0 * self.count_noise_std <= self.noise_multiplier):
+            raise _fail(
+                "count_noise_std",
+                f"adaptive clipping splits the noise between the sum and the clipped count, "
+                f"which needs 2 * count_noise_std ({2 * self.count_noise_std:g}) above "
+                f"noise_multiplier ({self.noise_multiplier:g})",
+            )
         if self.accountant == "pld" and self.sampling == "fixed":
             raise _fail(
                 "accountant",
