@@ -41,21 +41,17 @@ from fedloom.privacy._skellam import SkellamParams, calibrate
 from fedloom.secagg import SecAggResult, unflatten
 from fedloom.strategies._base import StateDict
 from fedloom.strategies._composed import ComposedStrategy
-from fedloom.strategies._dp import DP_MEAN_ID, check_dp_strategy
+from fedloom.strategies._dp import PrivateMeanWrapper, check_dp_strategy
 from fedloom.types import (
     AggregateResult,
     ClientInfo,
     ClientUpdate,
-    EvaluatePlan,
-    EvaluateResult,
     FitPlan,
-    Metrics,
-    Scalar,
 )
 from fedloom.weights import Weights
 
 
-class DistributedDPStrategy:
+class DistributedDPStrategy(PrivateMeanWrapper):
     """Client-level DP with Skellam noise added by the clients under SecAgg+.
 
     Args:
@@ -131,18 +127,13 @@ class DistributedDPStrategy:
              else arr.astype(ref.dtype))
             for (name, arr), ref in zip(unflatten(total, current.specs()).items(),
                                         current.values(), strict=True))
-        result = self.inner.aggregate_fit(
-            server_round, current, [ClientUpdate(DP_MEAN_ID, mean, 1, server_round - 1)])
+        result = self._step(server_round, current, mean)
         if result.weights is None:
             return AggregateResult(None, num_updates=survivors, reason=result.reason)
         del self._planned[server_round]
         epsilon = self.ledger.record(params, noisy_shares(survivors, self.colluding_clients))
-        metrics: dict[str, Scalar] = {
-            k: v for k, v in result.metrics.items() if k not in ("num_updates", "num_examples")}
-        metrics.update(num_updates=survivors, privacy_epsilon=epsilon,
-                       privacy_delta=self.privacy.delta, clip_norm=params.clip_norm,
-                       noise_multiplier=self.privacy.noise_multiplier,
-                       ddp_scale=params.scale)
+        metrics = self._metrics(result, survivors, epsilon, clip_norm=params.clip_norm,
+                                ddp_scale=params.scale)
         return AggregateResult(result.weights, metrics, num_updates=survivors)
 
     def aggregate_fit(
@@ -151,14 +142,6 @@ class DistributedDPStrategy:
         raise AggregationError(
             "distributed differential privacy aggregates inside secure aggregation only; "
             "enable [secure_aggregation] or use [privacy] mode = \"central\"")
-
-    def configure_evaluate(
-        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
-    ) -> EvaluatePlan:
-        return self.inner.configure_evaluate(server_round, current, clients)
-
-    def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:
-        return self.inner.aggregate_evaluate(server_round, results)
 
     def privacy_spent(self) -> tuple[float, float]:
         return self.ledger.epsilon(), self.privacy.delta

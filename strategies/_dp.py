@@ -93,7 +93,38 @@ def split_noise(z: float, count_noise_std: float) -> float:
     return (z**-2 - (2.0 * count_noise_std) ** -2) ** -0.5
 
 
-class CentralDPStrategy:
+class PrivateMeanWrapper:
+    """What both private wrappers share: the inner strategy's evaluation, its optimizer
+    step on the round's one (noised) mean, and the round's metrics."""
+
+    inner: ComposedStrategy
+    privacy: PrivacyConfig
+
+    def _step(self, server_round: int, current: Weights, mean: Weights) -> AggregateResult:
+        """The inner strategy's step with ``mean`` as the round's one update."""
+        update = ClientUpdate(DP_MEAN_ID, mean, 1, server_round - 1)
+        return self.inner.aggregate_fit(server_round, current, [update])
+
+    def _metrics(self, result: AggregateResult, count: int, epsilon: float,
+                 **extra: Scalar) -> dict[str, Scalar]:
+        """The inner strategy's metrics (less its one-update counts) and the privacy spent."""
+        metrics: dict[str, Scalar] = {
+            k: v for k, v in result.metrics.items() if k not in ("num_updates", "num_examples")}
+        metrics.update(num_updates=count, privacy_epsilon=epsilon,
+                       privacy_delta=self.privacy.delta,
+                       noise_multiplier=self.privacy.noise_multiplier, **extra)
+        return metrics
+
+    def configure_evaluate(
+        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
+    ) -> EvaluatePlan:
+        return self.inner.configure_evaluate(server_round, current, clients)
+
+    def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:
+        return self.inner.aggregate_evaluate(server_round, results)
+
+
+class CentralDPStrategy(PrivateMeanWrapper):
     """Client-level DP with the noise added by the server; see the module docstring.
 
     Args:
@@ -176,8 +207,7 @@ class CentralDPStrategy:
             total /= expected
         mean = Weights((name, sums[name].astype(arr.dtype) if name in sums
                         else np.zeros_like(arr)) for name, arr in current.items())
-        result = self.inner.aggregate_fit(
-            server_round, current, [ClientUpdate(DP_MEAN_ID, mean, 1, server_round - 1)])
+        result = self._step(server_round, current, mean)
         if result.weights is None:
             return AggregateResult(None, num_updates=count, reason=result.reason)
         # The round is released: from here on its cost is spent and C moves.
@@ -188,12 +218,8 @@ class CentralDPStrategy:
             share = noisy / expected + 0.5
             self.clip_norm = clip * math.exp(
                 -self.privacy.clip_learning_rate * (share - self.privacy.target_quantile))
-        metrics: dict[str, Scalar] = {
-            k: v for k, v in result.metrics.items() if k not in ("num_updates", "num_examples")}
-        metrics.update(num_updates=count, privacy_epsilon=epsilon,
-                       privacy_delta=self.privacy.delta, clip_norm=clip,
-                       noise_multiplier=self.privacy.noise_multiplier,
-                       noise_std=z_delta * clip / expected)
+        metrics = self._metrics(result, count, epsilon, clip_norm=clip,
+                                noise_std=z_delta * clip / expected)
         return AggregateResult(result.weights, metrics, num_updates=count)
 
     def _noise_split(self, expected: float) -> tuple[float, float]:
@@ -203,15 +229,6 @@ class CentralDPStrategy:
             return z, 0.0
         count_std = self.privacy.count_noise_for(expected)
         return split_noise(z, count_std), count_std
-
-    # -- evaluate --------------------------------------------------------------------
-    def configure_evaluate(
-        self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
-    ) -> EvaluatePlan:
-        return self.inner.configure_evaluate(server_round, current, clients)
-
-    def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:
-        return self.inner.aggregate_evaluate(server_round, results)
 
     # -- state -----------------------------------------------------------------------
     def privacy_spent(self) -> tuple[float, float]:
