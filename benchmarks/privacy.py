@@ -1,0 +1,428 @@
+"""What client-level differential privacy costs in accuracy: central DP (fixed and
+adaptive clipping) and distributed DP under SecAgg+, at ε ∈ {1, 3, 8} and without DP.
+
+**Task.** scikit-learn's digits (1,437 training / 360 test images, `fedloom.simulations`),
+split IID over 500 virtual clients (2-3 images each: the cross-device regime DP is for,
+many users with little data each), 50 clients per round, 100 rounds on the local engine
+(`run_local`), the 64-64-10 MLP (4,810 parameters), client SGD lr 0.1, momentum 0.9,
+batch 8, 5 local epochs, FedAvg on the server. Digits rather than the synthetic data
+set: one fit takes about 3 ms here, so 500 clients and a dozen runs per seed fit the
+time budget, and the plain run reaches about 0.94 within 100 rounds. Accuracy is the
+central test accuracy after the last round, the mean over ``--seeds`` (each seed its
+own split, initial model, sampling and noise); 360 test images make one image 0.28
+points, hence more than one seed.
+
+**Clip norm.** C is the median L2 norm of the round-1 updates of the first round's
+50 clients (seed 0), measured by the script before the runs (1.47 here): clipping
+then binds about half of the early updates, as adaptive clipping's ``target_quantile =
+0.5`` would choose. Adaptive runs start from the same C.
+
+**Noise.** ``fedloom.privacy.calibrate_noise_multiplier`` for each target ε at
+δ = 1e-5 over the run's rounds. Central DP uses **Poisson sampling** (rate 50/500) with
+the **RDP** accountant. Fixed-size sampling (m of n, what plain FedAvg does) is
+accounted under replace-one, where one client moves the sum by 2C; with RDP it needs
+3-4x the noise here (z 3.04 against 0.99 at ε = 8; printed, not run). PLD would save
+6-8% of the noise (z 0.94 at ε = 8) but dp-accounting's PLD composition costs about
+1-2 s per recorded round on this machine against 0.2 s for RDP, which over 100 rounds
+and six central runs per seed breaks the time budget. So the central runs sample a
+varying cohort (mean 50) where the plain and distributed runs take exactly 50; the
+noised sum is divided by 50 in all of them.
+
+Distributed DP (Skellam, Agarwal, Kairouz & Liu 2021) runs under SecAgg+ (the local
+engine's `LocalSecureAggregation`, authenticated, k = 10, t = 6) with ``sampling =
+"none"`` (no amplification by sampling: dp-accounting has no subsampled-Skellam bound)
+and ``expected_dropout = 0``; its ε comes from the run's `SkellamLedger`, which counts the
+noise of ``survivors - 1 - colluding`` clients (48 of 50). Two sets of runs:
+
+- **distributed (same z)**: the z of central DP at each target ε; the ledger then
+  reports a much larger ε (no amplification). At ε = 8 this is the comparison the issue
+  sets a target for: *distributed DP within 2 accuracy points of central DP (fixed
+  clipping) at the same noise level*;
+- **distributed (own ε)**: z found by bisection so that the ledger's ε after all rounds
+  is the target (predicted with `fedloom.privacy._skellam.calibrate` and the ledger's
+  RDP, no training), so the three modes can be compared at equal ε.
+
+Bytes per client per round are computed from the model: a plain float32 update (4 d),
+a SecAgg+ masked vector (uint32 of d + 1) and a distributed-DP masked vector (uint32 of
+d' + 1, d' the next power of two: 8,192 for 4,810). The distributed mode's extra client
+CPU is the Skellam encoding (clip, rotate, round, noise), timed alone.
+
+Reproducibility: the central runs are exact reruns (the benchmark seeds the central
+noise generator, `CentralDPStrategy`'s ``rng``; sampling, data and fits are seeded). The
+distributed runs are not bit-identical: `DistributedDPStrategy` draws each round's
+rotation seed from the operating system's CSPRNG and takes no generator, so reruns agree
+in distribution (the clients' rounding and noise are seeded).
+
+    .venv/bin/python benchmarks/privacy.py            # ~20 min on 2 cores (--seeds 0: ~10)
+    .venv/bin/python benchmarks/privacy.py --quick    # a smoke run, < 2 min
+
+Writes ``benchmarks/results/privacy.json`` and ``privacy.png`` (or ``--out``) and prints
+the table. Run one benchmark at a time (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import print_targets, write_report
+
+from fedloom.client_sdk.torch_trainer import TorchClient
+from fedloom.privacy import PrivacyConfig, calibrate_noise_multiplier
+from fedloom.privacy._distributed import SkellamLedger, encode_for_secagg, noisy_shares
+from fedloom.privacy._hadamard import padded_length
+from fedloom.privacy._skellam import calibrate, skellam_epsilon
+from fedloom.secagg import SecAggConfig
+from fedloom.simulations.job import Job
+from fedloom.simulations.local_engine import run_local
+from fedloom.simulations.local_secure import LocalSecureAggregation
+from fedloom.simulations.plan import client_fit_config, client_infos
+from fedloom.simulations.scenario import ClientSpec, PartitionSpec, Scenario
+from fedloom.strategies import CentralDPStrategy, FedAvg, Strategy
+from fedloom.strategies._ddp import DistributedDPStrategy
+from fedloom.weights import Weights
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DELTA = 1e-5
+EPSILONS = (1.0, 3.0, 8.0)
+TARGET_EPSILON, TARGET_POINTS = 8.0, 0.02
+SECAGG = SecAggConfig(enabled=True, neighbours=10, threshold=6, max_participants=1024)
+MODES = ("central-fixed", "central-adaptive", "distributed-same-z", "distributed-own-eps")
+
+
+# -- the task ---------------------------------------------------------------------------
+def scenario(args: argparse.Namespace, seed: int) -> Scenario:
+    return Scenario(
+        name="privacy", seed=seed, num_clients=args.clients, clients_per_round=args.per_round,
+        rounds=args.rounds, local_epochs=args.local_epochs, progress=False,
+        partition=PartitionSpec(name="iid"),
+        client=ClientSpec(batch_size=args.batch_size, lr=args.lr, momentum=0.9))
+
+
+class Federation:
+    """One seed's job, its clients (cached, one shared torch module) and evaluation."""
+
+    def __init__(self, args: argparse.Namespace, seed: int) -> None:
+        self.args, self.seed = args, seed
+        self.job = Job.from_scenario(scenario(args, seed))
+        self.initial = self.job.initial_weights()
+        self._shared = self.job.make_model()
+        self._clients: dict[int, TorchClient] = {}
+
+    def client(self, index: int) -> TorchClient:
+        if index not in self._clients:
+            self._clients[index] = self.job.make_client(index, model=self._shared)
+        return self._clients[index]
+
+    @property
+    def dimension(self) -> int:
+        return sum(spec.size for spec in self.initial.specs())
+
+    def first_round_norms(self) -> list[float]:
+        """L2 norms of the deltas of the clients plain FedAvg samples in round 1."""
+        plan = self.fedavg().configure_fit(1, self.initial, client_infos(self.args.clients))
+        norms = []
+        for cid in plan.client_ids:
+            config = client_fit_config(plan.config, base_seed=self.seed, client_index=int(cid),
+                                       server_round=1, defaults=self.job.fit_defaults())
+            out = self.client(int(cid)).fit(self.initial, config)
+            norms.append(_norm(out.weights, self.initial))
+        return norms
+
+    def fedavg(self) -> FedAvg:
+        a = self.args
+        return FedAvg(fraction_fit=a.per_round / a.clients, min_fit_clients=a.per_round,
+                      fraction_evaluate=0.0, seed=self.seed)
+
+    def run(self, strategy: Strategy, secure: LocalSecureAggregation | None = None
+            ) -> dict[str, Any]:
+        started = time.perf_counter()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            history = run_local(
+                strategy, self.client, self.initial, num_clients=self.args.clients,
+                num_rounds=self.args.rounds, base_seed=self.seed,
+                fit_defaults=self.job.fit_defaults(),
+                evaluate_fn=lambda _r, w: self.job.central_evaluate(w),
+                secure_aggregation=secure)
+        finally:
+            torch.set_num_threads(threads)
+        accuracy = [a for r, a in history.series("test_accuracy") if r > 0]
+        epsilon = [e for _, e in history.series("privacy_epsilon")]
+        clip = [c for _, c in history.series("clip_norm")]
+        updated = [r for r in history.rounds[1:] if r.get("num_updates")]
+        return {"accuracy": accuracy[-1], "accuracy_last5": float(np.mean(accuracy[-5:])),
+                "accuracy_curve": accuracy, "spent_epsilon": epsilon[-1] if epsilon else None,
+                "final_clip_norm": clip[-1] if clip else None,
+                "rounds_updated": len(updated), "seconds": time.perf_counter() - started}
+
+
+def _norm(new: Weights, base: Weights) -> float:
+    return math.sqrt(sum(float(np.sum((new[k].astype(np.float64) - base[k]) ** 2))
+                         for k in base if base[k].dtype.kind == "f"))
+
+
+# -- noise calibration ------------------------------------------------------------------
+def central_z(epsilon: float, args: argparse.Namespace, sampling: str) -> float:
+    rate = args.per_round / args.clients
+    if sampling == "poisson":
+        return calibrate_noise_multiplier(epsilon, DELTA, args.rounds, sampling="poisson",
+                                          rate=rate, accountant="rdp")
+    return calibrate_noise_multiplier(epsilon, DELTA, args.rounds, sampling="fixed",
+                                      sampled=args.per_round, population=args.clients)
+
+
+def distributed_epsilon(z: float, clip: float, dimension: int, args: argparse.Namespace) -> float:
+    """The ε a distributed run's `SkellamLedger` reports after all rounds (no dropout)."""
+    ledger = SkellamLedger(DELTA)
+    params = calibrate(clip, dimension, args.per_round, z)
+    noisy = noisy_shares(args.per_round, SECAGG.colluding_clients)
+    rdp = ledger.round_rdp(params, noisy) * args.rounds  # RDP composes by addition
+    return skellam_epsilon(ledger.orders, rdp, DELTA)[0]
+
+
+def distributed_z(epsilon: float, clip: float, dimension: int, args: argparse.Namespace) -> float:
+    """The smallest z (to 0.1%) whose distributed run spends at most ``epsilon``."""
+    low, high = 0.1, 1000.0
+    while high / low > 1.001:  # bisection on log z; ε falls as z grows
+        mid = math.sqrt(low * high)
+        if distributed_epsilon(mid, clip, dimension, args) > epsilon:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def encode_seconds(clip: float, dimension: int, z: float, per_round: int) -> float:
+    """CPU seconds of one client's Skellam encoding of a d-parameter delta (median)."""
+    params = calibrate(clip, dimension, per_round, z)
+    rng = np.random.default_rng(0)
+    update = rng.normal(0.0, clip / math.sqrt(dimension), dimension)
+    seconds = []
+    for i in range(50):
+        started = time.thread_time()
+        encode_for_secagg(update, params, i.to_bytes(16, "big"), rng=rng)
+        seconds.append(time.thread_time() - started)
+    return statistics.median(seconds)
+
+
+# -- the runs ---------------------------------------------------------------------------
+def strategy_for(fed: Federation, mode: str, z: float, clip: float
+                 ) -> tuple[Strategy, LocalSecureAggregation | None]:
+    inner = fed.fedavg()
+    if mode == "plain":
+        return inner, None
+    if mode.startswith("central"):
+        privacy = PrivacyConfig(
+            mode="central", noise_multiplier=z, clip_norm=clip, delta=DELTA,
+            clipping="adaptive" if mode == "central-adaptive" else "fixed",
+            target_quantile=0.5, sampling="poisson", accountant="rdp")
+        # A seeded generator so that reruns agree (the library's default is a CSPRNG).
+        return CentralDPStrategy(inner, privacy, rng=np.random.default_rng([fed.seed, 1])), None
+    privacy = PrivacyConfig(mode="distributed", noise_multiplier=z, clip_norm=clip,
+                            delta=DELTA, sampling="none", expected_dropout=0.0)
+    strategy = DistributedDPStrategy(inner, privacy,
+                                     colluding_clients=SECAGG.colluding_clients)
+    return strategy, LocalSecureAggregation(SECAGG, run_id=f"privacy-{fed.seed}", seed=fed.seed)
+
+
+def plan_runs(z_central: dict[float, float], z_own: dict[float, float]
+              ) -> list[tuple[str, float, float]]:
+    """(mode, target ε, z) of every run; ε = inf is plain FedAvg."""
+    runs: list[tuple[str, float, float]] = [("plain", math.inf, 0.0)]
+    for eps in sorted(z_central):
+        runs += [("central-fixed", eps, z_central[eps]), ("central-adaptive", eps, z_central[eps]),
+                 ("distributed-same-z", eps, z_central[eps]),
+                 ("distributed-own-eps", eps, z_own[eps])]
+    return runs
+
+
+def execute(args: argparse.Namespace, runs: list[tuple[str, float, float]], clip: float,
+            log: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, float], dict[str, Any]] = {
+        (m, e): {"mode": m, "target_epsilon": e, "z": z, "seeds": {}} for m, e, z in runs}
+    for seed in args.seeds:
+        fed = Federation(args, seed)
+        for mode, eps, z in runs:
+            strategy, secure = strategy_for(fed, mode, z, clip)
+            result = fed.run(strategy, secure)
+            if secure is not None:
+                sent = [sum(r.bytes_sent.values()) / max(len(r.bytes_sent), 1)
+                        for r in secure.reports]
+                result["secure_bytes_sent_per_client"] = float(np.mean(sent))
+                result["failed_rounds"] = sum(bool(r.failure) for r in secure.reports)
+            rows[(mode, eps)]["seeds"][seed] = result
+            spent = result["spent_epsilon"]
+            log(f"seed {seed} {mode:20s} eps {eps:>4g} z {z:8.3f}: acc {result['accuracy']:.3f}"
+                f" spent eps {'-' if spent is None else f'{spent:.2f}'}"
+                f" ({result['seconds']:.0f} s)")
+    for row in rows.values():
+        per_seed = list(row["seeds"].values())
+        row["accuracy"] = statistics.fmean(r["accuracy"] for r in per_seed)
+        row["accuracy_last5"] = statistics.fmean(r["accuracy_last5"] for r in per_seed)
+        spent = [r["spent_epsilon"] for r in per_seed if r["spent_epsilon"] is not None]
+        row["spent_epsilon"] = max(spent) if spent else None
+        row["seeds"] = {str(k): v for k, v in row["seeds"].items()}
+    return list(rows.values())
+
+
+# -- report -----------------------------------------------------------------------------
+def wire_bytes(dimension: int) -> dict[str, int]:
+    """Upload bytes per client per round of each mode, from the model size."""
+    return {"plain": 4 * dimension, "central-fixed": 4 * dimension,
+            "central-adaptive": 4 * dimension, "secagg": 4 * (dimension + 1),
+            "distributed-same-z": 4 * (padded_length(dimension) + 1),
+            "distributed-own-eps": 4 * (padded_length(dimension) + 1)}
+
+
+def table(rows: list[dict[str, Any]], dimension: int) -> str:
+    sizes = wire_bytes(dimension)
+    lines = ["| mode | target ε | z | spent ε (max over seeds) | accuracy (mean) | per seed | "
+             "upload B/client/round |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        spent = "-" if r["spent_epsilon"] is None else f"{r['spent_epsilon']:.2f}"
+        seeds = " ".join(f"{s['accuracy']:.3f}" for s in r["seeds"].values())
+        lines.append(f"| {r['mode']} | {r['target_epsilon']:g} | {r['z']:.3f} | {spent} | "
+                     f"{r['accuracy']:.3f} | {seeds} | {sizes[r['mode']]:,} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plain = next(r for r in rows if r["mode"] == "plain")
+    ax.axhline(plain["accuracy"], color="black", linestyle="--",
+               label=f"no DP (ε = ∞): {plain['accuracy']:.3f}")
+    styles = {"central-fixed": "o-", "central-adaptive": "s-", "distributed-own-eps": "^-",
+              "distributed-same-z": "v:"}
+    for mode, style in styles.items():
+        points = sorted((r["target_epsilon"] if mode != "distributed-same-z"
+                         else r["spent_epsilon"], r["accuracy"]) for r in rows
+                        if r["mode"] == mode)
+        label = mode if mode != "distributed-same-z" else (
+            "distributed, central's z (at the ε its ledger spent)")
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+    ax.set_xscale("log")
+    ticks = sorted({r["target_epsilon"] for r in rows if math.isfinite(r["target_epsilon"])}
+                   | {round(r["spent_epsilon"]) for r in rows
+                      if r["mode"] == "distributed-same-z" and r["spent_epsilon"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("ε (δ = 1e-5)")
+    ax.set_ylabel("test accuracy after the last round")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["mode"], r["target_epsilon"]): r for r in rows}
+    central = by.get(("central-fixed", TARGET_EPSILON))
+    distributed = by.get(("distributed-same-z", TARGET_EPSILON))
+    if central is None or distributed is None:
+        return []
+    gap = central["accuracy"] - distributed["accuracy"]
+    return [{"target": "distributed DP within 2 accuracy points of central DP (fixed clipping) "
+             f"at the noise of central ε = {TARGET_EPSILON:g}",
+             "value": f"distributed {distributed['accuracy']:.3f}, central "
+                      f"{central['accuracy']:.3f} (difference {-100 * gap:+.1f} points)",
+             "met": gap <= TARGET_POINTS}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--clients", type=int, default=500)
+    parser.add_argument("--per-round", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--epsilons", type=float, nargs="+", default=list(EPSILONS))
+    parser.add_argument("--local-epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--clip-norm", type=float, default=0.0,
+                        help="C (0: the median round-1 update norm, measured)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 200 clients, 20 per round, 15 rounds, ε = 8, one seed")
+    parser.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.per_round, args.rounds = 200, 20, 15
+        args.seeds, args.epsilons = [0], [8.0]
+        if args.out == RESULTS / "privacy.json":
+            args.out = RESULTS / "privacy-quick.json"
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP order warnings
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {message}", flush=True)
+
+    first = Federation(args, args.seeds[0])
+    dimension = first.dimension
+    norms = first.first_round_norms()
+    clip = args.clip_norm or round(statistics.median(norms), 2)
+    log(f"d = {dimension} (d' = {padded_length(dimension)}); round-1 update norms: median "
+        f"{statistics.median(norms):.3f}, 10-90% {np.percentile(norms, 10):.3f}-"
+        f"{np.percentile(norms, 90):.3f}; C = {clip}")
+    z_central = {e: central_z(e, args, "poisson") for e in args.epsilons}
+    z_fixed = {e: central_z(e, args, "fixed") for e in args.epsilons}
+    z_own = {e: distributed_z(e, clip, dimension, args) for e in args.epsilons}
+    for e in args.epsilons:
+        log(f"eps {e:g}: z central (poisson, rdp) {z_central[e]:.3f}; fixed-size sampling "
+            f"(rdp) would need {z_fixed[e]:.3f}; distributed (own ledger) {z_own[e]:.3f}")
+    encode_s = encode_seconds(clip, dimension, max(z_central.values()), args.per_round)
+    log(f"Skellam encoding, one client: {1e3 * encode_s:.2f} ms CPU")
+
+    rows = execute(args, plan_runs(z_central, z_own), clip, log)
+    for row in rows:
+        row["upload_bytes_per_client_round"] = wire_bytes(dimension)[row["mode"]]
+    text = table(rows, dimension)
+    checks = targets(rows)
+    sizes = wire_bytes(dimension)
+    print("\n" + text + "\n")
+    print(f"upload per client per round: float32 {sizes['plain']:,} B; SecAgg+ masked "
+          f"uint32[d+1] {sizes['secagg']:,} B; distributed DP uint32[d'+1] "
+          f"{sizes['distributed-same-z']:,} B ({sizes['distributed-same-z'] / sizes['plain']:.2f}x"
+          f" float32); Skellam encoding {1e3 * encode_s:.2f} ms of client CPU")
+    print_targets(checks)
+    wall = time.perf_counter() - started
+    print(f"wall time {wall:.0f} s")
+    settings = {"dataset": "digits", "partition": "iid", "dimension": dimension,
+                "padded_dimension": padded_length(dimension), "clip_norm": clip,
+                "round1_update_norms": norms, "delta": DELTA,
+                "z_central_poisson_rdp": z_central, "z_central_fixed_rdp": z_fixed,
+                "z_distributed_own_epsilon": z_own, "upload_bytes": sizes,
+                "skellam_encode_cpu_s": encode_s, "wall_s": wall,
+                "secagg": {"neighbours": SECAGG.neighbours, "threshold": SECAGG.threshold,
+                           "colluding_clients": SECAGG.colluding_clients},
+                "table": text.splitlines()}
+    write_report("privacy: accuracy against epsilon, central and distributed DP", args,
+                 [{"settings": settings}, *rows], checks, args.out)
+    plot(rows, args.out.with_suffix(".png"), f"digits, {args.clients} clients, "
+         f"{args.per_round} per round, {args.rounds} rounds (mean of seeds {args.seeds})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
