@@ -47,11 +47,11 @@ a SecAgg+ masked vector (uint32 of d + 1) and a distributed-DP masked vector (ui
 d' + 1, d' the next power of two: 8,192 for 4,810). The distributed mode's extra client
 CPU is the Skellam encoding (clip, rotate, round, noise), timed alone.
 
-Reproducibility: the central runs are exact reruns (the benchmark seeds the central
-noise generator, `CentralDPStrategy`'s ``rng``; sampling, data and fits are seeded). The
-distributed runs are not bit-identical: `DistributedDPStrategy` draws each round's
-rotation seed from the operating system's CSPRNG and takes no generator, so reruns agree
-in distribution (the clients' rounding and noise are seeded).
+Reproducibility: every run is an exact rerun. The benchmark seeds what the library
+draws from the operating system's CSPRNG by default: the central noise
+(`CentralDPStrategy`'s ``rng``) and the distributed rounds' rotation seeds
+(`DistributedDPStrategy`'s ``rng``). The clients' rounding and noise in the local
+engine, the sampling, the data and the fits are seeded too.
 
     .venv/bin/python benchmarks/privacy.py            # ~20 min on 2 cores (--seeds 0: ~10)
     .venv/bin/python benchmarks/privacy.py --quick    # a smoke run, < 2 min
@@ -234,8 +234,8 @@ def strategy_for(fed: Federation, mode: str, z: float, clip: float
         return CentralDPStrategy(inner, privacy, rng=np.random.default_rng([fed.seed, 1])), None
     privacy = PrivacyConfig(mode="distributed", noise_multiplier=z, clip_norm=clip,
                             delta=DELTA, sampling="none", expected_dropout=0.0)
-    strategy = DistributedDPStrategy(inner, privacy,
-                                     colluding_clients=SECAGG.colluding_clients)
+    strategy = DistributedDPStrategy(inner, privacy, colluding_clients=SECAGG.colluding_clients,
+                                     rng=np.random.default_rng([fed.seed, 2]))
     return strategy, LocalSecureAggregation(SECAGG, run_id=f"privacy-{fed.seed}", seed=fed.seed)
 
 

@@ -59,10 +59,12 @@ class DistributedDPStrategy(PrivateMeanWrapper):
         privacy: the ``[privacy]`` settings, ``mode = "distributed"``.
         colluding_clients: clients assumed to collude with the server (their noise is
             not counted); the secure aggregation's ``colluding_clients``.
+        rng: the source of each round's (public) rotation seed; leave it out (the OS
+            CSPRNG) except for reproducible simulations.
     """
 
     def __init__(self, inner: ComposedStrategy, privacy: PrivacyConfig, *,
-                 colluding_clients: int = 1) -> None:
+                 colluding_clients: int = 1, rng: np.random.Generator | None = None) -> None:
         if privacy.mode != "distributed":
             raise ConfigError("privacy.mode", f'DistributedDPStrategy needs "distributed", '
                               f"got {privacy.mode!r}")
@@ -71,6 +73,7 @@ class DistributedDPStrategy(PrivateMeanWrapper):
         self.inner = check_dp_strategy(inner)
         self.privacy = privacy
         self.colluding_clients = colluding_clients
+        self._rng = rng
         self.ledger = SkellamLedger(privacy.delta)
         self._planned: dict[int, tuple[SkellamParams, bytes, int]] = {}
 
@@ -102,7 +105,7 @@ class DistributedDPStrategy(PrivateMeanWrapper):
             spent, projected = self.ledger.epsilon(), self.ledger.epsilon_if(params, noisy)
             if projected > p.target_epsilon:
                 raise PrivacyBudgetExhausted(spent, projected, p.target_epsilon, p.delta)
-        seed = secrets.token_bytes(16)
+        seed = self._rng.bytes(16) if self._rng is not None else secrets.token_bytes(16)
         self._planned = {server_round: (params, seed, floor)}
         config = {**plan.config, **to_fit_config(params, seed), MIN_SURVIVORS_KEY: floor}
         return FitPlan(plan.client_ids, config)

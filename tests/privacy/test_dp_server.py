@@ -78,6 +78,18 @@ def test_the_budget_ends_the_run_cleanly(server_config) -> None:  # type: ignore
     assert status == "finished" and [r.round for r in stored] == [1, 2, 3]
     gauge = ServerMetrics.registry.get_sample_value("fedloom_privacy_epsilon")
     assert gauge == pytest.approx(epsilons[-1], rel=1e-12)
+    # `fedloom runs RUN` shows the epsilon spent by each round
+    from fedloom.server.run_report import open_store, rounds_table
+
+    store = open_store(config.state_dir)
+    try:
+        table = rounds_table(store, store.runs()[-1]).splitlines()
+    finally:
+        store.close()
+    header = table[1].split()  # table[0] is the title line
+    assert header[-1] == "EPSILON"
+    shown = [float(row.split()[-1]) for row in table[2:]]
+    assert shown == pytest.approx(epsilons, abs=5e-4)
 
 
 class GatedClient(ScriptedClient):

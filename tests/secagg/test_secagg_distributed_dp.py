@@ -225,3 +225,20 @@ def test_reserved_noise_is_handed_over_once_and_only_for_its_round_shape() -> No
     reserve.refill(100.0, 1 << 10)
     second = reserve.take(100.0, 1 << 10)
     assert first is not None and second is not None and not np.array_equal(first, second)
+
+
+def test_rotation_seeds_are_fresh_unless_a_simulation_seeds_them() -> None:
+    from fedloom.privacy._distributed import SEED_KEY
+    from fedloom.types import ClientInfo
+
+    clients = [ClientInfo(str(i)) for i in range(6)]
+
+    def seed_of(strategy: DistributedDPStrategy) -> str:
+        return str(strategy.configure_fit(1, small_weights(), clients).config[SEED_KEY])
+
+    def build(rng: np.random.Generator | None) -> DistributedDPStrategy:
+        return DistributedDPStrategy(FedAvg(min_fit_clients=6), _private(1.0), rng=rng)
+
+    assert seed_of(build(None)) != seed_of(build(None))  # the OS CSPRNG
+    seeded = [seed_of(build(np.random.default_rng(7))) for _ in range(2)]
+    assert seeded[0] == seeded[1]
