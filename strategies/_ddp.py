@@ -38,10 +38,11 @@ from fedloom.privacy._distributed import (
     to_fit_config,
 )
 from fedloom.privacy._skellam import SkellamParams, calibrate
-from fedloom.secagg import SecAggResult, unflatten
+from fedloom.secagg import SecAggResult
 from fedloom.strategies._base import StateDict
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._dp import PrivateMeanWrapper, check_dp_strategy
+from fedloom.strategies._secure_mean import delta_like
 from fedloom.types import (
     AggregateResult,
     ClientInfo,
@@ -125,12 +126,7 @@ class DistributedDPStrategy(PrivateMeanWrapper):
         if survivors < floor:
             raise AggregationError(f"{survivors} survivors, below the round's floor {floor}")
         total /= survivors
-        mean = Weights(
-            (name, np.rint(arr).astype(ref.dtype) if ref.dtype.kind in "iu"
-             else arr.astype(ref.dtype))
-            for (name, arr), ref in zip(unflatten(total, current.specs()).items(),
-                                        current.values(), strict=True))
-        result = self._step(server_round, current, mean)
+        result = self._step(server_round, current, delta_like(total, current))
         if result.weights is None:
             return AggregateResult(None, num_updates=survivors, reason=result.reason)
         del self._planned[server_round]

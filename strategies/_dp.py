@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from fedloom.strategies._base import StateDict
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.strategies._norm_bound import MODE_KEY
+from fedloom.strategies._secure_mean import MEAN_STRATEGIES
 from fedloom.types import (
     MAX_NORM_KEY,
     AggregateResult,
@@ -64,7 +65,6 @@ from fedloom.weights import Weights
 DP_MEAN_ID = "dp-mean"
 #: The fit metric with the client's norm before it clipped (`TorchClient` reports it).
 REPORTED_NORM_KEY = "update_norm"
-DP_STRATEGIES = "fedavg, fedavgm, fedprox, fedadagrad, fedadam or fedyogi"
 
 
 def check_dp_strategy(inner: Any) -> ComposedStrategy:
@@ -76,7 +76,7 @@ def check_dp_strategy(inner: Any) -> ComposedStrategy:
             "strategy.name",
             f"{type(inner).__name__} cannot run with [privacy]: differential privacy adds "
             "noise to the sum of clipped updates, which needs a mean-based strategy "
-            f"({DP_STRATEGIES}); robust rules choose among individual updates, and no "
+            f"({MEAN_STRATEGIES}); robust rules choose among individual updates, and no "
             "noise calibrated to one client's influence covers that",
         )
     return inner
@@ -91,6 +91,15 @@ def split_noise(z: float, count_noise_std: float) -> float:
             f"the noise multiplier ({z:g}): raise count_noise_std or the clients per round",
         )
     return (z**-2 - (2.0 * count_noise_std) ** -2) ** -0.5
+
+
+class _Planned(NamedTuple):
+    """A configured round: the event it would record and how its noise is made."""
+
+    event: RoundEvent
+    expected: float  # the data-independent denominator: m, or q n
+    z_delta: float  # the delta sum's noise multiplier
+    count_std: float  # the clipped count's noise std (adaptive clipping; 0 otherwise)
 
 
 class PrivateMeanWrapper:
@@ -145,7 +154,7 @@ class CentralDPStrategy(PrivateMeanWrapper):
         self.accountant = PrivacyAccountant(privacy.accountant, privacy.sampling, privacy.delta)
         self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
         # round -> (the event it would record, the data-independent denominator)
-        self._planned: dict[int, tuple[RoundEvent, float]] = {}
+        self._planned: dict[int, _Planned] = {}
 
     def __repr__(self) -> str:
         return (f"CentralDPStrategy({self.inner!r}, z={self.privacy.noise_multiplier}, "
@@ -167,13 +176,14 @@ class CentralDPStrategy(PrivateMeanWrapper):
             chosen, config = plan.client_ids, plan.config
             m = len(chosen)
             event, expected = RoundEvent(p.noise_multiplier, m, n), float(m)
-        if chosen:
-            self._noise_split(expected)  # an impossible split is refused before clients train
-        if chosen and p.target_epsilon:
-            spent, projected = self.accountant.epsilon(), self.accountant.epsilon_if(event)
-            if projected > p.target_epsilon:
-                raise PrivacyBudgetExhausted(spent, projected, p.target_epsilon, p.delta)
-        self._planned = {server_round: (event, expected)} if chosen else {}
+        self._planned = {}
+        if chosen:  # an impossible noise split is refused here, before clients train
+            planned = _Planned(event, expected, *self._noise_split(expected))
+            if p.target_epsilon:
+                spent, projected = self.accountant.epsilon(), self.accountant.epsilon_if(event)
+                if projected > p.target_epsilon:
+                    raise PrivacyBudgetExhausted(spent, projected, p.target_epsilon, p.delta)
+            self._planned = {server_round: planned}
         config = {**config, MAX_NORM_KEY: self.clip_norm, MODE_KEY: "clip"}
         return FitPlan(chosen, config)
 
@@ -183,7 +193,7 @@ class CentralDPStrategy(PrivateMeanWrapper):
         planned = self._planned.get(server_round)
         if planned is None:
             raise AggregationError(f"round {server_round} was not configured by this strategy")
-        event, expected = planned
+        event, expected, z_delta, count_std = planned
         clip = self.clip_norm
         sums = {name: np.zeros(arr.shape, np.float64) for name, arr in current.items()
                 if arr.dtype.kind == "f"}
@@ -201,7 +211,6 @@ class CentralDPStrategy(PrivateMeanWrapper):
             count += 1
         if count == 0:
             return AggregateResult(None, num_updates=0, reason="no client returned an update")
-        z_delta, count_std = self._noise_split(expected)
         for total in sums.values():
             total += self._rng.normal(0.0, z_delta * clip, total.shape)
             total /= expected

@@ -66,18 +66,22 @@ def check_secure_strategy(strategy: Strategy, config: SecAggConfig) -> None:
         )
 
 
-def secure_mean_update(outcome: SecAggResult, current: Weights,
-                       server_round: int) -> ClientUpdate:
-    """The secure mean as one `ClientUpdate` on the model of round ``server_round - 1``.
-
-    Each tensor is in its own dtype, as any client's delta (integers round half to even,
-    the rule the plain mean applies at its end); its weight is the survivors' examples.
-    """
-    mean = Weights(
+def delta_like(flat: np.ndarray, current: Weights) -> Weights:
+    """A flat float64 mean delta as tensors of ``current``'s layout, each in its own dtype,
+    as any client's delta (integers round half to even, the rule the plain mean applies
+    at its end)."""
+    return Weights(
         (name, np.rint(arr).astype(ref.dtype) if ref.dtype.kind in "iu"
          else arr.astype(ref.dtype))
-        for (name, arr), ref in zip(unflatten(outcome.mean, current.specs()).items(),
+        for (name, arr), ref in zip(unflatten(flat, current.specs()).items(),
                                     current.values(), strict=True))
+
+
+def secure_mean_update(outcome: SecAggResult, current: Weights,
+                       server_round: int) -> ClientUpdate:
+    """The secure mean as one `ClientUpdate` on the model of round ``server_round - 1``;
+    its weight is the survivors' examples."""
+    mean = delta_like(outcome.mean, current)
     total_examples = round(outcome.total_examples)
     return ClientUpdate(AGGREGATE_ID, mean, max(1, total_examples), server_round - 1)
 
