@@ -14,39 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import queue
 from collections.abc import Iterator
-from typing import Any
 
 from fedloom.errors import RoundAbortedError
-from fedloom.messages import TaskHeader
 from fedloom.server.crashpoints import crashpoint
+from fedloom.server.tasks import Task, TaskStatus
 from fedloom.types import ClientUpdate, EvaluateResult, TaskKind
 
-
-class TaskStatus(enum.StrEnum):
-    PENDING = "pending"
-    ACCEPTED = "accepted"
-    FAILED = "failed"
-    CANCELLED = "cancelled"  # the round closed with enough results (over-selection)
-
-
-@dataclasses.dataclass(eq=False)
-class IssuedTask:
-    """A task sent (or to be sent) to one client, and what became of it."""
-
-    header: TaskHeader
-    client_id: str
-    payload: memoryview
-    status: TaskStatus = TaskStatus.PENDING
-    # identifies the accepted result, for idempotent retries (bytes; a stage task's reply)
-    result_fingerprint: Any = b""
-    in_flight: bool = False  # an upload for this task is being received
-
-    @property
-    def task_id(self) -> str:
-        return self.header.task_id
+#: The task of a round phase (the name the phase's callers know it by).
+IssuedTask = Task
 
 
 class _End:
@@ -117,24 +94,21 @@ class RoundTasks:
             counts[task.status.value] += 1
         return counts
 
-    def _settle(self, task: IssuedTask, status: TaskStatus) -> None:
-        assert task.status is TaskStatus.PENDING, task.status
-        task.status = status
+    def _settle(self, task: IssuedTask, status: TaskStatus, fingerprint: bytes = b"") -> None:
+        task.settle(status, fingerprint)
         self._answered += 1
         if status is TaskStatus.ACCEPTED:
             self._accepted += 1
 
     def accept_update(self, task: IssuedTask, update: ClientUpdate, fingerprint: bytes) -> None:
-        self._settle(task, TaskStatus.ACCEPTED)
-        task.result_fingerprint = fingerprint
+        self._settle(task, TaskStatus.ACCEPTED, fingerprint)
         self.updates.put(update)
         self._check_answered()
 
     def accept_evaluation(
         self, task: IssuedTask, result: EvaluateResult, fingerprint: bytes
     ) -> None:
-        self._settle(task, TaskStatus.ACCEPTED)
-        task.result_fingerprint = fingerprint
+        self._settle(task, TaskStatus.ACCEPTED, fingerprint)
         self.evaluations.append(result)
         self._check_answered()
 
@@ -170,8 +144,10 @@ class RoundTasks:
     async def wait(self, timeout_s: float) -> bool:
         """Wait until all answered or the deadline; True when enough results came back."""
         if self.tasks:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_answered.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._all_answered.wait()
         self.closed = True
         cancel = self._target_reached()
         for task in self.tasks.values():

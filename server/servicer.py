@@ -24,10 +24,11 @@ from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.server.auth import Authenticator
-from fedloom.server.coordinator import Coordinator, PendingUpload
+from fedloom.server.coordinator import Coordinator
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.registry import ClientRecord
 from fedloom.server.transfer_slots import IdleLimit, TransferSlots
+from fedloom.server.uploads import Upload
 
 log = logging.getLogger("fedloom.server")
 
@@ -224,7 +225,7 @@ class FleetServicer(pb_grpc.FleetServicer):
     async def Push(
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
     ) -> pb.PushResponse:
-        upload: PendingUpload | None = None
+        upload: Upload | None = None
         idle = IdleLimit(self.chunk_timeout_s)
         try:
             async with asyncio.timeout(self.stream_timeout_s):
@@ -236,7 +237,7 @@ class FleetServicer(pb_grpc.FleetServicer):
                 client = self._client(first.result.session)  # first: refusals are its strikes
                 header = codec.result_from_proto(first.result)
                 outcome = await self.coordinator.accept_result(client, header)
-                if not isinstance(outcome, PendingUpload):
+                if not isinstance(outcome, Upload):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome
                 size = header.update.total_bytes if header.update is not None else 0
@@ -246,12 +247,11 @@ class FleetServicer(pb_grpc.FleetServicer):
                             raise MessageRejectedError(
                                 RejectReason.INVALID, "only chunks may follow the result header"
                             )
-                        upload.spool.feed(*codec.chunk_from_proto(message.chunk))
+                        upload.feed(*codec.chunk_from_proto(message.chunk))
                         ServerMetrics.bytes_in(len(message.chunk.data))
                         idle.moved()
-                    delta = upload.spool.finish()
-            await self.coordinator.finish_upload(upload, delta)
-            upload = None
+            finishing, upload = upload, None
+            await finishing.finish()  # verified, then folded by the task's owner
             return pb.PushResponse(duplicate=False)
         except TimeoutError:
             await _reject(context, "Push", self._timed_out("upload", idle.expired()))
@@ -259,8 +259,7 @@ class FleetServicer(pb_grpc.FleetServicer):
             await _reject(context, "Push", exc)
         finally:
             if upload is not None:
-                upload.spool.discard()
-                self.coordinator.finish_fit(upload, None)
+                upload.abandon()
 
     async def Report(
         self, request: pb.PushRequest, context: grpc.aio.ServicerContext
@@ -276,9 +275,8 @@ class FleetServicer(pb_grpc.FleetServicer):
                     RejectReason.INVALID, "a result with a payload goes through Push, not Report"
                 )
             outcome = await self.coordinator.accept_result(client, header)
-            if isinstance(outcome, PendingUpload):  # cannot happen without an update
-                outcome.spool.discard()
-                self.coordinator.finish_fit(outcome, None)
+            if isinstance(outcome, Upload):  # cannot happen without an update
+                outcome.abandon()
                 raise MessageRejectedError(
                     RejectReason.INVALID, "this result needs its payload: send it through Push"
                 )

@@ -4,7 +4,8 @@
 the kernel's `PayloadReceiver` (order, sizes, digest, finite values checked as bytes
 arrive). Once whole and verified it becomes `SpooledWeights`: a `Weights` that reads
 each tensor from the file only when asked, and that aggregators read block by block
-(`fedloom.payload.BlockSource`) so an update is never loaded whole.
+(`fedloom.payload.BlockSource`) so an update is never loaded whole. An `Upload` ties a
+spool to the task whose result it carries.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, PayloadReceiver
+from fedloom.server.tasks import Task
 from fedloom.weights import TensorSpec, Weights
 
 
@@ -148,3 +151,46 @@ class Spool:
         if not self._file.closed:
             self._file.close()
         self.path.unlink(missing_ok=True)
+
+
+class Upload:
+    """One result payload, from its validated header to its fold, owned by its task's
+    owner (`fedloom.server.tasks.TaskOwner`): the servicer only feeds it chunks, then
+    finishes it (verified, then folded) or abandons it (the stream broke)."""
+
+    def __init__(self, task: Task, header: ResultHeader, spool: Spool,
+                 fingerprint: bytes) -> None:
+        self.task = task
+        self.header = header
+        self.spool = spool
+        self.fingerprint = fingerprint  # the result's (`fedloom.server.tasks`), once folded
+        self._done = False
+        task.in_flight = True
+
+    def feed(self, offset: int, data: bytes) -> None:
+        self.spool.feed(offset, data)
+
+    async def finish(self) -> None:
+        """Verify size and digest, then hand the payload to the task's owner to fold.
+        The owner discards the spool file once it no longer needs it."""
+        owner = self.task.owner
+        assert owner is not None
+        try:
+            payload = self.spool.finish()
+        except BaseException:
+            self.abandon()
+            raise
+        self._done = True
+        self.task.in_flight = False
+        await owner.fold(self, payload)
+
+    def abandon(self) -> None:
+        """Drop what arrived (a broken stream); the client may push again. Idempotent,
+        and nothing once `finish` has begun the fold."""
+        if self._done:
+            return
+        self._done = True
+        self.spool.discard()
+        self.task.in_flight = False
+        if self.task.owner is not None:
+            self.task.owner.abandoned(self)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedloom.secagg import SecAggConfig, Stage
+from fedloom.server.secure import SecureRounds
 
 log = logging.getLogger("fedloom.demo")
 
@@ -70,7 +71,8 @@ class ClientKiller:
     def _watch(self) -> None:
         while not self._done.wait(0.005):
             coordinator = self.server.coordinator
-            running = coordinator.secure.running if coordinator is not None else None
+            driver = coordinator.driver if coordinator is not None else None
+            running = driver.running if isinstance(driver, SecureRounds) else None
             if running is None or running[0] < self.round:
                 continue
             if running == (self.round, Stage.MASKED_INPUT) or running[0] > self.round:

@@ -55,19 +55,19 @@ from fedloom.secagg import (
     Stage,
 )
 from fedloom.secagg._unmask import MapFn
-from fedloom.server.rounds import IssuedTask, TaskStatus
-from fedloom.server.uploads import Spool, SpooledWeights
+from fedloom.server.registry import ClientRecord
+from fedloom.server.tasks import EMPTY_PAYLOAD, Task, TaskBook, TaskStatus
+from fedloom.server.uploads import Spool, SpooledWeights, Upload
 from fedloom.types import Config, TaskKind
 
 log = logging.getLogger("fedloom.server")
 
 _R = TypeVar("_R")
-EMPTY_PAYLOAD = memoryview(b"")
 EMPTY_INFO = PayloadInfo((), 0, hashlib.sha256(b"").digest())
 
 
-class StageTask(IssuedTask):
-    """A stage task of a secure round (an `IssuedTask` that knows its stage)."""
+class StageTask(Task):
+    """A stage task of a secure round (a `Task` that knows its stage)."""
 
     def __init__(self, header: TaskHeader, client_id: str, payload: memoryview,
                  stage: Stage) -> None:
@@ -87,13 +87,6 @@ def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
     return MessageRejectedError(reason, message)
 
 
-def result_fingerprint(header: ResultHeader) -> tuple[Any, ...]:
-    """Identifies a stage result, so a retried Push is answered "duplicate": the reply
-    itself (frozen, compared field by field) and, for a masked input, its digest."""
-    sha = header.update.sha256 if header.update is not None else b""
-    return (header.kind, header.secagg, sha)
-
-
 class SecureAttempt:
     """The tasks and the state machine of one round attempt (see the module docstring).
 
@@ -103,7 +96,7 @@ class SecureAttempt:
         payload, payload_info: the global weights the masked-input stage carries.
         fit_config: the fit config the masked-input stage carries.
         executor: a single-thread executor; every state-machine call runs there.
-        wake: wakes a client's long-poll (it has a new task).
+        book: the server's task book; stage tasks are issued and closed there.
         spool_dir: where masked inputs are spooled while they arrive.
         unmask_map: runs the final unmasking's ranges (a thread pool's ``map``).
         offers: participants' unused key offers, used by this attempt (see
@@ -120,7 +113,7 @@ class SecureAttempt:
         payload_info: PayloadInfo,
         fit_config: Config,
         executor: concurrent.futures.ThreadPoolExecutor,
-        wake: Callable[[str], None],
+        book: TaskBook,
         spool_dir: Any,
         unmask_map: MapFn = map,
         offers: dict[str, KeyOffer] | None = None,
@@ -134,7 +127,9 @@ class SecureAttempt:
         self._payload, self._payload_info = payload, payload_info
         self._fit_config = fit_config
         self._executor = executor
-        self._wake = wake
+        self._book = book
+        self._ended = False  # the attempt is over: no result is taken any more
+        self._dropped: set[str] = set()
         self._spool_dir = spool_dir
         self._loop = asyncio.get_running_loop()
         self._open: dict[str, StageTask] = {}  # client id -> its task of the open stage
@@ -198,17 +193,20 @@ class SecureAttempt:
                              stage)
             self.tasks[task.task_id] = task
             self._open[client_id] = task
-            self._wake(client_id)
+            self._book.issue(task, self)
         if complete:
             self.complete.set()
         return stage
 
-    def close_stage(self) -> None:
-        """No more replies for this stage: unanswered tasks fail (their clients drop)."""
+    def close_stage(self, end: bool = False) -> None:
+        """No more replies for this stage: unanswered tasks fail (their clients drop).
+        ``end``: the attempt is over; nothing more is taken."""
         for task in self._open.values():
             if task.status is TaskStatus.PENDING:
-                task.status = TaskStatus.FAILED
+                task.settle(TaskStatus.FAILED)
+        self._book.close(self._open.values(), quiet=self._stage is Stage.UNMASK)
         self._open = {}
+        self._ended = self._ended or end
 
     def _is_complete(self) -> bool:
         machine = self.machine
@@ -216,19 +214,20 @@ class SecureAttempt:
             return True
         return machine.stage_complete or (machine.stage is Stage.UNMASK and machine.can_finish())
 
-    # -- what the coordinator relays -----------------------------------------------------
-    def offer(self, client_id: str) -> StageTask | None:
-        """The client's pending task of the open stage (re-offered until answered)."""
-        task = self._open.get(client_id)
-        return task if task is not None and task.status is TaskStatus.PENDING else None
+    # -- the task owner (`fedloom.server.tasks.TaskOwner`) ----------------------------
+    @property
+    def accepting(self) -> bool:
+        return not self._ended
 
     def drop(self, client_id: str, reason: str) -> None:
-        """A client vanished (left, went silent, its stream broke): stop waiting for it."""
-        if client_id not in self.setup.participants:
+        """A client vanished (left, went silent, its stream broke), or failed a stage:
+        stop waiting for it. Idempotent."""
+        if client_id not in self.setup.participants or client_id in self._dropped:
             return
+        self._dropped.add(client_id)
         task = self._open.get(client_id)
         if task is not None and task.status is TaskStatus.PENDING and not task.in_flight:
-            task.status = TaskStatus.FAILED
+            task.settle(TaskStatus.FAILED)
         log.info("secure round %s: client %s dropped (%s)", self.setup.round_id, client_id,
                  reason)
         future = self._executor.submit(self._locked, self._drop_and_check, client_id)
@@ -244,50 +243,46 @@ class SecureAttempt:
         if future.exception() is not None:
             log.error("secure aggregation: dropping a client failed: %s", future.exception())
 
-    async def begin_result(self, client_id: str, header: ResultHeader
-                           ) -> tuple[StageTask, Spool] | bool:
-        """Validate a stage result. A masked input returns its task and the spool its
-        chunks go to; any other stage is taken now (returns whether it was a retry)."""
-        task = self.tasks.get(header.task_id)
-        if task is None:
-            raise _reject(RejectReason.STALE, "not a task of this secure round")
-        if task.client_id != client_id:
-            raise _reject(RejectReason.FORBIDDEN, "that task was issued to another client")
-        fingerprint = result_fingerprint(header)
-        if task.status is TaskStatus.ACCEPTED:
-            if fingerprint == task.result_fingerprint:
-                return True
-            raise _reject(RejectReason.CONFLICT, f"{task.stage} was already answered differently")
-        if task.status is not TaskStatus.PENDING or self._open.get(client_id) is not task:
-            if task.stage is Stage.UNMASK and header.kind is TaskKind.SECAGG:
-                return False  # unmask closed once every secret had t shares: not needed
-            raise _reject(RejectReason.STALE, f"secure round {self.setup.round_id.server_round}: "
-                          f"stage {task.stage} has closed for this client")
-        if header.round != task.header.round:
-            raise _reject(RejectReason.STALE, f"result names round {header.round}, the task is "
-                          f"for round {task.header.round}")
-        if header.kind is None:
-            log.warning("client %s failed secure stage %s: %s", client_id, task.stage,
-                        header.failure[:200])
-            self.drop(client_id, f"client failure in {task.stage}")
-            return False
+    def client_gone(self, task: Task, reason: str) -> None:
+        self.drop(task.client_id, reason)
+
+    def failed(self, task: Task, message: str) -> None:
+        stage = getattr(task, "stage", "?")
+        log.warning("client %s failed secure stage %s: %s", task.client_id, stage, message)
+        self.drop(task.client_id, f"client failure in {stage}")
+
+    def end_reason(self, task: Task) -> str:
+        stage = getattr(task, "stage", "?")
+        return (f"secure round {self.setup.round_id.server_round}: stage {stage} has closed "
+                "for this client")
+
+    def needless(self, task: Task, header: ResultHeader) -> bool:
+        # Unmask closes once every secret has t shares: later shares are not needed.
+        return getattr(task, "stage", None) is Stage.UNMASK and header.kind is TaskKind.SECAGG
+
+    async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
+                   fingerprint: bytes) -> Upload | bool:
+        """A fresh stage result: a masked input returns the `Upload` its chunks go to;
+        any other stage's reply is taken now."""
+        assert isinstance(task, StageTask)
         try:
             return await self._take(task, header, fingerprint)
         except MessageRejectedError as exc:
-            self.drop(client_id, f"{task.stage} refused: {exc}")
+            self.drop(task.client_id, f"{task.stage} refused: {exc}")
             raise
 
-    async def _take(self, task: StageTask, header: ResultHeader, fingerprint: tuple[Any, ...]
-                    ) -> tuple[StageTask, Spool] | bool:
+    async def _take(self, task: StageTask, header: ResultHeader, fingerprint: bytes
+                    ) -> Upload | bool:
         reply = header.secagg
-        if header.kind is not TaskKind.SECAGG or reply is None:
+        if reply is None:
             raise _reject(RejectReason.INVALID, f"a {header.kind} result for a secagg task")
         stage = Stage.MASKED_INPUT if isinstance(reply, MaskedInputHeader) else STAGE_OF[
             type(reply)]
         if stage is not task.stage:
             raise _reject(RejectReason.INVALID, f"a {stage} reply to a {task.stage} task")
         if isinstance(reply, MaskedInputHeader):
-            return task, self._begin_masked_input(task, reply, header.update)
+            spool = self._begin_masked_input(task, reply, header.update)
+            return Upload(task, header, spool, fingerprint)
         if self._lock.acquire(blocking=False):  # the machine is idle: take it here
             try:
                 complete = self._receive(task.client_id, reply, None)
@@ -295,7 +290,7 @@ class SecureAttempt:
                 self._lock.release()
         else:  # a fold or a stage change is under way: wait for it in its thread
             complete = await self.call(self._receive, task.client_id, reply, None)
-        self._accept(task, fingerprint)
+        task.settle(TaskStatus.ACCEPTED, fingerprint)
         if complete:
             self.complete.set()
         return False
@@ -314,23 +309,21 @@ class SecureAttempt:
                           f"uint32{list(update.specs[0].shape)}")
         if task.in_flight:
             raise _reject(RejectReason.CONFLICT, "an upload for this task is already in progress")
-        task.in_flight = True
         return Spool(self._spool_dir, update, self._config.transfer.chunk_size)
 
-    async def finish_masked_input(self, task: StageTask, header: ResultHeader, spool: Spool,
-                                  delta: SpooledWeights | None) -> None:
-        """Fold a whole, verified masked input into the sum (or release a failed one)."""
-        task.in_flight = False
-        if delta is None:  # the upload broke; the client may push again
-            return
+    async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
+        """Fold a whole, verified masked input into the sum."""
+        task, spool = upload.task, upload.spool
         try:
+            if task.status is not TaskStatus.PENDING or self._ended:
+                raise _reject(RejectReason.STALE, self.end_reason(task))
             masked = np.memmap(spool.path, dtype="<u4", mode="r",
                                shape=(self.setup.masked_length,))
             reply = MaskedInputReply(self.setup.round_id, task.client_id, masked)
-            assert header.update is not None  # its SHA-256 was verified chunk by chunk
+            assert upload.header.update is not None  # its SHA-256 was verified chunk by chunk
             try:
                 complete = await self.call(self._receive, task.client_id, reply,
-                                           header.update.sha256)
+                                           upload.header.update.sha256)
             finally:
                 del reply, masked
         except MessageRejectedError as exc:
@@ -338,18 +331,19 @@ class SecureAttempt:
             raise
         finally:
             spool.discard()
-        self._accept(task, result_fingerprint(header))
+        if task.status is TaskStatus.PENDING:  # the stage may have closed while it folded
+            task.settle(TaskStatus.ACCEPTED, upload.fingerprint)
         if complete:
             self.complete.set()
+
+    def abandoned(self, upload: Upload) -> None:
+        """The upload broke off; the client may push again while the stage is open."""
 
     def _receive(self, client_id: str, reply: SecAggReply, digest: bytes | None) -> bool:
         """(In the machine's thread.) Take a reply; whether the stage is now complete
         (one hop to the thread instead of two)."""
         self.machine.receive(client_id, reply, digest=digest)
         return self._is_complete()
-
-    def _accept(self, task: StageTask, fingerprint: tuple[Any, ...]) -> None:
-        task.status, task.result_fingerprint = TaskStatus.ACCEPTED, fingerprint
 
     # -- progress ---------------------------------------------------------------------
     def fit_outcomes(self) -> dict[str, int]:

@@ -1,16 +1,17 @@
 """Secure fit rounds: SecAgg+ (Bell et al., CCS 2020; Bonawitz et al., CCS 2017) in the
 server's real rounds.
 
-With ``[secure_aggregation] enabled``, the coordinator hands each fit round to
-`SecureRounds.run_round`: it samples among the clients that joined with the ``secagg``
-capability and runs round attempts (`fedloom.server.secure.attempt.SecureAttempt`)
-stage by stage — each stage with its own deadline, closed as soon as no connected
-client owes a reply — and gets back only the weighted mean over the survivors. That
-mean is the aggregate of the strategy's round: it is handed, as the round's one
-update, to the strategy's own ``aggregate_fit`` (`fedloom.strategies.aggregate_secure_mean`,
-which the local engine shares), so FedAvg, FedAvgM, FedProx and the FedOpt family apply
-their ServerOptimizer to it as usual; strategies that need the individual updates are
-refused when the server is built, and a norm bound becomes clipping on the client.
+With ``[secure_aggregation] enabled``, the round loop runs each fit round with this
+round driver (`fedloom.server.driver`), `SecureRounds.run_fit`: it samples among the
+clients that joined with the ``secagg`` capability and runs round attempts
+(`fedloom.server.secure.attempt.SecureAttempt`) stage by stage — each stage with its own
+deadline, closed as soon as no connected client owes a reply — and gets back only the
+weighted mean over the survivors. That mean is the aggregate of the strategy's round: it
+is handed, as the round's one update, to the strategy's own ``aggregate_fit``
+(`fedloom.strategies.aggregate_secure_mean`, which the local engine shares), so FedAvg,
+FedAvgM, FedProx and the FedOpt family apply their ServerOptimizer to it as usual;
+strategies that need the individual updates are refused when the server is built, and a
+norm bound becomes clipping on the client.
 
 Each attempt's setup binds the participants and their identities, the parameters, and
 the digests of the global model and the fit config (`fedloom.secagg.RoundSetup`). With
@@ -24,7 +25,7 @@ share-keys reply offers keys for its next attempt, kept here per connected clien
 handed to one attempt, so a steady round skips advertise keys).
 
 Dropouts cost an attempt, not the round: a client that leaves, stops its heartbeats, or
-whose task stream breaks is removed at once (`drop`); an attempt that cannot finish
+whose task stream breaks is removed at once (`client_gone`); an attempt that cannot finish
 (too few clients left, a participant that did not advertise in an authenticated
 attempt, a survivor that vanished before confirming, a dealer whose shares do not
 reconstruct) is followed by a new attempt — a new attempt id, fresh keys, without the
@@ -47,13 +48,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from fedloom.config import ServerConfig
-from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, SecureAggregationError
-from fedloom.messages import ResultHeader, TaskHeader
+from fedloom.errors import ConfigError, RejectReason, SecureAggregationError
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import masked_length, round_secagg
 from fedloom.secagg import (
@@ -67,51 +64,39 @@ from fedloom.secagg import (
     model_digest,
 )
 from fedloom.server.crashpoints import crashpoint
+from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
+from fedloom.server.fleet import SECAGG_CAPABILITY
 from fedloom.server.metrics import ServerMetrics
-from fedloom.server.registry import ClientRecord, ClientRegistry
-from fedloom.server.secure.attempt import (
-    EMPTY_PAYLOAD,
-    SecureAttempt,
-    StageTask,
-    stage_deadline_s,
-)
-from fedloom.server.uploads import Spool, SpooledWeights
+from fedloom.server.secure.attempt import SecureAttempt, stage_deadline_s
 from fedloom.strategies import Strategy, aggregate_secure_mean
-from fedloom.types import AggregateResult
+from fedloom.types import AggregateResult, ClientInfo
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.server")
 
-#: The capability a client sends in Join when it can run SecAgg+ stages.
-SECAGG_CAPABILITY = "secagg"
 __all__ = ["SECAGG_CAPABILITY", "SecureRounds"]
 
-#: ``strike(client_id, reason)``: count a proven misbehaviour against a client.
-StrikeFn = Callable[[str, RejectReason], None]
+class SecureRounds(RoundDriver):
+    """The round driver of secure (SecAgg+) fit rounds: one or more attempts a round."""
 
-
-class SecureRounds:
-    """Runs the secure fit rounds of one coordinator and relays their stage traffic."""
-
-    def __init__(self, config: ServerConfig, run_id: str, registry: ClientRegistry,
-                 executor: concurrent.futures.ThreadPoolExecutor, spool_dir: Path,
-                 strike: StrikeFn | None = None) -> None:
+    def __init__(self, parts: RoundParts) -> None:
+        super().__init__(parts)
+        config = parts.config
         self.config = config
         self.secagg = config.secure_aggregation
-        self.run_id = run_id
-        self.registry = registry
-        self._executor = executor
-        self._spool_dir = spool_dir
-        self._strike = strike
+        self.run_id = parts.run_id
+        self.registry = parts.fleet.registry
+        self._executor = parts.executor
+        self._spool_dir = parts.spool_dir
         #: Clients sign their keys and confirmations (mutual TLS: a client PKI).
         self.authenticated = config.mutual_tls
         self._verifier: PeerVerifier | None = None
-        if self.enabled and self.authenticated:
+        if self.authenticated:
             try:
                 self._verifier = PeerVerifier.from_pem_file(config.tls.client_ca)
             except SecureAggregationError as exc:
                 raise ConfigError("tls.client_ca", str(exc)) from exc
-        if self.enabled and not self.authenticated:
+        else:
             log.warning(
                 "SECURE AGGREGATION WITHOUT A CLIENT PKI (allow_unauthenticated): clients "
                 "cannot check each other's keys, so the protocol protects their updates "
@@ -122,7 +107,6 @@ class SecureRounds:
         self._unmask_pool = concurrent.futures.ThreadPoolExecutor(
             min(4, os.cpu_count() or 1), thread_name_prefix="unmask")
         self._attempt: SecureAttempt | None = None
-        self._previous: SecureAttempt | None = None  # answers late results of the last one
         self._last_attempt = 0
         self._offers: dict[str, KeyOffer] = {}  # client id -> its unused key offer
         #: What the server learned in the last secure round that succeeded (sums only).
@@ -133,76 +117,45 @@ class SecureRounds:
         self.last_stage_s: dict[str, float] = {}
 
     @property
-    def enabled(self) -> bool:
-        return self.secagg.enabled
-
-    @property
     def running(self) -> tuple[int, Stage] | None:
         """(round, stage) of the attempt in progress, or None (safe from any thread)."""
         attempt = self._attempt
         return None if attempt is None else (attempt.setup.round_id.server_round,
                                              attempt.machine.stage)
 
-    # -- relayed by the coordinator --------------------------------------------------
-    def owns(self, task_id: str) -> bool:
-        attempt = self._attempt
-        return any(a is not None and task_id in a.tasks for a in (attempt, self._previous))
-
-    def offer(self, client_id: str) -> tuple[TaskHeader, memoryview] | None:
-        attempt = self._attempt
-        task = attempt.offer(client_id) if attempt is not None else None
-        return (task.header, task.payload) if task is not None else None
-
-    def drop(self, client_id: str, reason: str) -> None:
+    def client_gone(self, client_id: str, reason: str) -> None:
         """A client is gone (left, silent, its stream broke): out of the attempt in
         progress at once, and its key offer with it."""
         self._offers.pop(client_id, None)
         if self._attempt is not None:
             self._attempt.drop(client_id, reason)
 
-    async def begin_result(self, record: ClientRecord, header: ResultHeader
-                           ) -> tuple[StageTask, Spool] | bool:
-        for attempt in (self._attempt, self._previous):
-            if attempt is not None and header.task_id in attempt.tasks:
-                return await attempt.begin_result(record.client_id, header)
-        raise MessageRejectedError(RejectReason.STALE, "the secure round of that task has ended")
-
-    async def finish_upload(self, task: StageTask, header: ResultHeader, spool: Spool,
-                            delta: SpooledWeights | None) -> None:
-        attempt = self._attempt
-        if attempt is None or attempt.tasks.get(task.task_id) is not task:
-            task.in_flight = False
-            spool.discard()
-            if delta is not None:
-                raise MessageRejectedError(RejectReason.STALE, "the secure round has ended")
-            return
-        await attempt.finish_masked_input(task, header, spool, delta)
+    def close(self) -> None:
+        self._unmask_pool.shutdown(wait=False)
 
     # -- one round ----------------------------------------------------------------------
     def _next_attempt(self) -> int:
         self._last_attempt = max(self._last_attempt + 1, time.time_ns() // 1000)
         return self._last_attempt
 
-    async def _eligible(self) -> list[Any]:
-        """Connected clients that can run SecAgg+, once at least min_fit_clients are."""
-        while True:
-            eligible = [c for c in self.registry.infos() if SECAGG_CAPABILITY in c.capabilities]
-            if len(eligible) >= self.config.min_fit_clients:
-                return eligible
-            log.info("secure round waits: %d of %d clients support secure aggregation",
-                     len(eligible), self.config.min_fit_clients)
-            self.registry.changed.clear()
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
-                    await self.registry.changed.wait()
+    async def run_fit(self, server_round: int) -> FitOutcome:
+        """Run one secure fit round (one or more attempts)."""
+        parts = self.parts
+        parts.reporter.round_started(server_round, self.config.num_rounds,
+                                     self.config.min_fit_clients)
+        eligible = await parts.fleet.wait_for(self.config.min_fit_clients, SECAGG_CAPABILITY)
+        current, payload, payload_info = parts.model.weights, parts.model.payload, parts.model.info
+        try:
+            result, record = await self._run_round(server_round, current, eligible, payload,
+                                                   payload_info)
+        finally:
+            self.clean_spool()
+        return FitOutcome(result, record)
 
-    async def run_round(self, server_round: int, current: Weights, strategy: Strategy,
-                        payload: memoryview, payload_info: PayloadInfo
-                        ) -> tuple[AggregateResult | None, dict[str, Any]]:
-        """Run one secure fit round (one or more attempts); returns the strategy's result
-        (None: failed) and the round's record."""
-        eligible = await self._eligible()
+    async def _run_round(self, server_round: int, current: Weights, eligible: list[ClientInfo],
+                         payload: memoryview, payload_info: PayloadInfo
+                         ) -> tuple[AggregateResult | None, dict[str, Any]]:
+        strategy = self.parts.strategy
         plan = strategy.configure_fit(server_round, current, eligible)
         participants = [c for c in plan.client_ids if c in self.registry]
         participants = participants[: self.secagg.max_participants]
@@ -274,7 +227,7 @@ class SecureRounds:
             self._offers = {c: o for c, o in self._offers.items() if c in self.registry}
             offers = {c: self._offers.pop(c) for c in setup.participants if c in self._offers}
         attempt = SecureAttempt(setup, self.config, payload, payload_info, fit_config,
-                                self._executor, self._wake, self._spool_dir,
+                                self._executor, self.parts.book, self._spool_dir,
                                 self._unmask_pool.map, offers, self._verifier)
         self._attempt = attempt
         self.last_stage_s = {}
@@ -300,21 +253,13 @@ class SecureRounds:
             for culprit in sorted(machine.culprits):
                 log.warning("secure round %d: client %s dealt shares that do not reconstruct "
                             "its committed secret", setup.round_id.server_round, culprit)
-                if self._strike is not None:
-                    self._strike(culprit, RejectReason.INVALID)
+                self.parts.fleet.strike_id(culprit, RejectReason.INVALID)
             return str(exc), machine.failed_clients | machine.culprits | machine.revealed
         finally:
-            attempt.close_stage()
+            attempt.close_stage(end=True)  # the book keeps how its tasks ended
             ServerMetrics.tasks_closed("fit", attempt.fit_outcomes())
-            for task in attempt.tasks.values():
-                task.payload = EMPTY_PAYLOAD  # keep no old model alive
             self._offers.update(attempt.machine.new_offers)  # unused: for a later attempt
-            self._previous, self._attempt = attempt, None
-
-    def _wake(self, client_id: str) -> None:
-        client = self.registry.get(client_id)
-        if client is not None:
-            client.wakeup.set()
+            self._attempt = None
 
     async def _apply(self, strategy: Strategy, server_round: int, current: Weights,
                      outcome: SecAggResult) -> AggregateResult:

@@ -1,19 +1,15 @@
 """A server killed between two stages of a secure (SecAgg+) round resumes: the round
 runs again as a new attempt (fresh keys), and the run ends with the model of an
-uninterrupted secure run, to the quantization error.
-
-Active once the secure round reaches the ``mid_secure_aggregation`` crash point (the
-coordinator's secure round calls it after each stage closes); skipped until then.
+uninterrupted secure run, to the quantization error. (The secure round driver reaches
+the ``mid_secure_aggregation`` crash point after each stage closes.)
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 from pathlib import Path
 
 import numpy as np
-import pytest
 from recovery_support import (
     CRASH_EXIT,
     NUM_ROUNDS,
@@ -29,21 +25,6 @@ from recovery_support import (
 from fedloom.server import Server
 
 CLIENTS = 5
-
-
-def _wired() -> bool:
-    try:
-        from fedloom.server.secure import attempt as secure_attempt
-        from fedloom.server.secure import rounds as secure_round
-    except ImportError:
-        return False
-    sources = inspect.getsource(secure_round) + inspect.getsource(secure_attempt)
-    return 'crashpoint("mid_secure_aggregation")' in sources
-
-
-pytestmark = pytest.mark.skipif(
-    not _wired(), reason="the secure round does not call crashpoint('mid_secure_aggregation') yet"
-)
 
 
 def _settings(state_dir: Path, port: int) -> dict:

@@ -36,7 +36,7 @@ def secagg(**overrides: Any) -> SecAggConfig:
 def client_config(address: str, pki: Path | None = None, index: int = 0) -> ClientConfig:
     """Fast-retrying settings: mutual TLS as ``client-<index>`` with a ``pki`` folder,
     plaintext without one."""
-    settings: dict[str, Any] = dict(server_address=address, long_poll_s=2.0,
+    settings: dict[str, Any] = dict(server_address=address,
                                     rpc_timeout_s=10.0, reconnect_initial_s=0.05,
                                     reconnect_max_s=0.3)
     if pki is None:
@@ -205,7 +205,7 @@ def checkpoints(state_dir: str) -> dict[int, Weights]:
 
 def survivor_indices(server: Server, runners: list[HarnessRunner]) -> list[int]:
     assert server.coordinator is not None
-    result = server.coordinator.secure.last_result
+    result = server.coordinator.driver.last_result
     assert result is not None
     ids = set(result.survivors)
     return [i for i, r in enumerate(runners) if r._secure and r._secure.client_id in ids]

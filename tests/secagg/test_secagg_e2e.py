@@ -62,7 +62,7 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
         assert early == [(r, s) for r in (1, 2) for s in Stage if s is not Stage.UNMASK]
         assert runner.stats.fits == 2  # secure fits are counted like plain ones
     # the server's sums (last round) within one quantum per client per coordinate
-    result = server.coordinator.secure.last_result  # type: ignore[union-attr]
+    result = server.coordinator.driver.last_result  # type: ignore[union-attr]
     assert result is not None
     mean, weighted, total_weight = plaintext(clients, list(range(6)), 2, sa)
     assert np.abs(result.weighted_sum - weighted).max() < 6 * sa.quantum
@@ -267,13 +267,13 @@ def test_a_round_restarted_by_a_server_restart_gets_a_new_attempt_and_fresh_keys
     runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     deadline = time.monotonic() + 30
     assert first.coordinator is not None
-    while first.coordinator.secure.running != (1, Stage.SHARE_KEYS):
+    while first.coordinator.driver.running != (1, Stage.SHARE_KEYS):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     handle.stop()  # abrupt: round 1 is not committed
     handle.wait(30)
-    assert first.coordinator.secure.last_setup is not None
-    stopped_attempt = first.coordinator.secure.last_setup.round_id.attempt
+    assert first.coordinator.driver.last_setup is not None
+    stopped_attempt = first.coordinator.driver.last_setup.round_id.attempt
     second = Server(config, initial_weights=small_weights())
     history = second.start().wait(60)
     stop_runners(runners, threads)

@@ -90,8 +90,11 @@ def test_a_server_with_mutual_tls_runs_authenticated_secure_rounds(tmp_path) -> 
 
     from fedloom.certs import write_certificates
     from fedloom.config import AuthConfig, TLSConfig
-    from fedloom.server.registry import ClientRegistry
+    from fedloom.server.driver import RoundParts
+    from fedloom.server.fleet import Fleet
+    from fedloom.server.progress import RoundReporter
     from fedloom.server.secure import SecureRounds
+    from fedloom.server.tasks import TaskBook
 
     write_certificates(tmp_path, clients=("a",))
     tls = TLSConfig(cert=str(tmp_path / "server.pem"), key=str(tmp_path / "server.key"),
@@ -100,7 +103,11 @@ def test_a_server_with_mutual_tls_runs_authenticated_secure_rounds(tmp_path) -> 
                           progress=False, secure_aggregation=SecAggConfig(enabled=True))
     assert config.mutual_tls
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        rounds = SecureRounds(config, "run", ClientRegistry(10), pool, tmp_path)
+        fleet = Fleet(config, "run")
+        parts = RoundParts(config, "run", None, fleet, TaskBook(fleet.wake), None,  # type: ignore[arg-type]
+                           pool, tmp_path, RoundReporter(enabled=False))
+        rounds = SecureRounds(parts)
+        rounds.close()
     assert rounds.authenticated
     # TLS without client certificates (tokens, anonymous) is not a client PKI
     with pytest.raises(ConfigError, match="allow_unauthenticated"):

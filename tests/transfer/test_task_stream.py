@@ -228,7 +228,7 @@ def test_a_waiting_stream_keeps_no_model_alive(serve) -> None:  # type: ignore[n
         client.open_stream()
         client.next_task()  # sent; the stream now waits for the next one
         time.sleep(0.2)
-        payload = handle.server.coordinator._payload  # the model the stream wrote
+        payload = handle.server.coordinator.model.payload  # the model the stream wrote
         assert len(payload) > 0
         assert _coroutines_holding(payload) == []
     finally:

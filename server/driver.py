@@ -1,0 +1,81 @@
+"""The round-driver interface: how one round's fit is run, whatever its protocol.
+
+The round loop (`fedloom.server.round_loop`) calls `RoundDriver.run_fit` once per round
+(a model version) and commits what it returns; a driver issues its tasks through the
+task book (`fedloom.server.tasks`), owns their results and uploads, and hears when a
+client goes. Drivers: `PlainRounds` (`fedloom.server.plain_round`) and `SecureRounds`
+(`fedloom.server.secure`). A new driver (buffered asynchronous rounds, say) implements
+this interface and is chosen in `fedloom.server.round_loop.round_driver`; the servicer,
+the task book, the fleet and the other drivers stay as they are.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from fedloom.config import ServerConfig
+from fedloom.server.fleet import Fleet
+from fedloom.server.model import GlobalModel
+from fedloom.server.progress import RoundReporter
+from fedloom.server.tasks import TaskBook
+from fedloom.strategies import Strategy
+from fedloom.types import AggregateResult
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundParts:
+    """What a driver works with: the server's parts, shared by the round loop."""
+
+    config: ServerConfig
+    run_id: str
+    strategy: Strategy
+    fleet: Fleet
+    book: TaskBook
+    model: GlobalModel
+    #: One thread for the strategy's aggregation and other heavy steps, in order.
+    executor: concurrent.futures.ThreadPoolExecutor
+    spool_dir: Path  # where uploads are spooled while they arrive
+    reporter: RoundReporter
+
+
+@dataclasses.dataclass
+class FitOutcome:
+    """A round's fit: the strategy's result (None: the round failed) and the record the
+    round loop commits (counts of sampled, updated, failed clients, driver details)."""
+
+    result: AggregateResult | None
+    record: dict[str, Any]
+
+
+class RoundDriver(abc.ABC):
+    """Runs the fit part of each round and owns the tasks it issues."""
+
+    def __init__(self, parts: RoundParts) -> None:
+        self.parts = parts
+
+    @abc.abstractmethod
+    async def run_fit(self, server_round: int) -> FitOutcome:
+        """Sample, issue, collect and aggregate round ``server_round``'s fit.
+
+        Raises:
+            PrivacyBudgetExhausted: before any task goes out (the run ends cleanly).
+        """
+
+    def client_gone(self, client_id: str, reason: str) -> None:
+        """A client left or went silent (its pending task has already been told)."""
+        return None  # a driver that keeps per-client state (secure rounds) overrides it
+
+    def close(self) -> None:
+        """The run is over (or the server stops): release threads and files."""
+        return None  # a driver with threads of its own (secure rounds) overrides it
+
+    def clean_spool(self) -> None:
+        """Remove the spool files of a closed round (its aggregate has read them)."""
+        folder = self.parts.spool_dir
+        if folder.is_dir():
+            for path in folder.glob("upload-*.bin"):
+                path.unlink(missing_ok=True)

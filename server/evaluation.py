@@ -1,0 +1,77 @@
+"""Evaluation after a round's fit: federated (evaluate tasks to the clients, through the
+task book) and server-side (``evaluate_fn`` on the server's own data)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fedloom.messages import ResultHeader
+from fedloom.server.driver import RoundParts
+from fedloom.server.plain_round import PhaseOwner, check_num_examples, issue_phase
+from fedloom.server.registry import ClientRecord
+from fedloom.server.rounds import RoundTasks
+from fedloom.server.tasks import Task
+from fedloom.server.uploads import SpooledWeights, Upload
+from fedloom.types import EvaluateResult, Metrics, TaskKind
+from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.server")
+
+#: ``evaluate_fn(server_round, weights) -> (loss, metrics)``, or None to skip.
+EvaluateFn = Callable[[int, Weights], tuple[float, Metrics] | None]
+
+
+class EvaluatePhase(PhaseOwner):
+    """The evaluate tasks of one round: each result is taken whole (no payload)."""
+
+    async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
+                   fingerprint: bytes) -> Upload | bool:
+        check_num_examples(self.parts, header.num_examples)
+        result = EvaluateResult(client.client_id, header.num_examples, header.loss,
+                                header.metrics)
+        self.phase.accept_evaluation(task, result, fingerprint)
+        self.progress()
+        return False
+
+    async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
+        raise AssertionError("an evaluate result has no payload")  # take never uploads
+
+    def abandoned(self, upload: Upload) -> None:
+        raise AssertionError("an evaluate result has no payload")
+
+
+async def federated_evaluate(parts: RoundParts, server_round: int) -> dict[str, Any]:
+    """Run the round's federated evaluation; its aggregated metrics ({} if skipped)."""
+    config = parts.config
+    eligible = [c for c in parts.fleet.registry.infos() if "evaluate" in c.capabilities]
+    plan = parts.strategy.configure_evaluate(server_round, parts.model.weights, eligible)
+    if not plan.client_ids:
+        return {}
+    phase = RoundTasks(server_round, TaskKind.EVALUATE, config.min_evaluate_clients)
+    owner = EvaluatePhase(parts, phase)
+    issue_phase(parts, phase, owner, plan.client_ids, plan.config, config.evaluate_timeout_s)
+    try:
+        enough = await phase.wait(config.evaluate_timeout_s)
+    finally:
+        owner.close()
+    if not enough:
+        log.warning("round %d: only %d evaluation results; skipping federated metrics",
+                    server_round, len(phase.evaluations))
+        return {}
+    return dict(parts.strategy.aggregate_evaluate(server_round, phase.evaluations))
+
+
+async def server_evaluate(parts: RoundParts, evaluate_fn: EvaluateFn | None,
+                          server_round: int, weights: Weights) -> dict[str, Any]:
+    """``evaluate_fn`` on ``weights``, in the aggregation thread ({} without one)."""
+    if evaluate_fn is None:
+        return {}
+    loop = asyncio.get_running_loop()
+    outcome = await loop.run_in_executor(parts.executor, evaluate_fn, server_round, weights)
+    if outcome is None:
+        return {}
+    loss, metrics = outcome
+    return {"loss": float(loss), **dict(metrics)}

@@ -1,0 +1,164 @@
+"""The fleet: who is connected. Admission (Join), liveness (heartbeats, the reaper, cut
+streams, Leave), strikes and quarantine, and the one wait-for-clients helper.
+
+Whoever must know when a client goes (the task book, a round driver) subscribes with
+`Fleet.on_departure`; the fleet knows nothing of rounds or tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from fedloom.config import ServerConfig
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.messages import PROTOCOL_VERSION, JoinReply, JoinRequest
+from fedloom.server.metrics import ServerMetrics
+from fedloom.server.progress import RoundReporter
+from fedloom.server.quarantine import Quarantine
+from fedloom.server.registry import ClientRecord, ClientRegistry
+from fedloom.types import ClientInfo
+
+log = logging.getLogger("fedloom.server")
+
+#: The capability a client sends in Join when it can run SecAgg+ stages.
+SECAGG_CAPABILITY = "secagg"
+#: What this server can ask of a client.
+CAPABILITIES = frozenset({"fit", "evaluate", SECAGG_CAPABILITY})
+
+#: ``listener(client_id, reason)``: a client has gone (left, silent, quarantined, ...).
+DepartureListener = Callable[[str, str], None]
+
+
+class Fleet:
+    """The connected clients of one run. Lives on the event loop."""
+
+    def __init__(self, config: ServerConfig, run_id: str,
+                 reporter: RoundReporter | None = None) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.registry = ClientRegistry(config.max_clients)
+        self.quarantine = Quarantine(config.quarantine_after, config.quarantine_s)
+        self._reporter = reporter or RoundReporter(enabled=False)
+        self._listeners: list[DepartureListener] = []
+
+    def on_departure(self, listener: DepartureListener) -> None:
+        self._listeners.append(listener)
+
+    # -- admission ------------------------------------------------------------------
+    def join(self, request: JoinRequest, identity: str | None = None) -> JoinReply:
+        """Admit a client. An authenticated ``identity`` (`fedloom.server.auth`) names
+        the session and holds one session at a time: joining again ends the old one."""
+        if request.protocol_version != PROTOCOL_VERSION:
+            raise MessageRejectedError(
+                RejectReason.INVALID,
+                f"protocol version {request.protocol_version} is not supported; "
+                f"this server speaks {PROTOCOL_VERSION}: upgrade the client",
+            )
+        if "fit" not in request.capabilities:
+            raise MessageRejectedError(RejectReason.INVALID, "a client must support 'fit'")
+        self.quarantine.check(identity or request.name)
+        for info in self.registry.infos() if identity is not None else ():
+            if info.name == identity:
+                self.drop(info.client_id, "replaced by a new session of its identity")
+        record, session = self.registry.join(
+            identity or request.name, request.capabilities & CAPABILITIES
+        )
+        log.info(
+            "client %s (%s) joined; %d connected", record.client_id, record.info.name,
+            len(self.registry),
+            extra={"client": record.client_id, "client_name": record.info.name,
+                   "connected": len(self.registry)},
+        )
+        ServerMetrics.clients.set(len(self.registry))
+        t = self.config.transfer
+        return JoinReply(
+            session=session,
+            protocol_version=PROTOCOL_VERSION,
+            capabilities=CAPABILITIES,
+            run_id=self.run_id,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            long_poll_s=self.config.long_poll_s,
+            chunk_size=t.chunk_size,
+            max_message_bytes=t.max_message_bytes,
+            max_model_bytes=t.max_model_bytes,
+        )
+
+    def strike(self, record: ClientRecord, reason: RejectReason) -> None:
+        """Count a refused message against its client; past the limit, quarantine its
+        identity and end its sessions (`fedloom.server.quarantine`)."""
+        name = record.info.name
+        if self.quarantine.strike(name, reason):
+            log.warning("client %s quarantined for %.0f s", name, self.quarantine.duration_s)
+            for info in self.registry.infos():
+                if info.name == name:
+                    self.drop(info.client_id, "quarantined")
+
+    def strike_id(self, client_id: str, reason: RejectReason) -> None:
+        record = self.registry.get(client_id)
+        if record is not None:
+            self.strike(record, reason)
+
+    # -- liveness -------------------------------------------------------------------
+    def heartbeat(self, record: ClientRecord) -> None:
+        record.last_seen = time.monotonic()
+
+    def leave(self, record: ClientRecord, reason: str) -> None:
+        self.drop(record.client_id, f"left: {reason[:200]}" if reason else "left")
+
+    def stream_closed(self, record: ClientRecord) -> None:
+        """The client's task stream (or long-poll) was cut: it is gone. Its session ends
+        at once, so no round waits for it or samples it again (it joins afresh)."""
+        self.drop(record.client_id, "its task stream ended")
+
+    def drop(self, client_id: str, reason: str) -> None:
+        """End a client's session and tell every listener."""
+        if self.registry.remove(client_id) is None:
+            return
+        log.info(
+            "client %s removed (%s); %d connected", client_id, reason, len(self.registry),
+            extra={"client": client_id, "reason": reason, "connected": len(self.registry)},
+        )
+        ServerMetrics.clients.set(len(self.registry))
+        for listener in self._listeners:
+            listener(client_id, reason)
+
+    def wake(self, client_id: str) -> None:
+        """Wake the client's long-poll or task stream (it has a new task)."""
+        client = self.registry.get(client_id)
+        if client is not None:
+            client.wakeup.set()
+
+    def wake_all(self) -> None:
+        for info in self.registry.infos():
+            self.wake(info.client_id)
+
+    async def reap(self, until: asyncio.Event) -> None:
+        """Remove clients whose heartbeats and polls stopped, until ``until`` is set."""
+        while not until.is_set():
+            for client_id in self.registry.expired(self.config.client_timeout_s):
+                self.drop(client_id, "no heartbeat")
+            await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s))
+
+    async def wait_for(self, count: int, capability: str = "fit") -> list[ClientInfo]:
+        """Wait until at least ``count`` connected clients have ``capability``; those
+        clients. Reports the wait (progress display, log) while it lasts."""
+        announced = -1
+        while True:
+            eligible = [c for c in self.registry.infos() if capability in c.capabilities]
+            if len(eligible) >= count:
+                return eligible
+            self._reporter.waiting(len(eligible), count)
+            if capability != "fit" and len(eligible) != announced:
+                log.info("waiting for clients: %d of %d support %s", len(eligible), count,
+                         capability)
+                announced = len(eligible)
+            self.registry.changed.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel
+            # that lands as a client joins, and the server then never stops.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await self.registry.changed.wait()

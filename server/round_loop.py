@@ -1,0 +1,93 @@
+"""The round loop: rounds ``next_round..num_rounds``, each run by the round driver, then
+evaluated and committed.
+
+Each round: wait for ``min_clients``; the driver runs the fit (`fedloom.server.driver`);
+a new model is installed, evaluated (federated, then server-side) and the round is
+committed (checkpoint, then SQLite: `fedloom.server.persistence`). A failed round leaves
+the global model unchanged and the next round starts. A spent privacy budget ends the
+run before the round that would exceed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fedloom.errors import PrivacyBudgetExhausted
+from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
+from fedloom.server.evaluation import EvaluateFn, federated_evaluate, server_evaluate
+from fedloom.server.metrics import ServerMetrics
+from fedloom.server.persistence import RunPersistence
+from fedloom.server.plain_round import PlainRounds
+from fedloom.server.secure import SecureRounds
+
+log = logging.getLogger("fedloom.server")
+
+
+def round_driver(parts: RoundParts) -> RoundDriver:
+    """The driver the configuration asks for: the one place that chooses."""
+    if parts.config.secure_aggregation.enabled:
+        return SecureRounds(parts)
+    return PlainRounds(parts)
+
+
+class RoundLoop:
+    """Runs and commits the rounds of one run (see the module docstring)."""
+
+    def __init__(self, parts: RoundParts, driver: RoundDriver, persistence: RunPersistence,
+                 evaluate_fn: EvaluateFn | None = None) -> None:
+        self.parts = parts
+        self.driver = driver
+        self.persistence = persistence
+        self.evaluate_fn = evaluate_fn
+        self.history: list[dict[str, Any]] = persistence.history()
+        self.next_round = persistence.completed_round + 1
+        self.stopped_reason = ""  # why the run ended before num_rounds (the privacy budget)
+
+    async def run(self) -> None:
+        """Run the remaining rounds; returns when the last one is committed."""
+        parts = self.parts
+        if self.next_round == 1 and not self.history:
+            initial = await server_evaluate(parts, self.evaluate_fn, 0, parts.model.weights)
+            if initial:
+                self.history.append({"round": 0, "status": "ok", "server": initial})
+                parts.reporter.round_finished(self.history[-1])
+        for server_round in range(self.next_round, parts.config.num_rounds + 1):
+            await parts.fleet.wait_for(parts.config.min_clients)
+            started = time.time()
+            try:
+                outcome = await self.driver.run_fit(server_round)
+            except PrivacyBudgetExhausted as exc:
+                # Raised before the round's tasks go out: the last committed round is
+                # the run's final model, and nothing past the budget is released.
+                log.warning("run ends before round %d: %s", server_round, exc)
+                self.stopped_reason = str(exc)
+                break
+            await self._conclude(server_round, started, outcome)
+        self.persistence.finish()
+
+    async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
+        """Install the new model (if any), evaluate, and commit the round."""
+        parts, result, record = self.parts, outcome.result, outcome.record
+        if result is not None and result.weights is None:
+            log.warning("round %d produced no model: %s", server_round, result.reason)
+        if result is not None and result.weights is not None:
+            parts.model.install(result.weights)
+            record["status"] = "ok"
+            record["fit"] = dict(result.metrics)
+            record["evaluate"] = await federated_evaluate(parts, server_round)
+            record["server"] = await server_evaluate(parts, self.evaluate_fn, server_round,
+                                                     parts.model.weights)
+        else:
+            record["status"] = "failed"
+        record["duration_s"] = time.time() - started
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            parts.executor, self.persistence.commit, server_round, record["status"],
+            parts.model.weights, parts.strategy.state_dict(), record, started)
+        self.history.append(record)
+        epsilon = record.get("fit", {}).get("privacy_epsilon")
+        ServerMetrics.round_done(record["status"], record["duration_s"], server_round, epsilon)
+        parts.reporter.round_finished(record)
