@@ -1,6 +1,6 @@
 """Flower 1.42's side of benchmarks/secagg.py: plain FedAvg and SecAgg+ in one simulation.
 
-Both on Flower's legacy API, as FLOWER_NOTES.md describes (SecAgg+ exists only there):
+Both on Flower's legacy API (Flower 1.42 has SecAgg+ only there):
 a ``ServerApp`` whose main runs, phase after phase, ``DefaultWorkflow`` with the default
 fit workflow (plain) or ``SecAggPlusWorkflow(num_shares, reconstruction_threshold)``,
 over a legacy ``FedAvg`` and a ``ClientApp`` of ``NumPyClient`` s with

@@ -69,9 +69,8 @@ def _size(message: Any) -> int:
     """Serialized bytes of a protobuf message, or of a frame already serialized.
 
     A weights chunk's size is computed from its fields: `ByteSize()` serializes the
-    message to measure it (2.3 ms per 1 MiB chunk here), which would add about 9 ms of
-    client CPU per round at 1M parameters to both modes and hide part of the secure
-    round's extra cost.
+    message to measure it (milliseconds per 1 MiB chunk), which would add client CPU to
+    both modes and hide part of the secure round's extra cost.
     """
     if isinstance(message, bytes | bytearray | memoryview):
         return len(message)

@@ -1,9 +1,10 @@
 """Flower's side of benchmarks/transfer.py: its deployment engine on loopback.
 
 One fresh cluster per model size: a SuperLink and ``num_nodes`` SuperNodes
-(``../shared/FLOWER_NOTES.md`` gives the set-up), every process under an address-space
-cap (``prlimit --as``; children such as the ServerApp and ClientApp processes inherit
-it), then ``flwr run`` of the hand-written app in ``flower_transfer_app/``. The
+(``flower-superlink`` / ``flower-supernode --insecure`` on loopback), every process
+under an address-space cap (``prlimit --as``; children such as the ServerApp and
+ClientApp processes inherit it), then ``flwr run`` of the hand-written app in
+``flower_transfer_app/``. The
 ServerApp stamps the end of every round (see its module); `TreeSampler` follows the
 peak RSS of the SuperLink, the ServerApp it starts, the SuperNodes and their ClientApps.
 """

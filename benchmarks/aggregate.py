@@ -23,8 +23,9 @@ The two results are compared element-wise (they must agree to float32 rounding).
     python benchmarks/aggregate.py --quick         # N = 10, 1M parameters
     python benchmarks/aggregate.py --updates 10,50 --params 10M --repeats 5
 
-Run it under the benchmark lock on a shared machine:
-``.venv/bin/python benchmarks/aggregate.py``.
+Run one benchmark at a time (two at once measure each other). Writes
+``benchmarks/results/aggregate.json`` (``aggregate-quick.json``; or ``--out``) and prints
+the table; the current figures are in benchmarks/README.md.
 """
 
 from __future__ import annotations

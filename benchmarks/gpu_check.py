@@ -1,7 +1,6 @@
 """GPU check for the client SDK's PyTorch trainer: correctness and speed, CUDA vs CPU.
 
-Run it on a machine with a CUDA GPU (on this project's machines: through the device
-tool, as one prepared command)::
+Run it on a machine with a CUDA GPU::
 
     python benchmarks/gpu_check.py                  # prints a table, writes JSON
     python -m pytest -q tests/client_sdk/test_torch_client.py   # the CUDA test runs there
@@ -14,7 +13,7 @@ What it does, for an MLP of ``--hidden`` units on synthetic data of ``--examples
 3. seconds per local epoch on each device (median of ``--repeats`` fits after a warm-up),
    and the speed-up;
 4. a 3-round federated run on the local engine with every client on CUDA, whose test
-   accuracy must rise: once plain and once under SecAgg+ (authenticated, protocol v4),
+   accuracy must rise: once plain and once under SecAgg+ (authenticated, label v4),
    where the masked sum must give the same accuracy as the plain run to 0.02.
 
 Nothing here needs a GPU to import; without one it says so and exits 2.

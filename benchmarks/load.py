@@ -7,10 +7,12 @@ its own TCP connection. Every client is sampled every round (``fraction_fit = 1`
 every client, so a round is two fan-outs of ``clients`` tasks and ``2 * clients``
 results.
 
-Run (under the benchmark lock, so figures are not taken while another benchmark runs)::
+Run one benchmark at a time (two at once measure each other)::
 
-    .venv/bin/python benchmarks/load.py \\
-        --clients 500 --rounds 5 --out benchmarks/results/load-500.json
+    .venv/bin/python benchmarks/load.py --clients 500 --rounds 5
+
+Writes ``benchmarks/results/load-<clients>.json`` (or ``--out``) and prints it; the
+current figures are in benchmarks/README.md.
 
 Reported (JSON, and a summary on stdout):
 
@@ -51,6 +53,8 @@ from _load_client import LoadStats, drive
 from fedloom.config import ServerConfig
 from fedloom.server.store import RunStore
 from fedloom.weights import Weights
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def tiny_model(params: int) -> Weights:
@@ -297,14 +301,16 @@ def main(argv: list[str] | None = None) -> int:
         "--state-parent", default=None, help="folder for the server's state_dir (default: TMPDIR)"
     )
     parser.add_argument("--profile-server", default="", help="write the server's cProfile here")
-    parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON report path (default: results/load-<clients>.json)")
     args = parser.parse_args(argv)
     result = run_processes(args)
     text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    out = args.out or RESULTS / f"load-{args.clients}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
     print(text)
+    print(f"wrote {out}")
     ok = result["rounds_ok"] == args.rounds and result["client_errors"] == 0
     return 0 if ok else 1
 

@@ -6,25 +6,25 @@ split IID over 500 virtual clients (2-3 images each: the cross-device regime DP 
 many users with little data each), 50 clients per round, 100 rounds on the local engine
 (`run_local`), the 64-64-10 MLP (4,810 parameters), client SGD lr 0.1, momentum 0.9,
 batch 8, 5 local epochs, FedAvg on the server. Digits rather than the synthetic data
-set: one fit takes about 3 ms here, so 500 clients and a dozen runs per seed fit the
-time budget, and the plain run reaches about 0.94 within 100 rounds. Accuracy is the
+set: a fit takes milliseconds, so 500 clients and a dozen runs per seed stay affordable,
+and the plain run converges within 100 rounds. Accuracy is the
 central test accuracy after the last round, the mean over ``--seeds`` (each seed its
 own split, initial model, sampling and noise); 360 test images make one image 0.28
 points, hence more than one seed.
 
 **Clip norm.** C is the median L2 norm of the round-1 updates of the first round's
-50 clients (seed 0), measured by the script before the runs (1.47 here): clipping
+50 clients (seed 0), measured by the script before the runs: clipping
 then binds about half of the early updates, as adaptive clipping's ``target_quantile =
 0.5`` would choose. Adaptive runs start from the same C.
 
 **Noise.** ``fedloom.privacy.calibrate_noise_multiplier`` for each target ε at
 δ = 1e-5 over the run's rounds. Central DP uses **Poisson sampling** (rate 50/500) with
 the **RDP** accountant. Fixed-size sampling (m of n, what plain FedAvg does) is
-accounted under replace-one, where one client moves the sum by 2C; with RDP it needs
-3-4x the noise here (z 3.04 against 0.99 at ε = 8; printed, not run). PLD would save
-6-8% of the noise (z 0.94 at ε = 8) but dp-accounting's PLD composition costs about
-1-2 s per recorded round on this machine against 0.2 s for RDP, which over 100 rounds
-and six central runs per seed breaks the time budget. So the central runs sample a
+accounted under replace-one, where one client moves the sum by 2C, and needs several
+times the noise for the same ε (its z is printed, not run). The PLD accountant would
+need slightly less noise, but dp-accounting's PLD composition costs several times RDP's
+per recorded round, too much over 100 rounds and six central runs per seed (both
+trade-offs are quantified in benchmarks/README.md). So the central runs sample a
 varying cohort (mean 50) where the plain and distributed runs take exactly 50; the
 noised sum is divided by 50 in all of them.
 
@@ -35,9 +35,9 @@ and ``expected_dropout = 0``; its ε comes from the run's `SkellamLedger`, which
 noise of ``survivors - 1 - colluding`` clients (48 of 50). Two sets of runs:
 
 - **distributed (same z)**: the z of central DP at each target ε; the ledger then
-  reports a much larger ε (no amplification). At ε = 8 this is the comparison the issue
-  sets a target for: *distributed DP within 2 accuracy points of central DP (fixed
-  clipping) at the same noise level*;
+  reports a much larger ε (no amplification). At ε = 8 this is the comparison the
+  script's target is judged on: *distributed DP within 2 accuracy points of central DP
+  (fixed clipping) at the same noise level*;
 - **distributed (own ε)**: z found by bisection so that the ledger's ε after all rounds
   is the target (predicted with `fedloom.privacy._skellam.calibrate` and the ledger's
   RDP, no training), so the three modes can be compared at equal ε.
@@ -53,11 +53,12 @@ draws from the operating system's CSPRNG by default: the central noise
 (`DistributedDPStrategy`'s ``rng``). The clients' rounding and noise in the local
 engine, the sampling, the data and the fits are seeded too.
 
-    .venv/bin/python benchmarks/privacy.py            # ~20 min on 2 cores (--seeds 0: ~10)
-    .venv/bin/python benchmarks/privacy.py --quick    # a smoke run, < 2 min
+    .venv/bin/python benchmarks/privacy.py            # the full run (--seeds 0: half)
+    .venv/bin/python benchmarks/privacy.py --quick    # a smoke run
 
-Writes ``benchmarks/results/privacy.json`` and ``privacy.png`` (or ``--out``) and prints
-the table. Run one benchmark at a time (benchmarks/README.md).
+Writes ``benchmarks/results/privacy.json`` and ``privacy.png`` (``privacy-quick.*`` with
+``--quick``; or ``--out``) and prints the table; the current figures and run times are
+in benchmarks/README.md. Run one benchmark at a time (two at once measure each other).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ Systems (each setting runs its plain round, then its secure round, back to back)
 - **fedloom local**: `run_local` in this process, plain or with `LocalSecureAggregation`;
 - **Flower sim**: `flwr.simulation.run_simulation`, legacy ``DefaultWorkflow`` with the
   default fit workflow or ``SecAggPlusWorkflow`` + ``secaggplus_mod`` (`_secagg_flower`),
-  one Ray CPU per client (2 actors on this machine), 50 SuperNodes sampled down.
+  one Ray CPU per client (as many actors at once as the machine has CPUs), 50
+  SuperNodes sampled down.
 
 Dropout (20%): a fifth of each round's clients drop after sharing their keys: they answer
 advertise/setup and share keys, then fail their masked-input task (fedloom over gRPC:

@@ -291,6 +291,7 @@ def plot(convergence_result: dict[str, Any] | None, poisoning_result: dict[str, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [p for p in (convergence_result, poisoning_result) if p is not None]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
@@ -302,6 +303,7 @@ def plot(convergence_result: dict[str, Any] | None, poisoning_result: dict[str, 
             ax.plot([r for r, _ in points], [a for _, a in points], label=name,
                     linestyle=styles[i % len(styles)])
         ax.axhline(convergence_result["target"], color="grey", linestyle=":")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         ax.set(xlabel="round", ylabel="test accuracy", ylim=(0, 1),
                title=f"digits, 20 clients, Dirichlet 0.1 (seed "
                      f"{convergence_result['report_seeds'][0]}, tuned)")

@@ -22,8 +22,9 @@ reported beside it). Ratios are against Flower in the same invocation.
     python benchmarks/transfer.py --sizes 10M --sides fedloom --many-clients 0
     python benchmarks/transfer.py --sides fedloom --shared-upload-connection  # A/B
 
-Run it under the benchmark lock on a shared machine:
-``.venv/bin/python benchmarks/transfer.py``.
+Run one benchmark at a time (two at once measure each other). Writes
+``benchmarks/results/transfer.json`` (``transfer-quick.json``; or ``--out``) and prints
+the table; the current figures are in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def compare(results: list[dict[str, Any]]) -> None:
 
 
 def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the figure it is judged on."""
+    """The targets, each with the figure it is judged on."""
     def find(side: str, params: int, clients: int = 5) -> dict[str, Any] | None:
         for r in results:
             key = (r["side"], r["params"], r["clients"])

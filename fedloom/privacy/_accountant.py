@@ -39,10 +39,16 @@ _RELATION = {"fixed": "REPLACE_ONE", "poisson": "ADD_OR_REMOVE_ONE", "none": "AD
 @functools.cache
 def _lib() -> types.ModuleType:
     """dp-accounting, imported on first use (it takes most of a second to import, and a
-    process that never accounts, such as a client, should not pay for it)."""
-    import dp_accounting
-    import dp_accounting.pld.pld_privacy_accountant
-    import dp_accounting.rdp.rdp_privacy_accountant
+    process that never accounts, such as a client, should not pay for it). It comes with
+    the ``server`` extra: a client install does without it."""
+    try:
+        import dp_accounting
+        import dp_accounting.pld.pld_privacy_accountant
+        import dp_accounting.rdp.rdp_privacy_accountant
+    except ImportError as exc:
+        raise ImportError(
+            "differential-privacy accounting needs dp-accounting: "
+            'pip install "fedloom[server]"') from exc
 
     return dp_accounting
 
