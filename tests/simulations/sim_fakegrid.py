@@ -12,7 +12,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 
 def set_task_identity() -> None:
-    """Messages built outside a running app need a run id (see FLOWER_NOTES)."""
+    """Messages built outside a running app need a run id (Flower checks it)."""
     TaskIdentity.run_id = 1
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = 0

@@ -1,6 +1,6 @@
 """Drive Flower 1.42's message-API strategies directly, as an oracle for ours.
 
-Builds reply `Message`s the way FLOWER_NOTES describes (TaskIdentity set first; a reply
+Builds reply `Message`s the way Flower 1.42 expects them (TaskIdentity set first; a reply
 is ``Message(content, reply_to=instruction)``), and generates random rounds: several
 tensors of different shapes (a 0-d one included), float32, unequal ``num_examples``.
 """
