@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
-from fedloom.client_sdk.connection import AccessDeniedError
 from fedloom.client_sdk.runner import Backoff, ClientRunner, ClientStats, start_client
+from fedloom.errors import AccessDeniedError
 
 if TYPE_CHECKING:
     from fedloom.client_sdk.torch_trainer import TorchClient

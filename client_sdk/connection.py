@@ -10,24 +10,35 @@ Join refused for its credentials raises `AccessDeniedError` (fix them). The chan
 TLS (`fedloom.client_sdk.tls`) unless the config asks for plaintext. A large result is
 pushed over a short-lived connection of its own (`ClientConfig.separate_upload_connection`)
 so the server does not keep upload-sized read buffers for every connected client.
+
+The three client errors live in `fedloom.errors` and are importable from here too.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 
-from fedloom.client_sdk.tls import handshake_hint, open_channel
+from fedloom.client_sdk._download import receive_task
+from fedloom.client_sdk._rpc_errors import translate
+from fedloom.client_sdk._watchdog import Watchdog
+from fedloom.client_sdk.tls import open_channel
 from fedloom.config import ClientConfig
-from fedloom.errors import ConfigError, FedloomError, MessageRejectedError, TransportError
+from fedloom.errors import (
+    AccessDeniedError,
+    ConfigError,
+    MessageRejectedError,
+    ResultRefusedError,
+    SessionExpiredError,
+    TransportError,
+)
 from fedloom.messages import (
     PROTOCOL_VERSION,
+    Capability,
     JoinReply,
     JoinRequest,
     NoTask,
@@ -35,122 +46,31 @@ from fedloom.messages import (
     Session,
     TaskHeader,
 )
-from fedloom.payload import PayloadReceiver, deserialize, iter_chunk_views
+from fedloom.payload import iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
 
+__all__ = [
+    "CAPABILITIES",
+    "SEPARATE_UPLOAD_MIN_BYTES",
+    "AccessDeniedError",
+    "Connection",
+    "ResultRefusedError",
+    "SessionExpiredError",
+]
+
 log = logging.getLogger("fedloom.client")
 
-CAPABILITIES = frozenset({"fit", "evaluate", "secagg"})  # secagg: client_sdk/secure_fit.py
+#: This SDK runs every kind of task (secure-aggregation stages: client_sdk/secure_fit.py).
+CAPABILITIES: frozenset[Capability] = frozenset(Capability)
 #: Pushes of payloads this large go over a connection of their own when
 #: ``ClientConfig.separate_upload_connection`` is on (smaller ones leave little behind).
 SEPARATE_UPLOAD_MIN_BYTES = 64 * 1024
 #: Tasks answered with an update about the size of their model (an evaluation is not).
 _UPLOADING = frozenset({TaskKind.FIT, TaskKind.SECAGG})
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED,
-}
-
-
-class SessionExpiredError(TransportError):
-    """The server does not know this session (it restarted, or timed us out): re-join."""
-
-
-class AccessDeniedError(FedloomError):
-    """The server refused to admit this client: its credentials are missing, unknown or
-    revoked (UNAUTHENTICATED), or it is not on the allow-list (PERMISSION_DENIED).
-    Retrying will not help; the message says what to fix."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self.code = code
-        super().__init__(f"the server refused to admit this client: {code.name}: {details}")
-
-
-class ResultRefusedError(TransportError):
-    """The server refused a message for its content or timing; retrying will not help."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self.code = code
-        super().__init__(f"{code.name}: {details}")
-
-
-def _translate(exc: grpc.RpcError, what: str) -> TransportError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    if code is grpc.StatusCode.UNAUTHENTICATED:
-        return SessionExpiredError(f"{what}: {details}")
-    if code in _RETRYABLE:
-        return TransportError(f"{what}: {code.name}: {details}{handshake_hint(details)}")
-    return ResultRefusedError(code, f"{what}: {details}")
-
-
-class _BufferSink:
-    def __init__(self, size: int) -> None:
-        self.buffer = np.empty(size, np.uint8)  # every byte is written: no zero-fill pass
-        self._view = self.buffer.data
-        self._pos = 0
-
-    def write(self, data: bytes) -> None:
-        self._view[self._pos : self._pos + len(data)] = data
-        self._pos += len(data)
-
-
-class _Watchdog:
-    """Cancels the connection's armed streaming call once it receives nothing for
-    ``idle_s`` seconds.
-
-    One thread per connection, started on first use and kept between calls: starting a
-    thread per Pull cost a thread start (and, on a busy machine, a wait for it to be
-    scheduled) on every task, four times per secure round.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._call: Any = None
-        self._last = 0.0
-        self.idle_s = 0.0
-        self.fired = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def arm(self, call: Any, idle_s: float) -> None:
-        """Watch ``call`` from now on (replacing any call watched before)."""
-        with self._lock:
-            self._call, self.idle_s, self.fired = call, idle_s, False
-            self._last = time.monotonic()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, daemon=True,
-                                            name="fedloom-watchdog")
-            self._thread.start()
-
-    def touch(self) -> None:
-        self._last = time.monotonic()
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._call = None
-
-    def close(self) -> None:
-        """Stop the thread (the connection is closing)."""
-        self.disarm()
-        self._stop.set()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.25):
-            with self._lock:
-                call = self._call
-                if call is None or time.monotonic() - self._last <= self.idle_s:
-                    continue
-                self.fired, self._call = True, None
-            call.cancel()
 
 
 class Connection:
@@ -182,7 +102,7 @@ class Connection:
         self._active: Any = None
         self._tasks: Any = None  # the open Tasks stream (ClientConfig.task_stream)
         self._lock = threading.Lock()
-        self._watchdog = _Watchdog()
+        self._watchdog = Watchdog()
         # The channel the next large push will use, opened (and connecting) when a task
         # with a large model arrives, so its handshake overlaps the training.
         self._upload: tuple[grpc.Channel, grpc.Future] | None = None
@@ -216,7 +136,7 @@ class Connection:
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise AccessDeniedError(exc.code(), exc.details() or "") from exc
-            raise _translate(exc, "join") from exc
+            raise translate(exc, "join") from exc
         try:
             grant = codec.join_reply_from_proto(response)
         except MessageRejectedError as exc:
@@ -242,7 +162,7 @@ class Connection:
                 timeout=self.config.rpc_timeout_s,
             )
         except grpc.RpcError as exc:
-            raise _translate(exc, "heartbeat") from exc
+            raise translate(exc, "heartbeat") from exc
 
     def leave(self, reason: str) -> None:
         if self.session is None:
@@ -284,7 +204,7 @@ class Connection:
                 raise
             if watchdog.fired:
                 raise TransportError(f"the server stopped sending ({what} timed out)") from exc
-            raise _translate(exc, what) from exc
+            raise translate(exc, what) from exc
         finally:
             watchdog.disarm()
             with self._lock:
@@ -297,60 +217,17 @@ class Connection:
             call.cancel()
 
     def _receive_task(
-        self, stream: Iterator[pb.PullResponse], watchdog: _Watchdog, whole_stream: bool
+        self, stream: Iterator[pb.PullResponse], watchdog: Watchdog, whole_stream: bool
     ) -> tuple[TaskHeader, Weights] | NoTask:
-        """Read one task: its header, then its chunks (to the end of a Pull's stream;
-        on the Tasks stream, as many bytes as the header announces)."""
-        first = next(stream, None)
-        watchdog.touch()
-        if first is None:
-            raise TransportError("the server closed the task stream without an answer")
-        part = first.WhichOneof("part")
-        if part == "no_task":
-            return codec.no_task_from_proto(first.no_task)
-        if part != "task":
-            raise TransportError(f"the server's task stream began with {part!r}")
-        try:
-            task = codec.task_from_proto(first.task)
-        except MessageRejectedError as exc:
-            raise TransportError(f"the server sent an invalid task: {exc}") from exc
-        if self.grant is not None and task.run_id != self.grant.run_id:
-            raise TransportError(
-                f"the server sent a task of run {task.run_id[:40]!r}, not of the run "
-                f"{self.grant.run_id[:40]!r} this client joined; joining again"
-            )
-        info = task.weights
-        limit = self.config.transfer.max_model_bytes
-        if info.total_bytes > limit:
-            raise ResultRefusedError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the model is {info.total_bytes} bytes; this client accepts at most {limit}",
-            )
-        watchdog.idle_s = self.config.rpc_timeout_s  # between chunks, from now on
-        sink = _BufferSink(info.total_bytes)
-        receiver = PayloadReceiver(
-            info.specs,
-            info.total_bytes,
-            info.sha256,
-            sink,
-            max_chunk_bytes=self.config.transfer.max_message_bytes,
-        )
-        try:
-            while whole_stream or receiver.received < info.total_bytes:
-                message = next(stream, None)
-                if message is None:
-                    break  # finish() says whether the payload is whole
-                watchdog.touch()
-                if message.WhichOneof("part") != "chunk":
-                    raise TransportError("the server sent a non-chunk inside a task's weights")
-                receiver.feed(*codec.chunk_from_proto(message.chunk))
-            receiver.finish()
-        except MessageRejectedError as exc:
-            raise TransportError(f"the task's weights failed verification: {exc}") from exc
-        weights = deserialize(info.specs, sink.buffer.data.toreadonly())
-        if task.kind in _UPLOADING and self._separate(info.total_bytes):
+        """Read one task (`receive_task`); open the upload channel its result will need."""
+        run_id = self.grant.run_id if self.grant is not None else None
+        outcome = receive_task(stream, watchdog, self.config, run_id, whole_stream)
+        if isinstance(outcome, NoTask):
+            return outcome
+        task, _weights = outcome
+        if task.kind in _UPLOADING and self._separate(task.weights.total_bytes):
             self._prepare_upload_channel()  # an update of about this size will follow
-        return task, weights
+        return outcome
 
     def push(self, result: ResultHeader, payload: memoryview | None) -> bool:
         """Send a result (and its payload); returns True if the server had it already."""
@@ -377,7 +254,7 @@ class Connection:
             else:
                 response = self._push(messages(), timeout=timeout)
         except grpc.RpcError as exc:
-            raise _translate(exc, "push") from exc
+            raise translate(exc, "push") from exc
         return bool(response.duplicate)
 
     def _separate(self, size: int) -> bool:

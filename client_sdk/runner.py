@@ -28,10 +28,16 @@ from typing import Any
 import numpy as np
 
 from fedloom.client_sdk._client import Client
-from fedloom.client_sdk.connection import Connection, ResultRefusedError, SessionExpiredError
+from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.config import ClientConfig
-from fedloom.errors import FedloomError, SecureAggregationError, TransportError
+from fedloom.errors import (
+    FedloomError,
+    ResultRefusedError,
+    SecureAggregationError,
+    SessionExpiredError,
+    TransportError,
+)
 from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo, serialize_difference
 from fedloom.secagg import (
@@ -109,7 +115,16 @@ def _check_output(global_weights: Weights, new_weights: Weights) -> str:
 
 
 class ClientRunner:
-    """The state of one `start_client` call (usable directly for finer control)."""
+    """The state of one `start_client` call (usable directly for finer control).
+
+    Attributes:
+        stats: what the loop did so far (`ClientStats`).
+        secagg_cpu_s: CPU seconds spent in secure rounds, by ``"train"`` (the
+            application's fit) and by stage (each `fedloom.secagg.Stage`'s value: the
+            protocol's own cost). A measurement only, which the SDK never reads: the
+            secure-aggregation benchmark reports it (``benchmarks/_secagg_grpc.py``)
+            and the end-to-end test checks it (``tests/secagg/test_secagg_e2e.py``).
+    """
 
     def __init__(
         self,
@@ -125,7 +140,6 @@ class ClientRunner:
         self.stop = stop or threading.Event()
         self.stats = ClientStats()
         self.secure_aggregation = secure_aggregation  # parameters a secure round must use
-        #: CPU seconds of secure rounds: "train" and per stage (client_sdk/secure_fit.py)
         self.secagg_cpu_s: dict[str, float] = {}
         self._connection: Connection | None = None
         self._secure: SecureFit | None = None

@@ -45,6 +45,7 @@ import numpy as np
 
 from fedloom.client_sdk._client import Client
 from fedloom.errors import SecureAggregationError
+from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import (
@@ -73,7 +74,7 @@ from fedloom.secagg import (
     flatten,
     model_digest,
 )
-from fedloom.types import MAX_NORM_KEY, TaskKind
+from fedloom.types import TaskKind
 from fedloom.weights import TensorSpec, Weights
 
 log = logging.getLogger("fedloom.client")
@@ -202,7 +203,7 @@ class SecureFit:
             self._noise.refill(params.client_noise_mu, length)  # while the server works
             return vector, fit.num_examples
         setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
-        bound = task.config.get(MAX_NORM_KEY)
+        bound = task.config.get(MAX_UPDATE_NORM)
         if isinstance(bound, int | float) and not isinstance(bound, bool):
             delta = clip_delta(delta, float(bound))
         return flatten(delta, dtype=None), fit.num_examples  # quantize widens per block

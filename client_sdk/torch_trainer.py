@@ -14,9 +14,9 @@ CUDA when present (``device="auto"``), converts between ``state_dict`` and `Weig
 - ``max_update_norm`` (float > 0): the strategy's update-norm bound, applied here as
   clipping: when the update (new weights minus the received ones) is longer than the
   bound in global L2 norm over the floating-point tensors, it is scaled down to it
-  (integer buffers untouched), as in ``fedloom.strategies.clip_update``. Under secure
-  aggregation the server sees only the sum, so only the client can bound its update.
-  The metric ``update_norm`` reports the norm before clipping;
+  (integer buffers untouched), by the kernel's rule (`fedloom.weights.clip_to_norm`). Under
+  secure aggregation the server sees only the sum, so only the client can bound its
+  update. The metric ``update_norm`` reports the norm before clipping;
 - ``seed`` (int): seeds torch before training, for reproducible runs.
 
 Example::
@@ -37,8 +37,18 @@ import torch
 
 from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
 from fedloom.errors import ConfigError
+from fedloom.fit_config import (
+    CLIENT_LR,
+    FLOWER_PROXIMAL_MU,
+    LEARNING_RATE,
+    LOCAL_EPOCHS,
+    MAX_UPDATE_NORM,
+    PROXIMAL_MU,
+    SEED,
+    UPDATE_NORM,
+)
 from fedloom.types import Config, Scalar
-from fedloom.weights import Weights
+from fedloom.weights import Weights, check_norm_bound, l2_norm, scale_floating
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 Batch = Any
@@ -130,15 +140,15 @@ class TorchClient(Client):
 
     def fit(self, weights: Weights, config: Config) -> FitOutput:
         load_weights(self.model, weights)
-        epochs = int(config.get("local_epochs", self.local_epochs))
+        epochs = int(config.get(LOCAL_EPOCHS, self.local_epochs))
         if epochs < 1:
-            raise ConfigError("local_epochs", f"must be at least 1, got {epochs}")
-        if "seed" in config:
-            torch.manual_seed(int(config["seed"]))
+            raise ConfigError(LOCAL_EPOCHS, f"must be at least 1, got {epochs}")
+        if SEED in config:
+            torch.manual_seed(int(config[SEED]))
         mu = proximal_mu(config)
         max_norm = max_update_norm(config)
         optimizer = self.optimizer_factory(self.model.parameters())
-        lr = config.get("lr", config.get("eta_l"))
+        lr = config.get(LEARNING_RATE, config.get(CLIENT_LR))
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = float(lr)
@@ -166,11 +176,11 @@ class TorchClient(Client):
             raise ValueError("train_loader yielded no examples")
         metrics: dict[str, Scalar] = {"train_loss": total_loss / seen}
         if mu > 0:
-            metrics["proximal_mu"] = mu
+            metrics[PROXIMAL_MU] = mu
         new_weights = self.get_weights()
         if max_norm is not None:
             new_weights, norm = bound_update(weights, new_weights, max_norm)
-            metrics["update_norm"] = norm
+            metrics[UPDATE_NORM] = norm
         return FitOutput(new_weights, seen // epochs, metrics)
 
     def evaluate(self, weights: Weights, config: Config) -> EvaluateOutput:
@@ -181,63 +191,48 @@ class TorchClient(Client):
 
 def proximal_mu(config: Config) -> float:
     """FedProx's ``mu`` from a fit config (``proximal_mu``, or Flower's ``proximal-mu``)."""
-    value = config.get("proximal_mu", config.get("proximal-mu", 0.0))
+    value = config.get(PROXIMAL_MU, config.get(FLOWER_PROXIMAL_MU, 0.0))
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError("proximal_mu", f"must be a number >= 0, got {value!r}")
+        raise ConfigError(PROXIMAL_MU, f"must be a number >= 0, got {value!r}")
     mu = float(value)
     if not (math.isfinite(mu) and mu >= 0):
-        raise ConfigError("proximal_mu", f"must be a number >= 0, got {value!r}")
+        raise ConfigError(PROXIMAL_MU, f"must be a number >= 0, got {value!r}")
     return mu
 
 
 def max_update_norm(config: Config) -> float | None:
     """The update-norm bound from a fit config, or None when there is none."""
-    value = config.get("max_update_norm")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError("max_update_norm", f"must be a positive number, got {value!r}")
-    bound = float(value)
-    if not (math.isfinite(bound) and bound > 0):
-        raise ConfigError("max_update_norm", f"must be a positive number, got {value!r}")
-    return bound
-
-
-def _delta_norm(received: Weights, new: Weights) -> float:
-    """L2 norm of ``new - received`` over float tensors, subtracted in each tensor's
-    dtype as the SDK does before upload, summed in float64."""
-    total = 0.0
-    for name, base in received.items():
-        if base.dtype.kind == "f":
-            d = np.subtract(new[name], base, dtype=base.dtype).astype(np.float64).ravel()
-            total += float(np.dot(d, d))
-    return math.sqrt(total)
+    value = config.get(MAX_UPDATE_NORM)
+    return None if value is None else check_norm_bound(value)
 
 
 def bound_update(received: Weights, new: Weights, max_norm: float) -> tuple[Weights, float]:
     """Clip the update ``new - received`` to global L2 norm ``max_norm``.
 
     Returns the (possibly) clipped new weights and the update's norm before clipping.
-    Integer tensors keep their new values. The result is checked as the server will
-    measure it (a float32 delta of the float32 weights): should rounding leave it a
-    hair above the bound, it is scaled down a little more, so a server that rejects
-    longer updates accepts it.
+    Integer tensors keep their new values. The norm is the kernel's `l2_norm` of the
+    update the SDK uploads (subtracted in each tensor's dtype). The clipped weights are
+    ``received + scale * (new - received)``, computed in float64 and rounded once to
+    each tensor's dtype; so the result is checked as the server will measure it (a
+    float32 delta of the float32 weights): should rounding leave it a hair above the
+    bound, it is scaled down a little more, so a server that rejects longer updates
+    accepts it.
     """
-    norm = _delta_norm(received, new)
+    norm = l2_norm(new.subtract(received))
     if norm <= max_norm:
         return new, norm
-    deltas = {k: new[k].astype(np.float64) - b.astype(np.float64)
-              for k, b in received.items() if b.dtype.kind == "f"}
+    # the update in float64, exactly as far as float64 holds it (not the rounded upload)
+    wide = Weights((k, new[k].astype(np.float64) - b.astype(np.float64))
+                   for k, b in received.items() if b.dtype.kind == "f")
     target = max_norm
     clipped = new
     for _ in range(8):
-        scale = target / norm
+        step = scale_floating(wide, target / norm, keep_dtype=False)
         clipped = Weights(
-            (k, (b.astype(np.float64) + scale * deltas[k]).astype(b.dtype) if k in deltas
-             else new[k])
+            (k, (b.astype(np.float64) + step[k]).astype(b.dtype) if k in step else new[k])
             for k, b in received.items()
         )
-        actual = _delta_norm(received, clipped)
+        actual = l2_norm(clipped.subtract(received))
         if actual <= max_norm:
             break
         target *= (max_norm / actual) * (1 - 1e-6)

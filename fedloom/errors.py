@@ -8,7 +8,10 @@ application can catch one root. Messages say what went wrong and how to fix it.
     FedloomError
     ├── ConfigError              a setting is missing, of the wrong type or out of range
     ├── MessageRejectedError     a message from the network failed validation (has a reason)
+    ├── AccessDeniedError        the server refused to admit this client (its credentials)
     ├── TransportError           talking to the peer failed (network, server gone)
+    │   ├── SessionExpiredError  the server does not know this session: join again
+    │   └── ResultRefusedError   the server refused a message: retrying will not help
     ├── CheckpointError          a checkpoint is missing, torn or fails its digest
     ├── AggregationError         a strategy cannot combine the updates it was given
     │   └── RoundAbortedError    a round ended without enough results to aggregate
@@ -65,6 +68,35 @@ class MessageRejectedError(FedloomError):
 
 class TransportError(FedloomError):
     """Talking to the peer failed; retrying later may succeed."""
+
+
+class SessionExpiredError(TransportError):
+    """The server does not know this session (it restarted, or timed us out): re-join."""
+
+
+class AccessDeniedError(FedloomError):
+    """The server refused to admit this client: its credentials are missing, unknown or
+    revoked (UNAUTHENTICATED), or it is not on the allow-list (PERMISSION_DENIED).
+    Retrying will not help; the message says what to fix.
+
+    ``code`` is the gRPC status (a ``grpc.StatusCode``, typed as its base `enum.Enum`
+    so that the kernel does not import grpc).
+    """
+
+    def __init__(self, code: enum.Enum, details: str) -> None:
+        self.code = code
+        super().__init__(f"the server refused to admit this client: {code.name}: {details}")
+
+
+class ResultRefusedError(TransportError):
+    """The server refused a message for its content or timing; retrying will not help.
+
+    ``code`` is the gRPC status (a ``grpc.StatusCode``, as for `AccessDeniedError`).
+    """
+
+    def __init__(self, code: enum.Enum, details: str) -> None:
+        self.code = code
+        super().__init__(f"{code.name}: {details}")
 
 
 class CheckpointError(FedloomError):

@@ -8,6 +8,7 @@ chunks described by a `PayloadInfo`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from fedloom.payload import PayloadInfo
 from fedloom.secagg import RoundId, SecAggReply, SecAggRequest
@@ -24,6 +25,20 @@ from fedloom.types import Config, Metrics, TaskKind
 #: share commitments; the consistency stage; unmask carries confirmations, not the
 #: dropped clients).
 PROTOCOL_VERSION = 5
+
+
+class Capability(enum.StrEnum):
+    """A kind of task a client accepts, announced in its Join; the server sends it only
+    tasks of the kinds both sides hold. The values are the wire strings (those of the
+    matching `TaskKind`)."""
+
+    FIT = TaskKind.FIT.value
+    EVALUATE = TaskKind.EVALUATE.value
+    SECAGG = TaskKind.SECAGG.value  # secure-aggregation stages (fedloom.secagg)
+
+
+#: The capabilities a server of this version grants: those a client asks for among these.
+SERVER_CAPABILITIES: frozenset[Capability] = frozenset(Capability)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

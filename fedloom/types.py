@@ -12,6 +12,7 @@ import enum
 import math
 from collections.abc import Mapping
 
+from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.weights import Weights
 
 #: A value in a fit/evaluate configuration or a metrics record.
@@ -20,8 +21,8 @@ Config = Mapping[str, Scalar]
 Metrics = Mapping[str, Scalar]
 
 MAX_KEY_LENGTH = 256
-#: The fit-config key of the update-norm bound: clients clip their delta to it.
-MAX_NORM_KEY = "max_update_norm"
+#: The fit-config key of the update-norm bound (`fedloom.fit_config.MAX_UPDATE_NORM`).
+MAX_NORM_KEY = MAX_UPDATE_NORM
 MAX_STRING_VALUE = 4096
 MAX_ENTRIES = 256
 

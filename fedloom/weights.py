@@ -9,6 +9,12 @@ their deltas are averaged in float64 and the mean is rounded half-to-even before
 added back in the tensor's own dtype. Boolean tensors carry no meaningful delta and are
 refused by the aggregators.
 
+The update-norm bound is defined here, once (`l2_norm`, `clip_to_norm`): the strategies
+apply it on the server (`fedloom.strategies.NormBoundedStrategy`) and the client SDK
+before upload (`TorchClient`, and the secure fit, where the server sees only the masked
+sum and cannot clip). It is the bound of Sun et al., "Can You Really Backdoor Federated
+Learning?", 2019, and the clipping step of DP-FedAvg (McMahan et al., ICLR 2018).
+
 >>> import numpy as np
 >>> w = Weights({"fc.weight": np.ones((2, 3), np.float32), "fc.bias": np.zeros(2, np.float32)})
 >>> list(w), w.num_parameters
@@ -20,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from fedloom.errors import ConfigError
+from fedloom.fit_config import MAX_UPDATE_NORM
 
 #: Wire names of the dtypes fedloom moves, with their little-endian numpy dtype.
 SUPPORTED_DTYPES: Mapping[str, np.dtype[Any]] = {
@@ -191,3 +198,83 @@ class Weights(Mapping[str, np.ndarray]):
         return all(
             np.allclose(arr, other[name], rtol=rtol, atol=atol) for name, arr in self.items()
         )
+
+
+# -- the update-norm bound ----------------------------------------------------------------
+# An update (a delta between two `Weights`) is measured and clipped over its
+# floating-point tensors only: integer tensors (buffers such as ``num_batches_tracked``)
+# are neither counted nor scaled. Each tensor is widened to float64 before its squares
+# are summed.
+
+
+class ClippedUpdate(NamedTuple):
+    """What `clip_to_norm` returns."""
+
+    weights: Weights  #: the update within the bound (the input itself when it was)
+    norm: float  #: the input's L2 norm, before clipping
+    clipped: bool  #: whether the input was above the bound and was scaled down
+
+
+def check_norm_bound(bound: object) -> float:
+    """Validate a norm bound (a positive finite number, not a bool) and return it as a float.
+
+    Raises `ConfigError` naming ``max_update_norm``.
+    """
+    if (
+        isinstance(bound, bool)
+        or not isinstance(bound, int | float)
+        or not math.isfinite(bound)
+        or bound <= 0
+    ):
+        raise ConfigError(MAX_UPDATE_NORM, f"must be a positive number, got {bound!r}")
+    return float(bound)
+
+
+def l2_norm(update: Mapping[str, np.ndarray]) -> float:
+    """Global L2 norm of ``update`` over its floating-point tensors, summed in float64.
+
+    >>> l2_norm(Weights({"w": np.array([3.0, 4.0], np.float32), "n": np.array([7])}))
+    5.0
+    """
+    total = 0.0
+    for arr in update.values():
+        if arr.dtype.kind == "f":
+            flat = arr.astype(np.float64, copy=False).ravel()
+            total += float(np.dot(flat, flat))
+    return math.sqrt(total)
+
+
+def scale_floating(update: Weights, factor: float, *, keep_dtype: bool = True) -> Weights:
+    """Multiply the floating-point tensors of ``update`` by ``factor``, in float64.
+
+    Integer tensors are returned as they are. With ``keep_dtype`` each scaled tensor is
+    cast back to its own dtype; without, it stays float64 (for a caller that goes on
+    computing in float64 and rounds once, at the end).
+    """
+    def scaled(arr: np.ndarray) -> np.ndarray:
+        wide = arr.astype(np.float64) * factor
+        return wide.astype(arr.dtype) if keep_dtype else wide
+
+    return Weights((name, scaled(arr) if arr.dtype.kind == "f" else arr)
+                   for name, arr in update.items())
+
+
+def clip_to_norm(update: Weights, bound: float, *, keep_dtype: bool = True) -> ClippedUpdate:
+    """Scale ``update`` so that its global L2 norm (`l2_norm`) is at most ``bound``.
+
+    Pure: an update within the bound comes back as itself; a longer one as a new
+    `Weights` whose floating-point tensors are multiplied by ``bound / norm`` in float64
+    (`scale_floating`; ``keep_dtype`` as there). A clipped float32 tensor may exceed the
+    bound by float32 rounding. Raises `ConfigError` for a bound that is not a positive
+    finite number.
+
+    >>> delta = Weights({"w": np.array([3.0, 4.0], np.float32), "n": np.array([7])})
+    >>> clipped = clip_to_norm(delta, 1.0)
+    >>> clipped.weights["w"], clipped.weights["n"], clipped.norm, clipped.clipped
+    (array([0.6, 0.8], dtype=float32), array([7]), 5.0, True)
+    """
+    limit = check_norm_bound(bound)
+    norm = l2_norm(update)
+    if norm <= limit:
+        return ClippedUpdate(update, norm, False)
+    return ClippedUpdate(scale_floating(update, limit / norm, keep_dtype=keep_dtype), norm, True)

@@ -1,7 +1,8 @@
 """Secure-aggregation stage messages <-> protobuf (re-exported by `fedloom.protos.codec`).
 
-Part of the one codec, split out to keep modules small: `codec` is still the only
-public protobuf touch and calls these from its task and result pairs. Every
+Part of the one codec: `codec` is still the only public protobuf touch and calls these
+from its task and result pairs; the parts of the messages (round ids, the setup, keys,
+shares, commitments, confirmations) are converted by `_secagg_parts`. Every
 ``_from_proto`` treats its input as hostile: list lengths, numeric ranges, a missing
 ``round_id`` and a setup's identities-per-participant are checked here, and the
 `fedloom.secagg` dataclasses check ids, the lengths of keys, nonces, digests,
@@ -12,13 +13,31 @@ Whether a message makes sense for the round is the state machines' business.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, TypeVar
-
-from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader
 from fedloom.payload import PayloadInfo
+from fedloom.protos._secagg_parts import (
+    MAX_LIST,
+    MAX_PARTICIPANTS,
+    advertised_keys_from_proto,
+    advertised_keys_to_proto,
+    bounded,
+    confirmation_from_proto,
+    confirmation_to_proto,
+    encrypted_share_from_proto,
+    encrypted_share_to_proto,
+    invalid,
+    key_offer_from_proto,
+    key_offer_to_proto,
+    revealed_share_from_proto,
+    revealed_share_to_proto,
+    round_id_from_proto,
+    round_id_of,
+    round_id_to_proto,
+    round_setup_from_proto,
+    round_setup_to_proto,
+    share_commitment_from_proto,
+    share_commitment_to_proto,
+)
 from fedloom.protos.fedloom.v1.fleet_pb2 import Record as ProtoRecord
 from fedloom.protos.fedloom.v1.fleet_pb2 import ResultHeader as ProtoResultHeader
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
@@ -27,7 +46,6 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import (
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggAdvertiseKeysTask as ProtoAdvertiseKeysTask,
 )
-from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggConfirmation as ProtoConfirmation
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggConsistencyResult as ProtoConsistencyResult,
 )
@@ -35,20 +53,10 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggConsistencyTask as ProtoConsistencyTask,
 )
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
-    SecAggEncryptedShare as ProtoEncryptedShare,
-)
-from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggKeyOffer as ProtoKeyOffer
-from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggMaskedInputResult as ProtoMaskedInputResult,
 )
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggMaskedInputTask as ProtoMaskedInputTask,
-)
-from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggRevealedShare as ProtoRevealedShare
-from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggRoundId as ProtoRoundId
-from fedloom.protos.fedloom.v1.fleet_pb2 import SecAggSetup as ProtoSetup
-from fedloom.protos.fedloom.v1.fleet_pb2 import (
-    SecAggShareCommitment as ProtoShareCommitment,
 )
 from fedloom.protos.fedloom.v1.fleet_pb2 import (
     SecAggShareKeysResult as ProtoShareKeysResult,
@@ -60,187 +68,59 @@ from fedloom.protos.fedloom.v1.fleet_pb2 import TaskHeader as ProtoTaskHeader
 from fedloom.secagg import (
     AdvertisedKeys,
     AdvertiseKeysRequest,
-    Confirmation,
     ConsistencyReply,
     ConsistencyRequest,
-    EncryptedShare,
-    KeyOffer,
     MaskedInputRequest,
-    RevealedShare,
-    RoundId,
-    RoundSetup,
     SecAggReply,
     SecAggRequest,
-    ShareCommitment,
     ShareKeysReply,
     ShareKeysRequest,
     UnmaskReply,
     UnmaskRequest,
 )
 
-#: Most participants one round may list (SecAggConfig.max_participants is lower).
-MAX_PARTICIPANTS = 1 << 16
-#: Most entries in any other list of a stage message (the roster, shares, commitments,
-#: survivors, confirmations).
-MAX_LIST = MAX_PARTICIPANTS
-_MAX_INT = (1 << 63) - 1  # fields are packed as signed 64-bit integers
-
-_T = TypeVar("_T")
-_P = TypeVar("_P")
-
-
-class _HasRoundId(Protocol):
-    """A stage message with a ``round_id`` submessage."""
-
-    @property
-    def round_id(self) -> ProtoRoundId: ...
-
-    def HasField(self, field_name: Literal["round_id"]) -> bool: ...
-
-
-def _invalid(message: str) -> MessageRejectedError:
-    return MessageRejectedError(RejectReason.INVALID, message)
-
-
-def _bounded(items: Sequence[_P], what: str, convert: Callable[[_P], _T],
-             limit: int = MAX_LIST) -> tuple[_T, ...]:
-    if len(items) > limit:
-        raise _invalid(f"{len(items)} {what}; at most {limit} allowed")
-    return tuple(convert(item) for item in items)
-
-
-# ---- identifiers and parameters ------------------------------------------------------
-def round_id_to_proto(round_id: RoundId) -> ProtoRoundId:
-    return ProtoRoundId(run_id=round_id.run_id, round=round_id.server_round,
-                        attempt=round_id.attempt)
-
-
-def round_id_from_proto(message: ProtoRoundId) -> RoundId:
-    if message.round > _MAX_INT or message.attempt > _MAX_INT:
-        raise _invalid("a secure-aggregation round or attempt number is out of range")
-    return RoundId(message.run_id, int(message.round), int(message.attempt))
-
-
-def _round_id_of(message: _HasRoundId, what: str) -> RoundId:
-    """The ``round_id`` field of ``message``, which must be set."""
-    if not message.HasField("round_id"):
-        raise _invalid(f"{what} must name its round attempt (round_id is missing)")
-    return round_id_from_proto(message.round_id)
-
-
-def round_setup_to_proto(setup: RoundSetup) -> ProtoSetup:
-    return ProtoSetup(
-        round_id=round_id_to_proto(setup.round_id),
-        participants=list(setup.participants),
-        identities=list(setup.identities),
-        neighbours=setup.neighbours,
-        threshold=setup.threshold,
-        clip_range=setup.clip_range,
-        bits=setup.bits,
-        max_weight=setup.max_weight,
-        vector_length=setup.vector_length,
-        min_survivors=setup.min_survivors,
-        model_digest=setup.model_digest,
-        config_digest=setup.config_digest,
-        authenticated=setup.authenticated,
-    )
-
-
-def round_setup_from_proto(message: ProtoSetup) -> RoundSetup:
-    round_id = _round_id_of(message, "a secure-aggregation setup")
-    participants = _bounded(message.participants, "participants", str, MAX_PARTICIPANTS)
-    identities = _bounded(message.identities, "identities", str, MAX_PARTICIPANTS)
-    if len(identities) != len(participants):
-        raise _invalid(f"a secure-aggregation setup names {len(identities)} identities for "
-                       f"{len(participants)} participants: it must list one identity per "
-                       "participant, in participant order")
-    for name in ("clip_range", "max_weight"):
-        if not math.isfinite(getattr(message, name)):
-            raise _invalid(f"secure-aggregation {name} is not finite")
-    if message.vector_length > _MAX_INT:
-        raise _invalid("secure-aggregation vector_length is out of range")
-    return RoundSetup(
-        round_id=round_id,
-        participants=participants,
-        identities=identities,
-        neighbours=int(message.neighbours),
-        threshold=int(message.threshold),
-        clip_range=float(message.clip_range),
-        bits=int(message.bits),
-        max_weight=float(message.max_weight),
-        vector_length=int(message.vector_length),
-        min_survivors=int(message.min_survivors),
-        model_digest=bytes(message.model_digest),
-        config_digest=bytes(message.config_digest),
-        authenticated=bool(message.authenticated),
-    )
-
-
-# ---- parts of the stage messages ------------------------------------------------------
-def advertised_keys_to_proto(keys: AdvertisedKeys) -> ProtoAdvertisedKeys:
-    return ProtoAdvertisedKeys(
-        round_id=round_id_to_proto(keys.round_id),
-        client_id=keys.client_id,
-        cipher_public_key=keys.cipher_public_key,
-        mask_public_key=keys.mask_public_key,
-        certificate=keys.certificate,
-        signature=keys.signature,
-    )
-
-
-def advertised_keys_from_proto(message: ProtoAdvertisedKeys) -> AdvertisedKeys:
-    return AdvertisedKeys(
-        round_id=_round_id_of(message, "advertised keys"),
-        client_id=message.client_id,
-        cipher_public_key=bytes(message.cipher_public_key),
-        mask_public_key=bytes(message.mask_public_key),
-        certificate=bytes(message.certificate),
-        signature=bytes(message.signature),
-    )
-
-
-def key_offer_to_proto(offer: KeyOffer) -> ProtoKeyOffer:
-    return ProtoKeyOffer(cipher_public_key=offer.cipher_public_key,
-                         mask_public_key=offer.mask_public_key)
-
-
-def key_offer_from_proto(message: ProtoKeyOffer) -> KeyOffer:
-    return KeyOffer(bytes(message.cipher_public_key), bytes(message.mask_public_key))
-
-
-def encrypted_share_to_proto(share: EncryptedShare) -> ProtoEncryptedShare:
-    return ProtoEncryptedShare(sender=share.sender, receiver=share.receiver, nonce=share.nonce,
-                               ciphertext=share.ciphertext)
-
-
-def encrypted_share_from_proto(message: ProtoEncryptedShare) -> EncryptedShare:
-    return EncryptedShare(message.sender, message.receiver, bytes(message.nonce),
-                          bytes(message.ciphertext))
-
-
-def share_commitment_to_proto(commitment: ShareCommitment) -> ProtoShareCommitment:
-    return ProtoShareCommitment(holder=commitment.holder, mask_key=commitment.mask_key,
-                                self_mask=commitment.self_mask)
-
-
-def share_commitment_from_proto(message: ProtoShareCommitment) -> ShareCommitment:
-    return ShareCommitment(message.holder, bytes(message.mask_key), bytes(message.self_mask))
-
-
-def confirmation_to_proto(confirmation: Confirmation) -> ProtoConfirmation:
-    return ProtoConfirmation(signer=confirmation.signer, signature=confirmation.signature)
-
-
-def confirmation_from_proto(message: ProtoConfirmation) -> Confirmation:
-    return Confirmation(message.signer, bytes(message.signature))
-
-
-def revealed_share_to_proto(share: RevealedShare) -> ProtoRevealedShare:
-    return ProtoRevealedShare(owner=share.owner, value=share.value)
-
-
-def revealed_share_from_proto(message: ProtoRevealedShare) -> RevealedShare:
-    return RevealedShare(message.owner, bytes(message.value))
+#: The stage messages and, re-exported, their parts (`_secagg_parts`).
+__all__ = [
+    "MAX_LIST",
+    "MAX_PARTICIPANTS",
+    "advertised_keys_from_proto",
+    "advertised_keys_to_proto",
+    "check_masked_payload",
+    "confirmation_from_proto",
+    "confirmation_to_proto",
+    "consistency_result_from_proto",
+    "consistency_result_to_proto",
+    "consistency_task_from_proto",
+    "consistency_task_to_proto",
+    "encrypted_share_from_proto",
+    "encrypted_share_to_proto",
+    "key_offer_from_proto",
+    "key_offer_to_proto",
+    "masked_input_result_from_proto",
+    "masked_input_result_to_proto",
+    "masked_input_task_from_proto",
+    "masked_input_task_to_proto",
+    "revealed_share_from_proto",
+    "revealed_share_to_proto",
+    "round_id_from_proto",
+    "round_id_to_proto",
+    "round_setup_from_proto",
+    "round_setup_to_proto",
+    "secagg_result_from_proto",
+    "secagg_result_to_proto",
+    "secagg_task_from_proto",
+    "secagg_task_to_proto",
+    "share_commitment_from_proto",
+    "share_commitment_to_proto",
+    "share_keys_result_from_proto",
+    "share_keys_result_to_proto",
+    "share_keys_task_from_proto",
+    "share_keys_task_to_proto",
+    "unmask_result_from_proto",
+    "unmask_result_to_proto",
+    "unmask_task_from_proto",
+    "unmask_task_to_proto",
+]
 
 
 # ---- tasks (server -> client) ---------------------------------------------------------
@@ -270,8 +150,8 @@ def share_keys_task_to_proto(request: ShareKeysRequest) -> ProtoShareKeysTask:
 def share_keys_task_from_proto(message: ProtoShareKeysTask) -> ShareKeysRequest:
     setup = round_setup_from_proto(message.setup) if message.HasField("setup") else None
     own = advertised_keys_from_proto(message.own_keys) if message.HasField("own_keys") else None
-    return ShareKeysRequest(_round_id_of(message, "a share-keys task"),
-                            _bounded(message.roster, "roster keys", advertised_keys_from_proto),
+    return ShareKeysRequest(round_id_of(message, "a share-keys task"),
+                            bounded(message.roster, "roster keys", advertised_keys_from_proto),
                             setup, own)
 
 
@@ -285,9 +165,9 @@ def masked_input_task_to_proto(request: MaskedInputRequest) -> ProtoMaskedInputT
 
 def masked_input_task_from_proto(message: ProtoMaskedInputTask) -> MaskedInputRequest:
     return MaskedInputRequest(
-        _round_id_of(message, "a masked-input task"),
-        _bounded(message.shares, "shares", encrypted_share_from_proto),
-        _bounded(message.commitments, "share commitments", share_commitment_from_proto),
+        round_id_of(message, "a masked-input task"),
+        bounded(message.shares, "shares", encrypted_share_from_proto),
+        bounded(message.commitments, "share commitments", share_commitment_from_proto),
     )
 
 
@@ -297,8 +177,8 @@ def consistency_task_to_proto(request: ConsistencyRequest) -> ProtoConsistencyTa
 
 
 def consistency_task_from_proto(message: ProtoConsistencyTask) -> ConsistencyRequest:
-    return ConsistencyRequest(_round_id_of(message, "a consistency task"),
-                              _bounded(message.survivors, "survivors", str))
+    return ConsistencyRequest(round_id_of(message, "a consistency task"),
+                              bounded(message.survivors, "survivors", str))
 
 
 def unmask_task_to_proto(request: UnmaskRequest) -> ProtoUnmaskTask:
@@ -311,9 +191,9 @@ def unmask_task_to_proto(request: UnmaskRequest) -> ProtoUnmaskTask:
 
 def unmask_task_from_proto(message: ProtoUnmaskTask) -> UnmaskRequest:
     return UnmaskRequest(
-        _round_id_of(message, "an unmask task"),
-        _bounded(message.survivors, "survivors", str),
-        _bounded(message.confirmations, "confirmations", confirmation_from_proto),
+        round_id_of(message, "an unmask task"),
+        bounded(message.survivors, "survivors", str),
+        bounded(message.confirmations, "confirmations", confirmation_from_proto),
     )
 
 
@@ -333,11 +213,11 @@ def share_keys_result_to_proto(reply: ShareKeysReply) -> ProtoShareKeysResult:
 def share_keys_result_from_proto(message: ProtoShareKeysResult) -> ShareKeysReply:
     offer = key_offer_from_proto(message.next_keys) if message.HasField("next_keys") else None
     return ShareKeysReply(
-        _round_id_of(message, "a share-keys result"),
+        round_id_of(message, "a share-keys result"),
         message.client_id,
-        _bounded(message.shares, "shares", encrypted_share_from_proto),
+        bounded(message.shares, "shares", encrypted_share_from_proto),
         bytes(message.self_mask_commitment),
-        _bounded(message.share_commitments, "share commitments", share_commitment_from_proto),
+        bounded(message.share_commitments, "share commitments", share_commitment_from_proto),
         offer,
     )
 
@@ -349,8 +229,8 @@ def masked_input_result_to_proto(header: MaskedInputHeader) -> ProtoMaskedInputR
 
 def masked_input_result_from_proto(message: ProtoMaskedInputResult) -> MaskedInputHeader:
     if not 0 < len(message.client_id) <= 256:
-        raise _invalid("a masked input must name its client (1..256 characters)")
-    return MaskedInputHeader(_round_id_of(message, "a masked-input result"), message.client_id)
+        raise invalid("a masked input must name its client (1..256 characters)")
+    return MaskedInputHeader(round_id_of(message, "a masked-input result"), message.client_id)
 
 
 def consistency_result_to_proto(reply: ConsistencyReply) -> ProtoConsistencyResult:
@@ -359,7 +239,7 @@ def consistency_result_to_proto(reply: ConsistencyReply) -> ProtoConsistencyResu
 
 
 def consistency_result_from_proto(message: ProtoConsistencyResult) -> ConsistencyReply:
-    return ConsistencyReply(_round_id_of(message, "a consistency result"), message.client_id,
+    return ConsistencyReply(round_id_of(message, "a consistency result"), message.client_id,
                             bytes(message.signature))
 
 
@@ -374,10 +254,10 @@ def unmask_result_to_proto(reply: UnmaskReply) -> ProtoUnmaskResult:
 
 def unmask_result_from_proto(message: ProtoUnmaskResult) -> UnmaskReply:
     return UnmaskReply(
-        _round_id_of(message, "an unmask result"),
+        round_id_of(message, "an unmask result"),
         message.client_id,
-        _bounded(message.self_mask_shares, "self-mask shares", revealed_share_from_proto),
-        _bounded(message.mask_key_shares, "mask-key shares", revealed_share_from_proto),
+        bounded(message.self_mask_shares, "self-mask shares", revealed_share_from_proto),
+        bounded(message.mask_key_shares, "mask-key shares", revealed_share_from_proto),
     )
 
 
@@ -409,7 +289,7 @@ def secagg_task_from_proto(header: ProtoTaskHeader, kind: str
     if kind == "secagg_advertise_keys":
         task = header.secagg_advertise_keys
         if not task.HasField("setup"):
-            raise _invalid("an advertise-keys task must carry the round's setup")
+            raise invalid("an advertise-keys task must carry the round's setup")
         return AdvertiseKeysRequest(round_setup_from_proto(task.setup)), None
     if kind == "secagg_share_keys":
         return share_keys_task_from_proto(header.secagg_share_keys), None
@@ -420,7 +300,7 @@ def secagg_task_from_proto(header: ProtoTaskHeader, kind: str
         return consistency_task_from_proto(header.secagg_consistency), None
     if kind == "secagg_unmask":
         return unmask_task_from_proto(header.secagg_unmask), None
-    raise _invalid(f"task kind {kind!r} is not supported by this client")
+    raise invalid(f"task kind {kind!r} is not supported by this client")
 
 
 def secagg_result_to_proto(reply: SecAggReply | MaskedInputHeader | None,
@@ -442,10 +322,10 @@ def secagg_result_to_proto(reply: SecAggReply | MaskedInputHeader | None,
 def check_masked_payload(update: PayloadInfo | None) -> PayloadInfo:
     """A masked input's payload: exactly one 1-D uint32 tensor named ``masked``."""
     if update is None or len(update.specs) != 1:
-        raise _invalid(f"a masked input carries exactly one tensor {MASKED_TENSOR!r}")
+        raise invalid(f"a masked input carries exactly one tensor {MASKED_TENSOR!r}")
     spec = update.specs[0]
     if spec.name != MASKED_TENSOR or spec.dtype != "uint32" or len(spec.shape) != 1:
-        raise _invalid(f"a masked input is one 1-D uint32 tensor {MASKED_TENSOR!r}, got "
+        raise invalid(f"a masked input is one 1-D uint32 tensor {MASKED_TENSOR!r}, got "
                        f"{spec.name[:64]!r} {spec.dtype}{list(spec.shape)}")
     return update
 
@@ -457,7 +337,7 @@ def secagg_result_from_proto(header: ProtoResultHeader, kind: str, update: Paylo
         check_masked_payload(update)
         return masked_input_result_from_proto(header.secagg_masked_input)
     if update is not None:
-        raise _invalid("only a masked input carries a payload among the secagg stages")
+        raise invalid("only a masked input carries a payload among the secagg stages")
     if kind == "secagg_advertised_keys":
         return advertised_keys_from_proto(header.secagg_advertised_keys)
     if kind == "secagg_share_keys":
@@ -466,4 +346,4 @@ def secagg_result_from_proto(header: ProtoResultHeader, kind: str, update: Paylo
         return consistency_result_from_proto(header.secagg_consistency)
     if kind == "secagg_unmask":
         return unmask_result_from_proto(header.secagg_unmask)
-    raise _invalid(f"result kind {kind!r} is not a secure-aggregation stage")
+    raise invalid(f"result kind {kind!r} is not a secure-aggregation stage")

@@ -5,8 +5,8 @@ treats its input as hostile: it checks sizes, names, dtypes, shapes and ranges a
 raises `MessageRejectedError` (reason INVALID) with a message that says what was wrong.
 Generated classes are imported under a ``Proto`` prefix so wire and domain names never
 collide. The secure-aggregation stage messages are converted by
-`fedloom.protos._secagg_codec` (split out to keep modules small), which the task and
-result pairs here call.
+`fedloom.protos._secagg_codec` (their parts by `fedloom.protos._secagg_parts`), which
+the task and result pairs here call.
 """
 
 from __future__ import annotations

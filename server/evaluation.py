@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fedloom.messages import ResultHeader
+from fedloom.messages import Capability, ResultHeader
 from fedloom.server.driver import RoundParts
 from fedloom.server.plain_round import PhaseOwner, check_num_examples, issue_phase
 from fedloom.server.registry import ClientRecord
@@ -46,7 +46,7 @@ class EvaluatePhase(PhaseOwner):
 async def federated_evaluate(parts: RoundParts, server_round: int) -> dict[str, Any]:
     """Run the round's federated evaluation; its aggregated metrics ({} if skipped)."""
     config = parts.config
-    eligible = [c for c in parts.fleet.registry.infos() if "evaluate" in c.capabilities]
+    eligible = [c for c in parts.fleet.registry.infos() if Capability.EVALUATE in c.capabilities]
     plan = parts.strategy.configure_evaluate(server_round, parts.model.weights, eligible)
     if not plan.client_ids:
         return {}

@@ -15,7 +15,13 @@ from collections.abc import Callable
 
 from fedloom.config import ServerConfig
 from fedloom.errors import MessageRejectedError, RejectReason
-from fedloom.messages import PROTOCOL_VERSION, JoinReply, JoinRequest
+from fedloom.messages import (
+    PROTOCOL_VERSION,
+    SERVER_CAPABILITIES,
+    Capability,
+    JoinReply,
+    JoinRequest,
+)
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.progress import RoundReporter
 from fedloom.server.quarantine import Quarantine
@@ -24,10 +30,6 @@ from fedloom.types import ClientInfo
 
 log = logging.getLogger("fedloom.server")
 
-#: The capability a client sends in Join when it can run SecAgg+ stages.
-SECAGG_CAPABILITY = "secagg"
-#: What this server can ask of a client.
-CAPABILITIES = frozenset({"fit", "evaluate", SECAGG_CAPABILITY})
 
 #: ``listener(client_id, reason)``: a client has gone (left, silent, quarantined, ...).
 DepartureListener = Callable[[str, str], None]
@@ -58,14 +60,14 @@ class Fleet:
                 f"protocol version {request.protocol_version} is not supported; "
                 f"this server speaks {PROTOCOL_VERSION}: upgrade the client",
             )
-        if "fit" not in request.capabilities:
+        if Capability.FIT not in request.capabilities:
             raise MessageRejectedError(RejectReason.INVALID, "a client must support 'fit'")
         self.quarantine.check(identity or request.name)
         for info in self.registry.infos() if identity is not None else ():
             if info.name == identity:
                 self.drop(info.client_id, "replaced by a new session of its identity")
         record, session = self.registry.join(
-            identity or request.name, request.capabilities & CAPABILITIES
+            identity or request.name, request.capabilities & SERVER_CAPABILITIES
         )
         log.info(
             "client %s (%s) joined; %d connected", record.client_id, record.info.name,
@@ -78,7 +80,7 @@ class Fleet:
         return JoinReply(
             session=session,
             protocol_version=PROTOCOL_VERSION,
-            capabilities=CAPABILITIES,
+            capabilities=SERVER_CAPABILITIES,
             run_id=self.run_id,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             long_poll_s=self.config.long_poll_s,
@@ -143,7 +145,8 @@ class Fleet:
                 self.drop(client_id, "no heartbeat")
             await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s))
 
-    async def wait_for(self, count: int, capability: str = "fit") -> list[ClientInfo]:
+    async def wait_for(self, count: int, capability: str = Capability.FIT
+                       ) -> list[ClientInfo]:
         """Wait until at least ``count`` connected clients have ``capability``; those
         clients. Reports the wait (progress display, log) while it lasts."""
         announced = -1
@@ -152,7 +155,7 @@ class Fleet:
             if len(eligible) >= count:
                 return eligible
             self._reporter.waiting(len(eligible), count)
-            if capability != "fit" and len(eligible) != announced:
+            if capability != Capability.FIT and len(eligible) != announced:
                 log.info("waiting for clients: %d of %d support %s", len(eligible), count,
                          capability)
                 announced = len(eligible)

@@ -31,6 +31,7 @@ from torch.utils.data import (
 from fedloom.client_sdk._client import FitOutput
 from fedloom.client_sdk.torch_trainer import TorchClient
 from fedloom.errors import ConfigError
+from fedloom.fit_config import SEED
 from fedloom.types import Config
 from fedloom.weights import Weights
 
@@ -82,15 +83,15 @@ class _SeededTorchClient(TorchClient):
         self.generator = generator
 
     def fit(self, weights: Weights, config: Config) -> FitOutput:
-        if "seed" not in config:
+        if SEED not in config:
             return super().fit(weights, config)
-        seed = int(config["seed"])
+        seed = int(config[SEED])
         self.generator.manual_seed(seed)
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 torch.cuda.manual_seed(seed)
-        return super().fit(weights, {k: v for k, v in config.items() if k != "seed"})
+        return super().fit(weights, {k: v for k, v in config.items() if k != SEED})
 
 
 def _loader(

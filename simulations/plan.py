@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from fedloom.fit_config import SEED
 from fedloom.types import ClientInfo, ClientUpdate, Metrics, Scalar
 from fedloom.weights import Weights
 
@@ -85,7 +86,7 @@ def client_fit_config(
     """
     config: dict[str, Scalar] = dict(defaults or {})
     config.update(plan_config)
-    config["seed"] = fit_seed(base_seed, client_index, server_round)
+    config[SEED] = fit_seed(base_seed, client_index, server_round)
     return config
 
 

@@ -32,6 +32,14 @@ from typing import Any
 import numpy as np
 
 from fedloom.errors import ConfigError, SecureAggregationError
+from fedloom.fit_config import (
+    DDP_BITS,
+    DDP_CLIENT_MU,
+    DDP_CLIP_NORM,
+    DDP_MIN_SURVIVORS,
+    DDP_ROTATION_SEED,
+    DDP_SCALE,
+)
 from fedloom.privacy._hadamard import rotation_signs
 from fedloom.privacy._skellam import (
     DEFAULT_ORDERS,
@@ -44,16 +52,17 @@ from fedloom.privacy._skellam import (
 )
 from fedloom.secagg._config import SecAggConfig
 
-#: Fit-config keys of a distributed-DP round (all five, or none).
-CLIP_KEY = "ddp_clip_norm"
-SCALE_KEY = "ddp_scale"
-MU_KEY = "ddp_client_mu"
-BITS_KEY = "ddp_bits"
-SEED_KEY = "ddp_rotation_seed"
+#: Fit-config keys of a distributed-DP round (all five, or none), defined in
+#: `fedloom.fit_config`; the short names are this package's.
+CLIP_KEY = DDP_CLIP_NORM
+SCALE_KEY = DDP_SCALE
+MU_KEY = DDP_CLIENT_MU
+BITS_KEY = DDP_BITS
+SEED_KEY = DDP_ROTATION_SEED
 DDP_KEYS = (CLIP_KEY, SCALE_KEY, MU_KEY, BITS_KEY, SEED_KEY)
 #: Fit-config key: the least survivors whose sum may be unmasked (the round's survivor
 #: floor; the secure round raises ``min_survivors`` to it, and clients enforce it).
-MIN_SURVIVORS_KEY = "ddp_min_survivors"
+MIN_SURVIVORS_KEY = DDP_MIN_SURVIVORS
 
 
 def to_fit_config(params: SkellamParams, rotation_seed: bytes) -> dict[str, Any]:

@@ -60,111 +60,50 @@ a wrapped coordinate of the rotated sum spreads its error over all coordinates.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
 from fedloom.errors import ConfigError, SecureAggregationError
 from fedloom.privacy._hadamard import padded_length, rotate, unrotate
+from fedloom.privacy._skellam_params import (
+    DEFAULT_BETA,
+    MAX_BITS,
+    MAX_CLIENT_NOISE_MU,
+    MAX_ROUNDING_ATTEMPTS,
+    SkellamParams,
+    per_client_noise_mu,
+    realised_noise_mu,
+    require,
+)
+from fedloom.privacy._skellam_rdp import (
+    DEFAULT_ORDERS,
+    compose_rdp,
+    round_rdp,
+    skellam_epsilon,
+    skellam_rdp,
+)
 
-#: The conditional-rounding β the papers recommend and use in their experiments
-#: (Kairouz, Liu & Steinke 2021; Agarwal, Kairouz & Liu 2021): each rounding attempt
-#: fails the norm check with probability at most β.
-DEFAULT_BETA = math.exp(-0.5)
-
-#: Attempts at conditional rounding before giving up: with β = e^-0.5 all of them fail
-#: with probability at most e^-50.
-MAX_ROUNDING_ATTEMPTS = 100
-
-#: Integer RDP orders (the bound of Theorem 3.5 is stated for integer alpha > 1).
-DEFAULT_ORDERS: tuple[int, ...] = (*range(2, 257), 320, 384, 512, 768, 1024)
-
-#: The largest Poisson rate a client may draw. numpy's sampler (PTRS, Hörmann 1993)
-#: tests acceptance with ``k log(λ) - λ - log(k!)``, terms near ``λ log λ`` whose
-#: float64 rounding grows with λ. Measured on 4M draws (numpy 2.4): from 1e13 a KS test
-#: against the normal limit fails, at 1e14 the variance is 0.7% high, at 1e16 41%.
-#: At 2**32 those terms are about 1e11 and round by about 1e-5, so the sampled law is
-#: Poisson to that relative accuracy (and passes the same checks). The calibration
-#: lowers gamma to respect it, at a negligible cost: the rounding's ``d'/4`` in Δ2²
-#: stays tiny against ``(c gamma)² = 2**33 n (1 - p) / z²`` (1e-5 of it at d' = 2**20,
-#: z = 2, 10 survivors).
-MAX_CLIENT_NOISE_MU = float(2**32)
-
-_MAX_BITS = 32  # the secure-aggregation ring is Z_{2^32}
-
-
-@dataclasses.dataclass(frozen=True)
-class SkellamParams:
-    """What every client and the server of a round must agree on.
-
-    Attributes:
-        clip_norm: c, the L2 norm each flattened float update is clipped to.
-        dimension: d, the length of the flattened update.
-        scale: gamma, the factor applied after rotation and before rounding.
-        bits: the modulus is ``2**bits`` (at most 32: the values travel as uint32 and
-            are summed in Z_{2^32}, a multiple of ``2**bits``).
-        beta: β of conditional randomized rounding, in [0, 1); 0 means plain
-            stochastic rounding (and the looser ``Δ2 = c gamma + sqrt(d')``).
-        client_noise_mu: μ_client, the Skellam parameter each client adds per
-            coordinate (variance ``2 μ_client``); 0 adds no noise.
-    """
-
-    clip_norm: float
-    dimension: int
-    scale: float
-    bits: int = _MAX_BITS
-    beta: float = DEFAULT_BETA
-    client_noise_mu: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(self.clip_norm > 0 and math.isfinite(self.clip_norm), "clip_norm",
-                 f"must be a positive number, got {self.clip_norm!r}")
-        _require(isinstance(self.dimension, int) and self.dimension >= 1, "dimension",
-                 f"must be a positive integer, got {self.dimension!r}")
-        _require(self.scale > 0 and math.isfinite(self.scale), "scale",
-                 f"must be a positive number, got {self.scale!r}")
-        _require(isinstance(self.bits, int) and 2 <= self.bits <= _MAX_BITS, "bits",
-                 f"must be an integer in [2, {_MAX_BITS}], got {self.bits!r}")
-        _require(0.0 <= self.beta < 1.0, "beta", f"must be in [0, 1), got {self.beta!r}")
-        _require(0 <= self.client_noise_mu <= MAX_CLIENT_NOISE_MU, "client_noise_mu",
-                 f"must be in [0, {MAX_CLIENT_NOISE_MU:.0f}] (numpy's Poisson sampler is "
-                 f"inexact above), got {self.client_noise_mu!r}; lower the scale")
-
-    @property
-    def padded_dimension(self) -> int:
-        """d', the dimension rotated, rounded and summed (a power of two >= d)."""
-        return padded_length(self.dimension)
-
-    @property
-    def modulus(self) -> int:
-        """``2**bits``."""
-        return 1 << self.bits
-
-    @property
-    def l2_bound(self) -> float:
-        """Δ2, the L2 norm bound of one client's integer vector (module docstring)."""
-        scaled_clip, dim = self.clip_norm * self.scale, float(self.padded_dimension)
-        plain = scaled_clip + math.sqrt(dim)
-        if self.beta == 0.0:
-            return plain
-        squared = scaled_clip**2 + dim / 4.0 + math.sqrt(2.0 * math.log(1.0 / self.beta)) * (
-            scaled_clip + math.sqrt(dim) / 2.0
-        )
-        return min(plain, math.sqrt(squared))
-
-    @property
-    def l1_bound(self) -> float:
-        """Δ1 = min(Δ2², sqrt(d') Δ2), the L1 norm bound of one client's integer vector."""
-        l2 = self.l2_bound
-        return l2 * min(l2, math.sqrt(self.padded_dimension))
-
-
-def _require(condition: bool, setting: str, problem: str) -> None:
-    if not condition:
-        raise ConfigError(setting, problem)
-
+#: The mechanism here; its parameters (`_skellam_params`) and its privacy accounting
+#: (`_skellam_rdp`) re-exported.
+__all__ = [
+    "DEFAULT_BETA",
+    "DEFAULT_ORDERS",
+    "MAX_CLIENT_NOISE_MU",
+    "MAX_ROUNDING_ATTEMPTS",
+    "SkellamParams",
+    "calibrate",
+    "compose_rdp",
+    "decode_sum",
+    "discretize",
+    "encode",
+    "per_client_noise_mu",
+    "realised_noise_mu",
+    "round_rdp",
+    "sample_skellam",
+    "skellam_epsilon",
+    "skellam_rdp",
+]
 
 # --- noise ---------------------------------------------------------------------------
 
@@ -181,27 +120,6 @@ def sample_skellam(mu: float, size: int, rng: np.random.Generator) -> np.ndarray
     if mu == 0:
         return np.zeros(size, dtype=np.int64)
     return rng.poisson(mu, size).astype(np.int64) - rng.poisson(mu, size).astype(np.int64)
-
-
-def per_client_noise_mu(total_mu: float, expected_clients: int, dropout_rate: float) -> float:
-    """μ_client such that the expected ``n (1 - p)`` survivors together add ``Sk(total_mu)``.
-
-    Sums of independent ``Sk(μ_i)`` are ``Sk(Σ μ_i)``, so each client adds
-    ``total_mu / (n (1 - p))``.
-    """
-    _require(isinstance(expected_clients, int) and expected_clients >= 1, "expected_clients",
-             f"must be a positive integer, got {expected_clients!r}")
-    _require(0.0 <= dropout_rate < 1.0, "dropout_rate", f"must be in [0, 1), got {dropout_rate!r}")
-    _require(total_mu >= 0 and math.isfinite(total_mu), "total_mu",
-             f"must be a number >= 0, got {total_mu!r}")
-    return total_mu / (expected_clients * (1.0 - dropout_rate))
-
-
-def realised_noise_mu(client_noise_mu: float, noisy_clients: int) -> float:
-    """μ_total of the sum when ``noisy_clients`` clients each added ``Sk(client_noise_mu)``."""
-    if noisy_clients < 0:
-        raise ValueError(f"the number of noisy clients must be >= 0, got {noisy_clients}")
-    return client_noise_mu * noisy_clients
 
 
 # --- client and server ---------------------------------------------------------------
@@ -284,80 +202,11 @@ def decode_sum(total: np.ndarray, params: SkellamParams, signs: np.ndarray) -> n
     return unrotate(centred / params.scale, signs, params.dimension)
 
 
-# --- privacy accounting --------------------------------------------------------------
-
-
-def _check_orders(orders: Sequence[int]) -> np.ndarray:
-    array = np.asarray(orders, dtype=np.float64)
-    if array.ndim != 1 or array.size == 0 or not np.all((array >= 2) & (array == np.round(array))):
-        raise ConfigError("orders", "must be a non-empty list of integers >= 2 (Theorem 3.5 "
-                          "holds for integer orders)")
-    return array
-
-
-def skellam_rdp(orders: Sequence[int], mu_total: float, l1: float, l2: float) -> np.ndarray:
-    """RDP ε(alpha) of adding ``Sk(mu_total)`` per coordinate at sensitivities ``l1``, ``l2``.
-
-    Agarwal, Kairouz & Liu 2021, Theorem 3.5 (formula in the module docstring), all in
-    the scaled integer domain. ``mu_total = 0`` gives infinity (no noise, no privacy)
-    unless the sensitivity is zero.
-    """
-    alpha = _check_orders(orders)
-    if not (mu_total >= 0 and math.isfinite(mu_total)) or not (l1 >= 0 and l2 >= 0):
-        raise ConfigError("mu_total", f"mu_total, l1 and l2 must be >= 0, got {mu_total}, "
-                          f"{l1}, {l2}")
-    if l2 == 0 and l1 == 0:
-        return np.zeros_like(alpha)
-    if mu_total == 0:
-        return np.full_like(alpha, np.inf)
-    gaussian = alpha * l2**2 / (4.0 * mu_total)
-    correction = np.minimum(((2.0 * alpha - 1.0) * l2**2 + 6.0 * l1) / (16.0 * mu_total**2),
-                            3.0 * l1 / (4.0 * mu_total))
-    return gaussian + correction
-
-
-def round_rdp(params: SkellamParams, noisy_clients: int,
-              orders: Sequence[int] = DEFAULT_ORDERS) -> np.ndarray:
-    """One round's RDP when ``noisy_clients`` clients' noise is in the sum.
-
-    Pass the survivors whose masked input was summed (minus any the server may collude
-    with); the sensitivities are ``params.l1_bound`` and ``params.l2_bound``.
-    """
-    mu_total = realised_noise_mu(params.client_noise_mu, noisy_clients)
-    return skellam_rdp(orders, mu_total, params.l1_bound, params.l2_bound)
-
-
-def compose_rdp(rdp_per_round: Sequence[np.ndarray]) -> np.ndarray:
-    """RDP of several rounds at the same orders: the sum (Mironov 2017, Proposition 1)."""
-    if not rdp_per_round:
-        raise ValueError("compose at least one round")
-    return np.sum(np.stack([np.asarray(r, dtype=np.float64) for r in rdp_per_round]), axis=0)
-
-
-def skellam_epsilon(orders: Sequence[int], rdp: np.ndarray, delta: float) -> tuple[float, int]:
-    """(ε, the best order) at ``delta`` for composed RDP values, by dp-accounting.
-
-    The conversion is ``rdp_privacy_accountant.compute_epsilon`` (Balle et al. 2020's
-    improved bound); no amplification by sampling (module docstring).
-    """
-    alpha = _check_orders(orders)
-    _require(0.0 < delta < 1.0, "delta", f"must be in (0, 1), got {delta!r}")
-    values = np.asarray(rdp, dtype=np.float64)
-    if values.shape != alpha.shape:
-        raise ConfigError("rdp", f"needs one value per order ({alpha.size}), got {values.shape}")
-    # dp-accounting takes most of a second to import: only the server's accounting pays.
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    epsilon, order = rdp_privacy_accountant.compute_epsilon(
-        [float(a) for a in alpha], [float(v) for v in values], delta)
-    return float(epsilon), int(order)
-
-
 # --- calibration ---------------------------------------------------------------------
 
 
 def calibrate(clip_norm: float, dimension: int, expected_clients: int, noise_multiplier: float,
-              *, dropout_rate: float = 0.0, bits: int = _MAX_BITS, beta: float = DEFAULT_BETA,
+              *, dropout_rate: float = 0.0, bits: int = MAX_BITS, beta: float = DEFAULT_BETA,
               headroom_sigmas: float = 4.0) -> SkellamParams:
     """Parameters that match central noise ``z c`` on the sum and leave the ring unwrapped.
 
@@ -381,16 +230,16 @@ def calibrate(clip_norm: float, dimension: int, expected_clients: int, noise_mul
     does not, and the ring is not filled. ``z = 0`` calibrates a noiseless
     (non-private) round.
     """
-    _require(clip_norm > 0 and math.isfinite(clip_norm), "clip_norm",
+    require(clip_norm > 0 and math.isfinite(clip_norm), "clip_norm",
              f"must be a positive number, got {clip_norm!r}")
-    _require(isinstance(dimension, int) and dimension >= 1, "dimension",
+    require(isinstance(dimension, int) and dimension >= 1, "dimension",
              f"must be a positive integer, got {dimension!r}")
-    _require(noise_multiplier >= 0 and math.isfinite(noise_multiplier), "noise_multiplier",
+    require(noise_multiplier >= 0 and math.isfinite(noise_multiplier), "noise_multiplier",
              f"must be a number >= 0, got {noise_multiplier!r}")
-    _require(headroom_sigmas >= 1 and math.isfinite(headroom_sigmas), "headroom_sigmas",
+    require(headroom_sigmas >= 1 and math.isfinite(headroom_sigmas), "headroom_sigmas",
              f"must be a number >= 1, got {headroom_sigmas!r}")
-    _require(isinstance(bits, int) and 2 <= bits <= _MAX_BITS, "bits",
-             f"must be an integer in [2, {_MAX_BITS}], got {bits!r}")
+    require(isinstance(bits, int) and 2 <= bits <= MAX_BITS, "bits",
+             f"must be an integer in [2, {MAX_BITS}], got {bits!r}")
     per_client_noise_mu(0.0, expected_clients, dropout_rate)  # validates n and p
     n, k = expected_clients, headroom_sigmas
     room = 4.0 ** (bits - 1) / k**2 - n / 4.0

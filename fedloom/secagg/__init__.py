@@ -15,7 +15,9 @@ and signed statements (`_crypto`), client certificates and signatures (`_identit
 AES-128-CTR mask PRG (`_prg`), Shamir sharing over GF(2**521 - 1) (`_shamir`),
 quantization (`_quantize`), the derived, connected neighbour graph (`_graph`), the
 configuration (`_config`), the setup (`_setup`), the messages (`_messages`), the state
-machines (`_server`; `_client`, with its state in `_client_state` and its checks in
+machines (`_server`, with an attempt's state and stage steps in `_attempt`, its reply
+checks in `_server_checks` and its outcome in `_result`; `_client`, with its state in
+`_client_state`, its attempt bookkeeping in `_client_attempts` and its checks in
 `_client_checks`) and the server's unmasking (`_unmask`).
 
 Threat model (docs/secure-aggregation.md has the table and the argument). The server

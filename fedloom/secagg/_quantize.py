@@ -23,7 +23,7 @@ import numpy as np
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg._prg import keystream_words
 from fedloom.secagg._setup import SEED_BYTES
-from fedloom.weights import TensorSpec, Weights
+from fedloom.weights import TensorSpec, Weights, clip_to_norm
 
 #: Values quantized per block (256 KiB of float64 scratch: the passes stay in cache;
 #: 32K measured 5-10% faster than 16K or 64K at 1M values).
@@ -132,20 +132,11 @@ def unflatten(vector: np.ndarray, specs: Sequence[TensorSpec]) -> Weights:
 def clip_delta(delta: Weights, max_norm: float) -> Weights:
     """Scale the floating tensors of ``delta`` so their global L2 norm is <= ``max_norm``.
 
-    The client-side form of the server's norm bound (Sun et al., 2019; the clipping of
-    DP-FedAvg, McMahan et al., ICLR 2018); integer tensors are neither counted nor
-    scaled, as in `fedloom.strategies.clip_update`.
+    The client-side form of the server's norm bound: `fedloom.weights.clip_to_norm`
+    (integer tensors are neither counted nor scaled), with the scaled tensors left in
+    float64, as `quantize` reads them (one rounding, not two). A bound that is not a
+    positive finite number raises `SecureAggregationError`: the client refuses the round.
     """
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise SecureAggregationError(f"max_update_norm must be a positive number, got {max_norm}")
-    total = 0.0
-    for arr in delta.values():
-        if arr.dtype.kind == "f":
-            flat = arr.astype(np.float64, copy=False).ravel()
-            total += float(np.dot(flat, flat))
-    norm = math.sqrt(total)
-    if norm <= max_norm:
-        return delta
-    scale = max_norm / norm
-    return Weights((name, arr.astype(np.float64) * scale if arr.dtype.kind == "f" else arr)
-                   for name, arr in delta.items())
+    return clip_to_norm(delta, max_norm, keep_dtype=False).weights

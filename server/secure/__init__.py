@@ -7,6 +7,6 @@ into tasks and folds the masked inputs as they arrive.
 """
 
 from fedloom.server.secure.attempt import SecureAttempt, StageTask
-from fedloom.server.secure.rounds import SECAGG_CAPABILITY, SecureRounds
+from fedloom.server.secure.rounds import SecureRounds
 
-__all__ = ["SECAGG_CAPABILITY", "SecureAttempt", "SecureRounds", "StageTask"]
+__all__ = ["SecureAttempt", "SecureRounds", "StageTask"]

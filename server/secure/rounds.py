@@ -51,6 +51,7 @@ import time
 from typing import Any
 
 from fedloom.errors import ConfigError, RejectReason, SecureAggregationError
+from fedloom.messages import Capability
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import masked_length, round_secagg
 from fedloom.secagg import (
@@ -65,7 +66,6 @@ from fedloom.secagg import (
 )
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
-from fedloom.server.fleet import SECAGG_CAPABILITY
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.secure.attempt import SecureAttempt, stage_deadline_s
 from fedloom.strategies import Strategy, aggregate_secure_mean
@@ -74,7 +74,7 @@ from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.server")
 
-__all__ = ["SECAGG_CAPABILITY", "SecureRounds"]
+__all__ = ["SecureRounds"]
 
 class SecureRounds(RoundDriver):
     """The round driver of secure (SecAgg+) fit rounds: one or more attempts a round."""
@@ -143,7 +143,7 @@ class SecureRounds(RoundDriver):
         parts = self.parts
         parts.reporter.round_started(server_round, self.config.num_rounds,
                                      self.config.min_fit_clients)
-        eligible = await parts.fleet.wait_for(self.config.min_fit_clients, SECAGG_CAPABILITY)
+        eligible = await parts.fleet.wait_for(self.config.min_fit_clients, Capability.SECAGG)
         current, payload, payload_info = parts.model.weights, parts.model.payload, parts.model.info
         try:
             result, record = await self._run_round(server_round, current, eligible, payload,

@@ -1,0 +1,91 @@
+"""Reading one task from the server's task stream: its header, then its weights, chunk by
+chunk, verified against the header's digest before they are used."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from fedloom.client_sdk._watchdog import Watchdog
+from fedloom.config import ClientConfig
+from fedloom.errors import MessageRejectedError, ResultRefusedError, TransportError
+from fedloom.messages import NoTask, TaskHeader
+from fedloom.payload import PayloadReceiver, deserialize
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.weights import Weights
+
+
+class BufferSink:
+    """The download buffer of one task's weights, written in order as chunks arrive."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = np.empty(size, np.uint8)  # every byte is written: no zero-fill pass
+        self._view = self.buffer.data
+        self._pos = 0
+
+    def write(self, data: bytes) -> None:
+        self._view[self._pos : self._pos + len(data)] = data
+        self._pos += len(data)
+
+
+def receive_task(
+    stream: Iterator[pb.PullResponse], watchdog: Watchdog, config: ClientConfig,
+    run_id: str | None, whole_stream: bool,
+) -> tuple[TaskHeader, Weights] | NoTask:
+    """Read one task: its header, then its chunks (to the end of a Pull's stream;
+    on the Tasks stream, as many bytes as the header announces).
+
+    ``run_id`` is the run this client joined (None: not checked); ``watchdog`` is
+    touched on every message and, once the header is in, given the client's RPC timeout
+    as the longest wait between chunks.
+    """
+    first = next(stream, None)
+    watchdog.touch()
+    if first is None:
+        raise TransportError("the server closed the task stream without an answer")
+    part = first.WhichOneof("part")
+    if part == "no_task":
+        return codec.no_task_from_proto(first.no_task)
+    if part != "task":
+        raise TransportError(f"the server's task stream began with {part!r}")
+    try:
+        task = codec.task_from_proto(first.task)
+    except MessageRejectedError as exc:
+        raise TransportError(f"the server sent an invalid task: {exc}") from exc
+    if run_id is not None and task.run_id != run_id:
+        raise TransportError(
+            f"the server sent a task of run {task.run_id[:40]!r}, not of the run "
+            f"{run_id[:40]!r} this client joined; joining again"
+        )
+    info = task.weights
+    limit = config.transfer.max_model_bytes
+    if info.total_bytes > limit:
+        raise ResultRefusedError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the model is {info.total_bytes} bytes; this client accepts at most {limit}",
+        )
+    watchdog.idle_s = config.rpc_timeout_s  # between chunks, from now on
+    sink = BufferSink(info.total_bytes)
+    receiver = PayloadReceiver(
+        info.specs,
+        info.total_bytes,
+        info.sha256,
+        sink,
+        max_chunk_bytes=config.transfer.max_message_bytes,
+    )
+    try:
+        while whole_stream or receiver.received < info.total_bytes:
+            message = next(stream, None)
+            if message is None:
+                break  # finish() says whether the payload is whole
+            watchdog.touch()
+            if message.WhichOneof("part") != "chunk":
+                raise TransportError("the server sent a non-chunk inside a task's weights")
+            receiver.feed(*codec.chunk_from_proto(message.chunk))
+        receiver.finish()
+    except MessageRejectedError as exc:
+        raise TransportError(f"the task's weights failed verification: {exc}") from exc
+    return task, deserialize(info.specs, sink.buffer.data.toreadonly())

@@ -1,0 +1,34 @@
+"""gRPC errors translated into fedloom's error tree, at the client's edge.
+
+An unknown session raises `SessionExpiredError` (join again), a server that is
+unreachable or went away `TransportError` (retry later), and anything else the server
+refused `ResultRefusedError` (do not retry it).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from fedloom.client_sdk.tls import handshake_hint
+from fedloom.errors import ResultRefusedError, SessionExpiredError, TransportError
+
+#: Status codes of a call that may succeed when tried again later.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+}
+
+
+def translate(exc: grpc.RpcError, what: str) -> TransportError:
+    """The fedloom error for a failed call; ``what`` names the call in the message."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return SessionExpiredError(f"{what}: {details}")
+    if code in RETRYABLE:
+        return TransportError(f"{what}: {code.name}: {details}{handshake_hint(details)}")
+    return ResultRefusedError(code, f"{what}: {details}")
