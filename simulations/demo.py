@@ -119,17 +119,25 @@ def _server_evaluator(seed: int) -> Any:
 
 
 def plot_history(history: list[dict[str, Any]], path: Path) -> None:
+    history_figure(history).savefig(path, dpi=120)
+
+
+def history_figure(history: list[dict[str, Any]]) -> Any:
+    """Test accuracy and loss per round of a server's history (a matplotlib Figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     rounds = [r["round"] for r in history if r.get("server")]
     acc = [r["server"]["accuracy"] for r in history if r.get("server")]
     loss = [r["server"]["loss"] for r in history if r.get("server")]
-    fig, ax1 = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax1 = fig.subplots()
     ax1.plot(rounds, acc, "o-", color="tab:blue", label="test accuracy")
     ax1.set_xlabel("round")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 2.5
     ax1.set_ylabel("accuracy", color="tab:blue")
     ax1.set_ylim(0, 1)
     ax2 = ax1.twinx()
@@ -137,8 +145,7 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> None:
     ax2.set_ylabel("loss", color="tab:red")
     ax1.set_title("fedloom demo: FedAvg on digits (Dirichlet 0.5)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def run_demo(

@@ -102,10 +102,18 @@ class History:
 
     def plot(self, path: str | Path) -> None:
         """Test accuracy and test loss per round, as a PNG (matplotlib, Agg backend)."""
+        fig = self.figure()
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+        fig.savefig(tmp, format="png", dpi=100)
+        _fsync_replace(tmp, Path(path))
+
+    def figure(self) -> Any:
+        """The matplotlib ``Figure`` that `plot` writes: test accuracy and loss per round."""
         import matplotlib
 
         matplotlib.use("Agg", force=True)
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         fig = Figure(figsize=(9, 3.5))
         title = (self.scenario or {}).get("name", "run")
@@ -114,13 +122,12 @@ class History:
             if points:
                 axis.plot([p[0] for p in points], [p[1] for p in points], marker=".")
             axis.set_xlabel("round")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 2.5
             axis.set_ylabel(key)
             axis.grid(alpha=0.3)
         fig.suptitle(f"{title} ({self.engine})")
         fig.tight_layout()
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-        fig.savefig(tmp, format="png", dpi=100)
-        _fsync_replace(tmp, Path(path))
+        return fig
 
 
 def _cell(value: Any) -> Any:
