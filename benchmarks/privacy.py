@@ -91,7 +91,7 @@ from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.local_secure import LocalSecureAggregation
 from fedloom.simulations.plan import client_fit_config, client_infos
 from fedloom.simulations.scenario import ClientSpec, PartitionSpec, Scenario
-from fedloom.strategies import CentralDPStrategy, FedAvg, Strategy
+from fedloom.strategies import CentralDPStrategy, FedAvg, SelectionConfig, Strategy
 from fedloom.strategies._ddp import DistributedDPStrategy
 from fedloom.weights import Weights
 
@@ -144,8 +144,9 @@ class Federation:
 
     def fedavg(self) -> FedAvg:
         a = self.args
-        return FedAvg(fraction_fit=a.per_round / a.clients, min_fit_clients=a.per_round,
-                      fraction_evaluate=0.0, seed=self.seed)
+        return FedAvg(selection=SelectionConfig(
+            fraction_fit=a.per_round / a.clients, min_fit_clients=a.per_round,
+            fraction_evaluate=0.0, seed=self.seed))
 
     def run(self, strategy: Strategy, secure: LocalSecureAggregation | None = None
             ) -> dict[str, Any]:

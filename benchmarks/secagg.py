@@ -75,7 +75,7 @@ from fedloom.secagg import SecAggConfig
 from fedloom.server import Server
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.local_secure import LocalSecureAggregation, SecureDropout
-from fedloom.strategies import FedAvg, apply_privacy
+from fedloom.strategies import FedAvg, SelectionConfig, apply_privacy
 from fedloom.weights import Weights
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -191,7 +191,7 @@ def run_local_mode(mode: str, n: int, params: int, dropout: float,
               if mode != "plain" else None)
     clients = [LocalClient(i, dropout if secure is None else 0.0, cpu) for i in range(n)]
     logging.getLogger("fedloom.simulations").setLevel(logging.ERROR)
-    strategy = FedAvg(fraction_fit=1.0, min_fit_clients=n, fraction_evaluate=0.0, seed=0)
+    strategy = FedAvg(selection=SelectionConfig(min_fit_clients=n, fraction_evaluate=0.0))
     if mode == "secure-ddp":
         strategy = apply_privacy(strategy, ddp_config(dropout))
     history = run_local(strategy, clients.__getitem__, initial(params), num_clients=n,

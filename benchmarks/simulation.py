@@ -49,7 +49,7 @@ from fedloom.simulations.job import Job
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.runner import job_client_app
 from fedloom.simulations.scenario import ClientSpec, ModelSpec, Scenario
-from fedloom.strategies import FedAvg
+from fedloom.strategies import FedAvg, SelectionConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BACKEND: dict[str, Any] = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
@@ -153,7 +153,8 @@ def plain_strategy(n: int) -> Callable[[int], Any]:
 
 def bridge_strategy(job: Job, n: int) -> Callable[[int], Any]:
     return lambda k: FlowerStrategy(
-        FedAvg(fraction_fit=k / n, min_fit_clients=k, fraction_evaluate=0.0, seed=0),
+        FedAvg(selection=SelectionConfig(fraction_fit=k / n, min_fit_clients=k,
+                                         fraction_evaluate=0.0, seed=0)),
         base_seed=0, fit_defaults=job.fit_defaults(), min_available_nodes=n,
     )
 
@@ -208,8 +209,9 @@ def run_local_phases(
                 p.round_done()
 
         run_local(
-            FedAvg(fraction_fit=per_round / n, min_fit_clients=per_round,
-                   fraction_evaluate=0.0, seed=0),
+            FedAvg(selection=SelectionConfig(fraction_fit=per_round / n,
+                                             min_fit_clients=per_round,
+                                             fraction_evaluate=0.0, seed=0)),
             clients.__getitem__, job.initial_weights(), num_clients=n, num_rounds=rounds,
             fit_defaults=job.fit_defaults(),
             on_round=on_round,

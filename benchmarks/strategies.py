@@ -53,7 +53,7 @@ from strategies_experiments import (
 )
 
 from fedloom import StrategyConfig
-from fedloom.strategies import NormBoundedStrategy, Strategy, build_strategy
+from fedloom.strategies import NormBoundedStrategy, SelectionConfig, Strategy, build_strategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.90
@@ -93,8 +93,8 @@ SWEEPS: dict[str, list[dict[str, Any]]] = {
 
 
 def _strategy(name: str, params: dict[str, Any]) -> Strategy:
-    return build_strategy(StrategyConfig(name, params), fraction_fit=1.0, min_fit_clients=2,
-                          fraction_evaluate=0.0, seed=0)
+    return build_strategy(StrategyConfig(name, params),
+                          SelectionConfig(min_fit_clients=2, fraction_evaluate=0.0))
 
 
 def _convergence_setup(seed: int) -> Setup:

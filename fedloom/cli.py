@@ -24,43 +24,7 @@ from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
 from fedloom.errors import FedloomError
 from fedloom.logs import FORMATS, configure_logging
 from fedloom.secagg import SecAggConfig
-
-SERVER_HELP = {
-    "address": "HOST:PORT to listen on (port 0 picks a free port)",
-    "num_rounds": "rounds of training in the run",
-    "min_clients": "connected clients needed before a round starts",
-    "fraction_fit": "share of connected clients sampled to train each round, in (0, 1]",
-    "min_fit_clients": "fewest updates a round needs (sampled at least; deadline minimum)",
-    "fraction_evaluate": "share of clients sampled for federated evaluation (0 disables)",
-    "min_evaluate_clients": "fewest evaluation results for federated metrics",
-    "round_timeout_s": "seconds a round waits for updates before closing",
-    "over_selection": "issue this many times the fit tasks a round needs; close it with the "
-    "first enough updates (1.3: 30 percent more; 1: off)",
-    "evaluate_timeout_s": "seconds federated evaluation waits for results",
-    "seed": "seed of client sampling (checkpointed, so a resumed run samples alike)",
-    "state_dir": "folder for the run database, checkpoints and upload spool",
-    "resume": "resume the latest unfinished run in state_dir",
-    "keep_checkpoints": "checkpoints kept per run (the newest)",
-    "max_num_examples": "largest num_examples a client may claim",
-    "long_poll_s": "seconds a Pull waits for a task before answering 'no task yet' "
-                   "(on a Tasks stream: the keep-alive period)",
-    "heartbeat_interval_s": "seconds between client heartbeats",
-    "client_timeout_s": "seconds of silence after which a client is dropped",
-    "stream_timeout_s": "time limit of one upload or download stream, in seconds",
-    "chunk_timeout_s": "seconds a model stream holding a transfer turn may go without moving "
-    "a chunk",
-    "quarantine_after": "refused messages within quarantine_s that quarantine a client (0: never)",
-    "quarantine_s": "seconds a quarantined client is refused (and the window strikes count in)",
-    "max_clients": "most clients connected at once",
-    "progress": "show the live progress display",
-    "metrics_address": "HOST:PORT serving Prometheus /metrics (empty: off)",
-    "reflection": "serve gRPC server reflection (for grpcurl and similar tools)",
-    "chunk_size": "bytes per weights chunk on the wire",
-    "max_message_bytes": "largest gRPC message accepted (keep near 2x chunk_size)",
-    "max_model_bytes": "largest model or update accepted, in bytes",
-    "stream_window_bytes": "server's HTTP/2 receive window per upload stream (0: gRPC's "
-    "default); raise it (e.g. 4194304) for clients on high-latency links",
-}
+from fedloom.settings import field_help
 
 
 def _flag(name: str) -> str:
@@ -76,40 +40,20 @@ def _parse_bool(text: str) -> bool:
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: str) -> None:
+    """A flag per scalar field of ``cls``, its help from the field's metadata."""
+    parsers: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": _parse_bool}
     for field in dataclasses.fields(cls):
-        if field.name in ("transfer", "strategy", "tls", "auth", "insecure", "secure_aggregation",
-                          "privacy"):
+        # Tables have flags of their own; --insecure is security_cli's.
+        if field.default is dataclasses.MISSING or field.name == "insecure":
             continue
-        parsers: dict[str, Callable[[str], Any]] = {
-            "int": int, "float": float, "bool": _parse_bool
-        }
-        kind = parsers.get(str(field.type), str)
-        default = field.default if field.default is not dataclasses.MISSING else None
         parser.add_argument(
             _flag(field.name),
             dest=dest_prefix + field.name,
-            type=kind,
+            type=parsers.get(str(field.type), str),
             default=None,
             metavar=str(field.type).upper(),
-            help=f"{SERVER_HELP.get(field.name, '')} (default: {default})",
+            help=f"{field_help(field)} (default: {field.default})",
         )
-
-
-SECAGG_HELP = {
-    "enabled": "run fit rounds under SecAgg+: the server learns only the sum of the updates",
-    "neighbours": "k: other clients each client masks against and shares secrets with (even)",
-    "threshold": "t: neighbours' shares that reconstruct a secret; k/2 < t <= k",
-    "clip_range": "each delta coordinate is clipped to [-clip_range, clip_range] on the client",
-    "bits": "quantization bits per coordinate; bits + ceil(log2 max_participants) <= 32",
-    "max_weight": "num_examples of the largest client (weights are num_examples / max_weight)",
-    "max_participants": "most clients summed in one secure round",
-    "stage_timeout_s": "seconds each stage but masked input (which trains) waits for replies",
-    "min_survivors": "clients refuse to unmask a sum over fewer survivors (0: threshold + 1)",
-    "colluding_clients": "c: clients assumed to collude with the server; c <= 2t - k - 1",
-    "max_attempts": "attempts per round: a failed attempt is retried without its dropouts",
-    "allow_unauthenticated": "run secure rounds without mutual TLS (protects against an "
-                             "honest-but-curious server only; warned)",
-}
 
 
 def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +66,7 @@ def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
         kind = parsers[str(field.type)]
         group.add_argument(flag, dest=f"secagg_{field.name}", type=kind, default=None,
                            metavar=str(field.type).upper(),
-                           help=f"{SECAGG_HELP[field.name]} (default: {field.default})")
+                           help=f"{field_help(field)} (default: {field.default})")
 
 
 def _server_parser(sub: Any) -> None:

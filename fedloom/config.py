@@ -1,13 +1,17 @@
 """Configuration types for the server and the client SDK.
 
 Frozen dataclasses validated in their constructors: a bad value raises `ConfigError`
-naming the setting and the fix. `load_toml` reads a server TOML file whose top-level
-keys are `ServerConfig` fields and whose ``[strategy]`` table selects the strategy.
+naming the setting and the fix; each field's help text is its metadata
+(`fedloom.settings.described`). `load_toml` reads a server TOML file whose top-level
+keys are `ServerConfig` fields (client selection among them) and whose ``[strategy]``
+table selects the strategy.
 
 .. code-block:: toml
 
     address = "127.0.0.1:8080"
     num_rounds = 20
+    min_clients = 6
+    fraction_fit = 0.5       # client selection: ServerConfig.selection
     min_fit_clients = 4
 
     [strategy]
@@ -17,35 +21,29 @@ keys are `ServerConfig` fields and whose ``[strategy]`` table selects the strate
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import tomllib
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from fedloom._client_config import ClientConfig, TransferConfig
 from fedloom.errors import ConfigError
-from fedloom.payload import DEFAULT_CHUNK_SIZE
 from fedloom.privacy._config import PrivacyConfig
 from fedloom.secagg import SecAggConfig
+from fedloom.settings import check, check_address, described, from_mapping
 
-_MiB = 1 << 20
-
-
-def _check(cond: bool, setting: str, problem: str) -> None:
-    if not cond:
-        raise ConfigError(setting, problem)
-
-
-def check_address(setting: str, address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    _check(
-        bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) <= 65535,
-        setting,
-        f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:8080; port 0 picks a free one)",
-    )
+__all__ = [
+    "AuthConfig",
+    "ClientConfig",
+    "SelectionConfig",
+    "ServerConfig",
+    "StrategyConfig",
+    "TLSConfig",
+    "TransferConfig",
+    "from_mapping",
+    "load_toml",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,29 +53,55 @@ class StrategyConfig:
     name: str = "fedavg"
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], setting: str = "strategy") -> StrategyConfig:
+        """A ``[strategy]`` table: ``name`` plus the strategy's settings, side by side."""
+        params = dict(table)
+        name = params.pop("name", "fedavg")
+        if not isinstance(name, str):
+            raise ConfigError(f"{setting}.name", "must be a string")
+        return cls(name=name, params=params)
+
 
 @dataclasses.dataclass(frozen=True)
-class TransferConfig:
-    """Chunking and size limits for moving weights; both sides validate against them."""
+class SelectionConfig:
+    """Which clients each round samples; a strategy receives it and samples with it.
 
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    max_message_bytes: int = 2 * DEFAULT_CHUNK_SIZE + 64 * 1024
-    max_model_bytes: int = 8 * 1024 * _MiB
-    stream_window_bytes: int = 0
+    The server builds it from its own top-level settings (`ServerConfig.selection`), a
+    simulation from its scenario, so a strategy samples exactly what its runner waits
+    for. Sampling is seeded and checkpointed (`fedloom.strategies.ClientSampler`).
+
+    >>> SelectionConfig(fraction_fit=0.5, min_fit_clients=3, seed=1).fraction_evaluate
+    1.0
+    """
+
+    fraction_fit: float = described(
+        1.0, "share of connected clients sampled to train each round, in (0, 1]")
+    min_fit_clients: int = described(
+        2, "fewest clients sampled to train (when connected), and fewest updates a server "
+           "round accepts at its deadline")
+    fraction_evaluate: float = described(
+        1.0, "share of clients sampled for federated evaluation (0 disables it)")
+    min_evaluate_clients: int = described(
+        0, "fewest clients sampled for federated evaluation, when it is enabled")
+    seed: int = described(0, "seed of client sampling (checkpointed, so a resumed run "
+                             "samples alike)")
 
     def __post_init__(self) -> None:
-        _check(self.chunk_size >= 1024, "chunk_size", "must be at least 1024 bytes")
-        _check(
-            self.stream_window_bytes == 0 or 64 * 1024 <= self.stream_window_bytes < 2**31,
-            "stream_window_bytes",
-            "must be 0 (gRPC's default) or from 65536 to 2147483647 bytes",
-        )
-        _check(
-            self.max_message_bytes >= self.chunk_size + 16 * 1024,
-            "max_message_bytes",
-            f"must exceed chunk_size ({self.chunk_size}) by at least 16 KiB of headroom",
-        )
-        _check(self.max_model_bytes > 0, "max_model_bytes", "must be positive")
+        check(math.isfinite(self.fraction_fit) and 0.0 < self.fraction_fit <= 1.0,
+              "fraction_fit", f"must be in (0, 1], got {self.fraction_fit}")
+        check(self.min_fit_clients >= 1, "min_fit_clients",
+              f"must be at least 1, got {self.min_fit_clients}")
+        check(math.isfinite(self.fraction_evaluate) and 0.0 <= self.fraction_evaluate <= 1.0,
+              "fraction_evaluate", f"must be in [0, 1], got {self.fraction_evaluate}")
+        check(self.min_evaluate_clients >= 0, "min_evaluate_clients",
+              f"must be >= 0, got {self.min_evaluate_clients}")
+
+
+def _selection_field(name: str) -> Any:
+    """A `ServerConfig` field that is `SelectionConfig`'s: the same default and help."""
+    spec = SelectionConfig.__dataclass_fields__[name]
+    return dataclasses.field(default=spec.default, metadata=spec.metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +118,9 @@ class TLSConfig:
     client_ca: str = ""
 
     def __post_init__(self) -> None:
-        _check(bool(self.key) or not self.cert, "tls.key", "tls.cert needs its private key")
-        _check(bool(self.cert) or not self.key, "tls.cert", "tls.key needs its certificate")
-        _check(
+        check(bool(self.key) or not self.cert, "tls.key", "tls.cert needs its private key")
+        check(bool(self.cert) or not self.key, "tls.cert", "tls.key needs its certificate")
+        check(
             bool(self.cert) or not self.client_ca,
             "tls.client_ca",
             "mutual TLS needs the server's own tls.cert and tls.key too",
@@ -123,7 +147,7 @@ class AuthConfig:
 
     def __post_init__(self) -> None:
         allow = self.allow
-        _check(
+        check(
             isinstance(allow, list | tuple) and all(isinstance(a, str) and a for a in allow),
             "auth.allow",
             "must be a list of client names (certificate CNs or token names)",
@@ -133,37 +157,52 @@ class AuthConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Every setting of ``fedloom server``; each is also a command-line flag."""
+    """Every setting of ``fedloom server``; each scalar is also a command-line flag."""
 
-    address: str = "127.0.0.1:8080"
-    num_rounds: int = 10
-    min_clients: int = 2
-    fraction_fit: float = 1.0
-    min_fit_clients: int = 2
-    fraction_evaluate: float = 1.0
-    min_evaluate_clients: int = 0
-    round_timeout_s: float = 300.0
-    over_selection: float = 1.0
-    evaluate_timeout_s: float = 120.0
-    seed: int = 0
-    state_dir: str = "fedloom-state"
-    resume: bool = True
-    keep_checkpoints: int = 3
-    max_num_examples: int = 10_000_000
-    long_poll_s: float = 20.0
-    heartbeat_interval_s: float = 5.0
-    client_timeout_s: float = 30.0
-    stream_timeout_s: float = 600.0
-    chunk_timeout_s: float = 30.0
-    quarantine_after: int = 10
-    quarantine_s: float = 60.0
-    max_clients: int = 10_000
-    progress: bool = True
-    metrics_address: str = ""
-    reflection: bool = True
+    address: str = described("127.0.0.1:8080", "HOST:PORT to listen on (port 0 picks a free "
+                                               "port)")
+    num_rounds: int = described(10, "rounds of training in the run")
+    min_clients: int = described(2, "connected clients needed before a round starts")
+    fraction_fit: float = _selection_field("fraction_fit")
+    min_fit_clients: int = _selection_field("min_fit_clients")
+    fraction_evaluate: float = _selection_field("fraction_evaluate")
+    min_evaluate_clients: int = _selection_field("min_evaluate_clients")
+    round_timeout_s: float = described(300.0, "seconds a round waits for updates before "
+                                              "closing")
+    over_selection: float = described(
+        1.0, "issue this many times the fit tasks a round needs; close it with the first "
+             "enough updates (1.3: 30 percent more; 1: off)")
+    evaluate_timeout_s: float = described(120.0, "seconds federated evaluation waits for "
+                                                 "results")
+    seed: int = _selection_field("seed")
+    state_dir: str = described("fedloom-state", "folder for the run database, checkpoints "
+                                                "and upload spool")
+    resume: bool = described(True, "resume the latest unfinished run in state_dir")
+    keep_checkpoints: int = described(3, "checkpoints kept per run (the newest)")
+    max_num_examples: int = described(10_000_000, "largest num_examples a client may claim")
+    long_poll_s: float = described(20.0, "seconds a Pull waits for a task before answering "
+                                         "'no task yet' (on a Tasks stream: the keep-alive "
+                                         "period); clients learn it at Join")
+    heartbeat_interval_s: float = described(5.0, "seconds between client heartbeats")
+    client_timeout_s: float = described(30.0, "seconds of silence after which a client is "
+                                              "dropped")
+    stream_timeout_s: float = described(600.0, "time limit of one upload or download "
+                                               "stream, in seconds")
+    chunk_timeout_s: float = described(30.0, "seconds a model stream holding a transfer "
+                                             "turn may go without moving a chunk")
+    quarantine_after: int = described(10, "refused messages within quarantine_s that "
+                                          "quarantine a client (0: never)")
+    quarantine_s: float = described(60.0, "seconds a quarantined client is refused (and "
+                                           "the window strikes count in)")
+    max_clients: int = described(10_000, "most clients connected at once")
+    progress: bool = described(True, "show the live progress display")
+    metrics_address: str = described("", "HOST:PORT serving Prometheus /metrics (empty: "
+                                          "off)")
+    reflection: bool = described(True, "serve gRPC server reflection (for grpcurl and "
+                                        "similar tools)")
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
-    insecure: bool = False
+    insecure: bool = described(False, "serve plaintext (trusted test networks only)")
     tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
@@ -171,22 +210,20 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_address("address", self.address)
-        _check(self.num_rounds >= 1, "num_rounds", "must be at least 1")
-        _check(self.min_clients >= 1, "min_clients", "must be at least 1")
-        _check(0.0 < self.fraction_fit <= 1.0, "fraction_fit", "must be in (0, 1]")
-        _check(self.min_fit_clients >= 1, "min_fit_clients", "must be at least 1")
-        _check(
-            self.min_fit_clients <= self.min_clients,
+        check(self.num_rounds >= 1, "num_rounds", "must be at least 1")
+        check(self.min_clients >= 1, "min_clients", "must be at least 1")
+        selection = self.selection  # validates the five selection settings
+        check(
+            selection.min_fit_clients <= self.min_clients,
             "min_fit_clients",
-            f"({self.min_fit_clients}) cannot exceed min_clients ({self.min_clients}); "
+            f"({selection.min_fit_clients}) cannot exceed min_clients ({self.min_clients}); "
             "raise min_clients or lower min_fit_clients",
         )
-        _check(0.0 <= self.fraction_evaluate <= 1.0, "fraction_evaluate", "must be in [0, 1]")
-        _check(self.min_evaluate_clients >= 0, "min_evaluate_clients", "must be >= 0")
-        _check(
-            self.min_evaluate_clients <= self.min_clients,
+        check(
+            selection.min_evaluate_clients <= self.min_clients,
             "min_evaluate_clients",
-            f"({self.min_evaluate_clients}) cannot exceed min_clients ({self.min_clients})",
+            f"({selection.min_evaluate_clients}) cannot exceed min_clients "
+            f"({self.min_clients})",
         )
         for name in (
             "round_timeout_s",
@@ -199,27 +236,27 @@ class ServerConfig:
             "quarantine_s",
         ):
             value = getattr(self, name)
-            _check(math.isfinite(value) and value > 0, name, "must be a positive number")
-        _check(
+            check(math.isfinite(value) and value > 0, name, "must be a positive number")
+        check(
             self.client_timeout_s > self.heartbeat_interval_s,
             "client_timeout_s",
             f"must exceed heartbeat_interval_s ({self.heartbeat_interval_s})",
         )
-        _check(
+        check(
             self.client_timeout_s > self.long_poll_s,
             "client_timeout_s",
             f"must exceed long_poll_s ({self.long_poll_s}) so a waiting client is not dropped",
         )
-        _check(
+        check(
             math.isfinite(self.over_selection) and self.over_selection >= 1.0,
             "over_selection",
             "must be a number >= 1 (1.3 issues 30% more fit tasks than the round needs)",
         )
-        _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
-        _check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
-        _check(self.max_clients >= 1, "max_clients", "must be at least 1")
-        _check(self.quarantine_after >= 0, "quarantine_after", "must be >= 0 (0 disables it)")
-        _check(bool(self.state_dir), "state_dir", "must name a folder")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
+        check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
+        check(self.max_clients >= 1, "max_clients", "must be at least 1")
+        check(self.quarantine_after >= 0, "quarantine_after", "must be >= 0 (0 disables it)")
+        check(bool(self.state_dir), "state_dir", "must name a folder")
         if self.metrics_address:
             check_address("metrics_address", self.metrics_address)
         _check_security(self.insecure, self.tls, self.auth)
@@ -229,6 +266,17 @@ class ServerConfig:
                                   over_selection=self.over_selection)
 
     @property
+    def selection(self) -> SelectionConfig:
+        """The client selection the server's strategy is built with."""
+        return SelectionConfig(
+            fraction_fit=self.fraction_fit,
+            min_fit_clients=self.min_fit_clients,
+            fraction_evaluate=self.fraction_evaluate,
+            min_evaluate_clients=self.min_evaluate_clients,
+            seed=self.seed,
+        )
+
+    @property
     def mutual_tls(self) -> bool:
         """Clients hold certificates of ``tls.client_ca`` (their identity is proven)."""
         return bool(self.tls.client_ca) and not self.insecure
@@ -236,184 +284,31 @@ class ServerConfig:
 
 def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:
     """Plaintext only when asked for; every TLS server says how clients prove who they are."""
-    _check(
+    check(
         insecure or tls.enabled,
         "tls",
         "no TLS certificate: set tls.cert and tls.key (`fedloom certs` makes a set; "
         "flags --tls-cert/--tls-key), or set insecure = true (--insecure) to serve "
         "plaintext on a trusted network",
     )
-    _check(
+    check(
         not (insecure and tls.enabled),
         "insecure",
         "contradicts tls.cert: drop insecure to serve TLS, or drop the tls settings",
     )
     identified = bool(tls.client_ca or auth.tokens_file)
-    _check(
+    check(
         identified or auth.anonymous or insecure,
         "auth",
         "clients have no way to prove who they are: set tls.client_ca (mutual TLS), "
         "auth.tokens_file (`fedloom tokens add NAME`), or auth.anonymous = true to admit "
         "anyone who can reach the port",
     )
-    _check(
+    check(
         identified or not auth.allow,
         "auth.allow",
         "an allow-list needs identities: set tls.client_ca or auth.tokens_file",
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class ClientConfig:
-    """Settings of the client SDK's connection loop.
-
-    TLS: ``root_ca`` is the PEM file of the CA that signed the server's certificate
-    (``ca.pem`` from ``fedloom certs``), or ``system_roots=True`` trusts gRPC's default
-    public CAs; ``cert`` and ``key`` are this client's certificate for mutual TLS;
-    ``server_name`` overrides the name checked against the server's certificate (when
-    dialling an address the certificate does not name). ``insecure=True`` talks
-    plaintext (test servers only); one of the three is required.
-
-    ``separate_upload_connection`` (default on): a result whose payload is 64 KiB or
-    more is pushed over a connection of its own, closed when the push ends. gRPC keeps
-    read buffers sized to the largest messages a connection has received (about 1 MB
-    per connection after 1 MiB chunks) until that connection closes, so on the
-    long-lived channel the server's memory would grow by that much for every client
-    that has uploaded. The connection is opened when a task with a large model arrives,
-    so its set-up (TCP, and TLS when on) overlaps the training; turn it off only when the
-    server has memory to spare for its clients.
-
-    ``peer_ca``: the CA of the other clients' certificates, which secure aggregation
-    checks their signed keys and confirmations against (default: ``root_ca``, the
-    single CA ``fedloom certs`` makes). A client with ``cert`` and ``key`` takes part
-    only in secure rounds whose keys are signed (see docs/secure-aggregation.md).
-
-    ``task_stream`` (default on): read tasks from one long-lived Tasks stream instead of
-    one Pull call per task. A call costs both sides about a millisecond of CPU to set up
-    in Python gRPC, and a secure round has four tasks per client; off, every task is a
-    Pull (for proxies that cut long streams, or to compare).
-
-    ``min_noise_multiplier`` (distributed differential privacy, docs/privacy.md): the
-    client refuses a round whose announced Skellam noise, summed over the round's survivor
-    floor, is below this noise multiplier z; 0 (default) takes the server's word for it.
-    """
-
-    server_address: str
-    name: str = ""
-    long_poll_s: float = 20.0
-    rpc_timeout_s: float = 30.0
-    reconnect_initial_s: float = 0.5
-    reconnect_max_s: float = 30.0
-    max_reconnect_attempts: int | None = None
-    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
-    root_ca: str = ""
-    system_roots: bool = False
-    cert: str = ""
-    key: str = ""
-    server_name: str = ""
-    peer_ca: str = ""
-    insecure: bool = False
-    separate_upload_connection: bool = True
-    task_stream: bool = True
-    min_noise_multiplier: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_address("server_address", self.server_address)
-        _check(math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0,
-               "min_noise_multiplier", "must be a number >= 0 (0: no floor)")
-        _check_client_tls(self)
-        for name in ("long_poll_s", "rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
-            value = getattr(self, name)
-            _check(math.isfinite(value) and value > 0, name, "must be a positive number")
-        _check(
-            self.reconnect_max_s >= self.reconnect_initial_s,
-            "reconnect_max_s",
-            "must be at least reconnect_initial_s",
-        )
-        _check(
-            self.max_reconnect_attempts is None or self.max_reconnect_attempts >= 0,
-            "max_reconnect_attempts",
-            "must be >= 0, or unset to retry forever",
-        )
-
-
-def _check_client_tls(c: ClientConfig) -> None:
-    _check(bool(c.key) or not c.cert, "key", "cert (the client certificate) needs its key")
-    _check(bool(c.cert) or not c.key, "cert", "key needs its client certificate")
-    tls_settings = [n for n in ("root_ca", "system_roots", "cert", "server_name") if getattr(c, n)]
-    _check(
-        not (c.insecure and tls_settings),
-        "insecure",
-        f"contradicts {', '.join(tls_settings)}: drop insecure to use TLS",
-    )
-    _check(not (c.root_ca and c.system_roots), "system_roots", "contradicts root_ca: pick one")
-    _check(not c.peer_ca or bool(c.cert), "peer_ca",
-           "checks other clients' signatures, which only a client with its own certificate "
-           "(cert and key) takes part in")
-    _check(
-        c.insecure or bool(c.root_ca) or c.system_roots,
-        "root_ca",
-        "no way to verify the server: set root_ca to the CA file that signed its "
-        "certificate (ca.pem from `fedloom certs`; flag --root-ca), system_roots=True "
-        "(--system-roots) for a publicly trusted certificate, or insecure=True "
-        "(--insecure) to talk plaintext to a test server",
-    )
-
-
-T = TypeVar("T")
-
-
-def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
-    """Build a config dataclass from a (TOML) mapping, refusing unknown keys and types."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        setting = f"{where}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(setting, f"unknown setting{hint}")
-        kwargs[key] = _coerce(hints[key], value, setting)
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, setting: str) -> Any:
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(setting, f"must be a table, got {type(value).__name__}")
-        if hint is StrategyConfig:
-            params = dict(value)
-            name = params.pop("name", "fedavg")
-            if not isinstance(name, str):
-                raise ConfigError(f"{setting}.name", "must be a string")
-            return StrategyConfig(name=name, params=params)
-        return from_mapping(hint, value, where=f"{setting}.")
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(args[0], value, setting)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(setting, f"must be a number, got {value!r}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(setting, f"must be an integer, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(setting, f"must be true or false, got {value!r}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(setting, f"must be a string, got {value!r}")
-        return value
-    return value
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

@@ -9,22 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedloom.privacy import PrivacyConfig
-
-PRIVACY_HELP = {
-    "mode": '"off", "central" (the server adds the noise) or "distributed" (the clients '
-            "do, under secure aggregation)",
-    "noise_multiplier": "z: noise std / clip norm (choose it with fedloom privacy calibrate)",
-    "clip_norm": "C: each client's delta is clipped to this L2 norm (initial C if adaptive)",
-    "clipping": '"fixed" or "adaptive" (C follows target_quantile of the update norms)',
-    "target_quantile": "adaptive: the share of updates C should leave unclipped",
-    "clip_learning_rate": "adaptive: C *= exp(-rate * (unclipped share - quantile))",
-    "count_noise_std": "adaptive: noise std of the clipped count (0: clients per round / 20)",
-    "delta": "the delta at which epsilon is reported",
-    "target_epsilon": "stop before a round would take epsilon past this (0: no budget)",
-    "sampling": '"fixed" (m of n), "poisson" or "none" (no amplification by sampling)',
-    "accountant": '"rdp" or "pld" (pld: poisson or none sampling)',
-    "expected_dropout": "distributed: share of sampled clients expected to drop out",
-}
+from fedloom.settings import field_help
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +21,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
             "_", "-")
         group.add_argument(flag, dest=f"privacy_{field.name}", type=kinds[str(field.type)],
                            default=None, metavar=str(field.type).upper(),
-                           help=f"{PRIVACY_HELP[field.name]} (default: {field.default})")
+                           help=f"{field_help(field)} (default: {field.default})")
 
 
 def add_parser(sub: Any) -> None:

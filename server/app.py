@@ -83,14 +83,7 @@ class Server:
         self.strategy = (
             strategy
             if strategy is not None
-            else build_strategy(
-                config.strategy,
-                fraction_fit=config.fraction_fit,
-                min_fit_clients=config.min_fit_clients,
-                fraction_evaluate=config.fraction_evaluate,
-                min_evaluate_clients=config.min_evaluate_clients,
-                seed=config.seed,
-            )
+            else build_strategy(config.strategy, config.selection)
         )
         # [privacy] wraps the strategy (a differentially private mean; refused for rules
         # that cannot be made private), before the secure-aggregation check sees it.

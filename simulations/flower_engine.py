@@ -14,7 +14,8 @@ error, in that thread) as soon as ``run_simulation`` has returned or raised.
 
 Example — any ``ClientApp`` (e.g. from `to_client_app`)::
 
-    history = run_flower(FedAvg(fraction_fit=0.1, seed=0), app, initial,
+    strategy = FedAvg(selection=SelectionConfig(fraction_fit=0.1, seed=0))
+    history = run_flower(strategy, app, initial,
                          num_clients=100, num_rounds=5,
                          backend_config={"client_resources": {"num_cpus": 1}})
 """

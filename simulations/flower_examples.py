@@ -33,12 +33,13 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedloom.client_sdk.torch_trainer import TorchClient
+from fedloom.fit_config import LEARNING_RATE, LOCAL_EPOCHS
 from fedloom.simulations import datasets, partition
 from fedloom.simulations._records import weights_to_arrays
 from fedloom.simulations.flower_client import partition_id, to_client_app
 from fedloom.simulations.flower_strategy import FlowerStrategy
 from fedloom.simulations.models import initial_weights, make_mlp, make_torch_client
-from fedloom.strategies import FedAvg
+from fedloom.strategies import FedAvg, SelectionConfig
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,11 +71,12 @@ def fedloom_server_main(grid: Grid, context: Context) -> None:
     seed = int(_run_setting(context, "seed", 0))
     fraction = _run_setting(context, "fraction-train", 0.5)
     strategy = FlowerStrategy(
-        FedAvg(fraction_fit=fraction, min_fit_clients=1, fraction_evaluate=0.0, seed=seed),
+        FedAvg(selection=SelectionConfig(fraction_fit=fraction, min_fit_clients=1,
+                                         fraction_evaluate=0.0, seed=seed)),
         base_seed=seed,
     )
     strategy.start(grid, _initial_arrays(seed), num_rounds=int(_run_setting(context,
-                   "num-rounds", 3)), train_config=ConfigRecord({"local_epochs": 1}))
+                   "num-rounds", 3)), train_config=ConfigRecord({LOCAL_EPOCHS: 1}))
 
 
 # -- a Flower-style ClientApp (what a Flower user already has) --------------------------
@@ -124,5 +126,5 @@ def flower_server_main(grid: Grid, context: Context) -> None:
                  fraction_evaluate=0.0, min_train_nodes=1, min_available_nodes=1).start(
         grid, _initial_arrays(int(_run_setting(context, "seed", 0))),
         num_rounds=int(_run_setting(context, "num-rounds", 3)),
-        train_config=ConfigRecord({"lr": 0.05}),
+        train_config=ConfigRecord({LEARNING_RATE: 0.05}),
     )

@@ -20,14 +20,15 @@ Example — a ``ServerApp`` running fedloom's FedAvg over any ClientApp::
 
     from flwr.app import ArrayRecord, ConfigRecord, Context
     from flwr.serverapp import Grid, ServerApp
-    from fedloom.strategies import FedAvg
+    from fedloom.strategies import FedAvg, SelectionConfig
     from fedloom.simulations.flower_strategy import FlowerStrategy
 
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = FlowerStrategy(FedAvg(fraction_fit=0.1, seed=0), base_seed=0)
+        selection = SelectionConfig(fraction_fit=0.1, seed=0)
+        strategy = FlowerStrategy(FedAvg(selection=selection), base_seed=0)
         result = strategy.start(grid, ArrayRecord(initial_state_dict), num_rounds=5,
                                 train_config=ConfigRecord({"local_epochs": 1}))
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fedloom.client_sdk.torch_trainer import TorchClient, evaluate_module, load_weights
+from fedloom.fit_config import LOCAL_EPOCHS
 from fedloom.simulations import datasets, partition
 from fedloom.simulations.models import initial_weights, make_mlp, make_torch_client
 from fedloom.simulations.scenario import Scenario
@@ -97,7 +98,7 @@ class Job:
         )
 
     def build_strategy(self) -> Strategy:
-        strategy = build_strategy(self.scenario.strategy, **self.scenario.sampling())
+        strategy = build_strategy(self.scenario.strategy, self.scenario.selection)
         secure = self.scenario.secure_aggregation
         return apply_privacy(strategy, self.scenario.privacy,
                              colluding_clients=secure.colluding_clients)
@@ -109,7 +110,7 @@ class Job:
         client learning rate (FedOpt's ``eta_l``) then reaches `TorchClient`, which
         reads ``lr`` before ``eta_l``.
         """
-        return {"local_epochs": self.scenario.local_epochs}
+        return {LOCAL_EPOCHS: self.scenario.local_epochs}
 
     def central_evaluate(self, weights: Weights) -> dict[str, Scalar]:
         """Loss and accuracy of ``weights`` on the held-out test set (CPU)."""

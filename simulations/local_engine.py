@@ -20,10 +20,11 @@ mean (as `fedloom.server` hands it over).
 
 Example::
 
-    from fedloom.strategies import FedAvg
+    from fedloom.strategies import FedAvg, SelectionConfig
     from fedloom.simulations.local_engine import run_local
 
-    history = run_local(FedAvg(fraction_fit=0.1, seed=0), make_client, initial,
+    strategy = FedAvg(selection=SelectionConfig(fraction_fit=0.1, seed=0))
+    history = run_local(strategy, make_client, initial,
                         num_clients=100, num_rounds=20, base_seed=0)
 """
 

@@ -38,7 +38,7 @@ Example::
     secure = LocalSecureAggregation(
         SecAggConfig(enabled=True, neighbours=6, threshold=4, max_weight=500.0),
         SecureDropout(fraction=0.2, after="share_keys"))
-    history = run_local(FedAvg(seed=0), make_client, initial, num_clients=20,
+    history = run_local(FedAvg(), make_client, initial, num_clients=20,
                         num_rounds=5, secure_aggregation=secure)
     secure.reports[-1].survivors, secure.reports[-1].stage_s
 
@@ -65,6 +65,7 @@ import numpy as np
 
 from fedloom import certs
 from fedloom.errors import ConfigError, MessageRejectedError, SecureAggregationError
+from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.payload import digest, serialize
 from fedloom.privacy._distributed import (
     encode_for_secagg,
@@ -94,7 +95,7 @@ from fedloom.secagg import (
 from fedloom.simulations.secure_dropout import SecureDropout, spread_dropouts
 from fedloom.simulations.secure_report import SecureRoundReport, payload_bytes
 from fedloom.strategies import Strategy, aggregate_secure_mean, check_secure_strategy
-from fedloom.types import MAX_NORM_KEY, AggregateResult, ClientUpdate, FitPlan
+from fedloom.types import AggregateResult, ClientUpdate, FitPlan
 from fedloom.weights import Weights
 
 logger = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class LocalSecureAggregation:
                report: SecureRoundReport) -> dict[str, tuple[Weights | np.ndarray, int]]:
         """Each client's (delta, num_examples), clipped to the norm bound; a client that
         fails to train or claims more than ``max_weight`` is a failure (as over gRPC)."""
-        bound = plan.config.get(MAX_NORM_KEY)
+        bound = plan.config.get(MAX_UPDATE_NORM)
         inputs: dict[str, tuple[Weights | np.ndarray, int]] = {}
         iterator: Iterator[ClientUpdate] = iter(updates)
         while True:

@@ -53,8 +53,8 @@
     ray_address = ""            # "" starts a local Ray; "auto" or "ray://host:10001" joins one
 
 Unknown keys and values of the wrong type are refused with a `ConfigError` naming the
-setting (``partition.alpha``...). ``[strategy]`` plus the run's sampling settings
-(`Scenario.sampling`: ``clients_per_round`` and ``evaluate_clients_per_round`` as
+setting (``partition.alpha``...). ``[strategy]`` plus the run's client selection
+(`Scenario.selection`: ``clients_per_round`` and ``evaluate_clients_per_round`` as
 fractions and minimums, ``seed``) build the strategy through
 `fedloom.strategies.build_strategy`. Client settings a strategy sends in its fit
 config win over the scenario's: FedOpt's ``eta_l`` replaces ``client.lr``, FedProx
@@ -71,21 +71,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedloom.config import StrategyConfig, from_mapping, load_toml
-from fedloom.errors import ConfigError
+from fedloom.config import SelectionConfig, StrategyConfig, from_mapping, load_toml
 from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
+from fedloom.settings import check as _check
 from fedloom.simulations.secure_dropout import SecureDropout
 
 DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
 ENGINES = ("local", "flower")
 MODELS = ("mlp",)
-
-
-def _check(cond: bool, setting: str, problem: str) -> None:
-    if not cond:
-        raise ConfigError(setting, problem)
 
 
 def _one_of(value: str, allowed: tuple[str, ...], setting: str) -> None:
@@ -247,15 +242,16 @@ class Scenario:
             return self.partition.name
         return "natural" if self.dataset.name == "synthetic" else "iid"
 
-    def sampling(self) -> dict[str, Any]:
-        """The server-owned strategy settings this scenario implies."""
-        return {
-            "fraction_fit": self.clients_per_round / self.num_clients,
-            "min_fit_clients": self.clients_per_round,
-            "fraction_evaluate": self.evaluate_clients_per_round / self.num_clients,
-            "min_evaluate_clients": self.evaluate_clients_per_round,
-            "seed": self.seed,
-        }
+    @property
+    def selection(self) -> SelectionConfig:
+        """The client selection this scenario's strategy samples with."""
+        return SelectionConfig(
+            fraction_fit=self.clients_per_round / self.num_clients,
+            min_fit_clients=self.clients_per_round,
+            fraction_evaluate=self.evaluate_clients_per_round / self.num_clients,
+            min_evaluate_clients=self.evaluate_clients_per_round,
+            seed=self.seed,
+        )
 
     def replace(self, **changes: Any) -> Scenario:
         """A copy with top-level fields changed (e.g. ``engine="flower"``)."""

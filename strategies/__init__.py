@@ -2,7 +2,8 @@
 
 Never imports the server, grpc, protobuf, torch or flwr. See `strategies._base` for the
 contract, `build_strategy` for building one by name from configuration and
-`describe_strategies` for the list of names and settings.
+`describe_strategies` for the list of names and settings. Every strategy samples clients
+with the `SelectionConfig` it is given (``FedAvg(selection=SelectionConfig(...))``).
 
 Linear strategies (FedAvg, FedAvgM, FedProx, FedAdagrad, FedAdam, FedYogi) aggregate as
 a stream; the robust ones (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) hold the
@@ -14,6 +15,7 @@ round's mean (SecAgg+: the server holds only the sum) to a mean-based strategy, 
 `check_secure_strategy` refuses the others.
 """
 
+from fedloom.config import SelectionConfig
 from fedloom.strategies._adaptive import (
     AdaptiveServerOptimizer,
     ServerAdagrad,
@@ -73,6 +75,7 @@ __all__ = [
     "MeanUpdate",
     "MultiKrum",
     "NormBoundedStrategy",
+    "SelectionConfig",
     "ServerAdagrad",
     "ServerAdam",
     "ServerMomentum",

@@ -28,6 +28,7 @@ from typing import Literal
 
 import numpy as np
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import AggregationError, ConfigError
 from fedloom.strategies._base import MeanUpdate
 from fedloom.strategies._composed import ComposedStrategy
@@ -130,11 +131,7 @@ class Bulyan(ComposedStrategy):
             scores, Flower's default rule).
         enforce_preconditions: when n < 4f + 3, raise `AggregationError` (default
             true), or yield no model with the reason (false; Flower returns None).
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -145,22 +142,14 @@ class Bulyan(ComposedStrategy):
         num_malicious_nodes: int = 0,
         selection_rule: SelectionRule = "krum",
         enforce_preconditions: bool = True,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
         super().__init__(
             BulyanAggregator(num_malicious_nodes, selection_rule, enforce_preconditions),
             ServerSGD(1.0),
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )

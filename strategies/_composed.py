@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from fedloom.errors import ConfigError
+from fedloom.config import SelectionConfig
+from fedloom.fit_config import SERVER_ROUND
 from fedloom.strategies._base import Aggregator, ServerOptimizer, StateDict
 from fedloom.strategies._metrics import weighted_metric_means
 from fedloom.strategies._sampling import ClientSampler
@@ -31,11 +32,9 @@ class ComposedStrategy:
     Args:
         aggregator: combines the round's updates into a mean delta.
         optimizer: applies the mean delta to the global model.
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling; the sampler's state is part of `state_dict`.
+        selection: which clients each round samples (default: `SelectionConfig()`); the
+            server and the simulation engines pass their own. The sampler's state is
+            part of `state_dict`.
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -45,47 +44,33 @@ class ComposedStrategy:
         aggregator: Aggregator,
         optimizer: ServerOptimizer,
         *,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
-        if not 0.0 < fraction_fit <= 1.0:
-            raise ConfigError("fraction_fit", f"must be in (0, 1], got {fraction_fit}")
-        if not 0.0 <= fraction_evaluate <= 1.0:
-            raise ConfigError("fraction_evaluate", f"must be in [0, 1], got {fraction_evaluate}")
-        if min_fit_clients < 1:
-            raise ConfigError("min_fit_clients", f"must be at least 1, got {min_fit_clients}")
-        if min_evaluate_clients < 0:
-            raise ConfigError("min_evaluate_clients", "must be >= 0")
         self.aggregator = aggregator
         self.optimizer = optimizer
-        self.fraction_fit = fraction_fit
-        self.min_fit_clients = min_fit_clients
-        self.fraction_evaluate = fraction_evaluate
-        self.min_evaluate_clients = min_evaluate_clients
+        self.selection = selection if selection is not None else SelectionConfig()
         self.fit_config: dict[str, Scalar] = dict(fit_config or {})
         self.evaluate_config: dict[str, Scalar] = dict(evaluate_config or {})
-        self.sampler = ClientSampler(seed)
+        self.sampler = ClientSampler(self.selection.seed)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(aggregator={type(self.aggregator).__name__}, "
-            f"optimizer={type(self.optimizer).__name__}, fraction_fit={self.fraction_fit})"
+            f"optimizer={type(self.optimizer).__name__}, selection={self.selection})"
         )
 
     # -- fit -------------------------------------------------------------------------
     def fit_round_config(self, server_round: int) -> Config:
         """The config every sampled client receives (subclasses add their entries)."""
-        return {**self.fit_config, "server_round": server_round}
+        return {**self.fit_config, SERVER_ROUND: server_round}
 
     def configure_fit(
         self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
     ) -> FitPlan:
-        chosen = self.sampler.sample(clients, self.fraction_fit, self.min_fit_clients)
+        s = self.selection
+        chosen = self.sampler.sample(clients, s.fraction_fit, s.min_fit_clients)
         return FitPlan(chosen, self.fit_round_config(server_round))
 
     def aggregate_fit(
@@ -110,10 +95,11 @@ class ComposedStrategy:
     def configure_evaluate(
         self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
     ) -> EvaluatePlan:
-        if self.fraction_evaluate == 0.0:
+        s = self.selection
+        if s.fraction_evaluate == 0.0:
             return EvaluatePlan(())
-        chosen = self.sampler.sample(clients, self.fraction_evaluate, self.min_evaluate_clients)
-        return EvaluatePlan(chosen, {**self.evaluate_config, "server_round": server_round})
+        chosen = self.sampler.sample(clients, s.fraction_evaluate, s.min_evaluate_clients)
+        return EvaluatePlan(chosen, {**self.evaluate_config, SERVER_ROUND: server_round})
 
     def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:
         records: list[tuple[int, Metrics]] = []

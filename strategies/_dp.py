@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedloom.errors import AggregationError, ConfigError, PrivacyBudgetExhausted
+from fedloom.fit_config import UPDATE_NORM
 from fedloom.privacy import PrivacyAccountant, PrivacyConfig, RoundEvent
 from fedloom.strategies._base import StateDict
 from fedloom.strategies._composed import ComposedStrategy
@@ -64,7 +65,7 @@ from fedloom.weights import Weights
 #: The client id of the noised mean handed to the inner strategy.
 DP_MEAN_ID = "dp-mean"
 #: The fit metric with the client's norm before it clipped (`TorchClient` reports it).
-REPORTED_NORM_KEY = "update_norm"
+REPORTED_NORM_KEY = UPDATE_NORM
 
 
 def check_dp_strategy(inner: Any) -> ComposedStrategy:
@@ -167,7 +168,7 @@ class CentralDPStrategy(PrivateMeanWrapper):
         p, inner = self.privacy, self.inner
         n = len(clients)
         if p.sampling == "poisson":
-            rate = inner.fraction_fit
+            rate = inner.selection.fraction_fit
             chosen = inner.sampler.sample_poisson(clients, rate)
             config = inner.fit_round_config(server_round)
             event, expected = RoundEvent(p.noise_multiplier, 0, n, rate), rate * n

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError
+from fedloom.fit_config import CLIENT_LR
 from fedloom.strategies._adaptive import (
     AdaptiveServerOptimizer,
     BiasCorrection,
@@ -30,7 +32,7 @@ from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.types import Config, Scalar
 
 #: The fit-config key that carries the client learning rate ``eta_l``.
-CLIENT_LR_KEY = "eta_l"
+CLIENT_LR_KEY = CLIENT_LR
 
 
 class _FedOpt(ComposedStrategy):
@@ -41,11 +43,7 @@ class _FedOpt(ComposedStrategy):
         optimizer: AdaptiveServerOptimizer,
         eta_l: float,
         *,
-        fraction_fit: float,
-        min_fit_clients: int,
-        fraction_evaluate: float,
-        min_evaluate_clients: int,
-        seed: int,
+        selection: SelectionConfig | None,
         fit_config: Mapping[str, Scalar] | None,
         evaluate_config: Mapping[str, Scalar] | None,
     ) -> None:
@@ -54,11 +52,7 @@ class _FedOpt(ComposedStrategy):
         super().__init__(
             WeightedMeanAggregator(),
             optimizer,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )
@@ -80,11 +74,7 @@ class FedAdagrad(_FedOpt):
             et al.'s Algorithm 2 allows momentum here too).
         initial_accumulator: starting value of ``v``, >= 0. Default 0.0 (Flower's);
             Reddi et al. ask for at least ``tau**2``.
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -97,11 +87,7 @@ class FedAdagrad(_FedOpt):
         tau: float = 1e-3,
         beta_1: float = 0.0,
         initial_accumulator: float = 0.0,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
@@ -109,11 +95,7 @@ class FedAdagrad(_FedOpt):
             ServerAdagrad(eta=eta, beta_1=beta_1, beta_2=0.0, tau=tau,
                           initial_accumulator=initial_accumulator),
             eta_l,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )
@@ -133,11 +115,7 @@ class FedAdam(_FedOpt):
             and Ba's, t = server steps taken) or "flower" (Flower 1.42's, exponent t + 1).
         initial_accumulator: starting value of ``v``, >= 0. Default 0.0 (Flower's);
             Reddi et al. ask for at least ``tau**2``.
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -152,11 +130,7 @@ class FedAdam(_FedOpt):
         tau: float = 1e-3,
         bias_correction: BiasCorrection = "none",
         initial_accumulator: float = 0.0,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
@@ -165,11 +139,7 @@ class FedAdam(_FedOpt):
                        initial_accumulator=initial_accumulator,
                        bias_correction=bias_correction),
             eta_l,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )
@@ -187,11 +157,7 @@ class FedYogi(_FedOpt):
         tau: adaptivity, added to ``sqrt(v)``, > 0. Default 1e-3 (Flower's message API).
         initial_accumulator: starting value of ``v``, >= 0. Default 0.0 (Flower's);
             Reddi et al. ask for at least ``tau**2``.
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -205,11 +171,7 @@ class FedYogi(_FedOpt):
         beta_2: float = 0.99,
         tau: float = 1e-3,
         initial_accumulator: float = 0.0,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
@@ -217,11 +179,7 @@ class FedYogi(_FedOpt):
             ServerYogi(eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
                        initial_accumulator=initial_accumulator),
             eta_l,
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )

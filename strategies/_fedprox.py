@@ -16,7 +16,9 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError
+from fedloom.fit_config import PROXIMAL_MU
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.strategies._optimizers import ServerSGD
@@ -24,7 +26,7 @@ from fedloom.types import AggregateResult, ClientUpdate, Config, Scalar
 from fedloom.weights import Weights
 
 #: The fit-config key (and echoed fit metric) that carries ``proximal_mu``.
-PROXIMAL_MU_KEY = "proximal_mu"
+PROXIMAL_MU_KEY = PROXIMAL_MU
 #: Round metric: updates whose metrics do not echo the ``proximal_mu`` that was sent.
 IGNORED_METRIC = "num_ignored_proximal_mu"
 
@@ -40,11 +42,7 @@ class FedProx(ComposedStrategy):
     Args:
         proximal_mu: weight of the proximal term, >= 0. Default 0.0 (Flower's; then
             FedProx is FedAvg). Li et al. tune it in {0.001, 0.01, 0.1, 0.5, 1}.
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -53,11 +51,7 @@ class FedProx(ComposedStrategy):
         self,
         *,
         proximal_mu: float = 0.0,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
@@ -66,11 +60,7 @@ class FedProx(ComposedStrategy):
         super().__init__(
             WeightedMeanAggregator(),
             ServerSGD(1.0),
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )

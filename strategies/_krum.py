@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import AggregationError, ConfigError
 from fedloom.strategies._base import MeanUpdate
 from fedloom.strategies._composed import ComposedStrategy
@@ -138,11 +139,7 @@ class Krum(ComposedStrategy):
             Default 0 (Flower's). A round needs n > 2f + 2 updates.
         enforce_preconditions: raise `AggregationError` when n <= 2f + 2. Default true;
             false is Flower's behaviour (no check, max(1, n - f - 2) neighbours).
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -152,22 +149,14 @@ class Krum(ComposedStrategy):
         *,
         num_malicious_nodes: int = 0,
         enforce_preconditions: bool = True,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
         super().__init__(
             KrumAggregator(num_malicious_nodes, 1, False, enforce_preconditions),
             ServerSGD(1.0),
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )
@@ -188,11 +177,7 @@ class MultiKrum(ComposedStrategy):
             denies a client that inflates num_examples any extra weight).
         enforce_preconditions: raise `AggregationError` when n <= 2f + 2 or m > n.
             Default true; false is Flower's behaviour (no checks).
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -204,11 +189,7 @@ class MultiKrum(ComposedStrategy):
         num_nodes_to_select: int = 1,
         weighted_by_examples: bool = False,
         enforce_preconditions: bool = True,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
@@ -216,11 +197,7 @@ class MultiKrum(ComposedStrategy):
             KrumAggregator(num_malicious_nodes, num_nodes_to_select, weighted_by_examples,
                            enforce_preconditions),
             ServerSGD(1.0),
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )

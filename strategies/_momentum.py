@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError
 from fedloom.strategies._base import ServerOptimizer, StateDict
 from fedloom.strategies._composed import ComposedStrategy
@@ -99,11 +100,7 @@ class FedAvgM(ComposedStrategy):
         server_learning_rate: server step size, > 0. Default 1.0 (Flower's).
         server_momentum: momentum factor in [0, 1). Default 0.0 (Flower's; then this is
             FedAvg with a server learning rate). Hsu et al. report 0.9 working well.
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -113,22 +110,14 @@ class FedAvgM(ComposedStrategy):
         *,
         server_learning_rate: float = 1.0,
         server_momentum: float = 0.0,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
         super().__init__(
             WeightedMeanAggregator(),
             ServerMomentum(server_learning_rate, server_momentum),
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )

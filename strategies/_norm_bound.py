@@ -12,24 +12,21 @@ so linear strategies still aggregate in constant memory, and adds ``num_clipped`
 ``num_rejected`` to the round's metrics. It sends the bound to clients in the fit
 config (``"max_update_norm"``, ``"norm_bound_mode"``) so that clients can clip
 themselves: under secure aggregation the server sees only the masked sum, so the
-bound can only be applied on the client. `TorchClient` does so (its ``bound_update``
-follows `clip_update`'s definition, which the client SDK cannot import; a test holds
-the two equal) and reports the norm before clipping as the fit metric
-``update_norm``; other clients can call `clip_update` on their delta before masking.
+bound can only be applied on the client. The norm and the clipping are the kernel's
+(`fedloom.weights.clip_to_norm`), which the client SDK uses too: `TorchClient` clips with them
+and reports the norm before clipping as the fit metric ``update_norm``; other clients
+can call `clip_update` on their delta before masking.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
-import numpy as np
-
 from fedloom.errors import ConfigError
+from fedloom.fit_config import MAX_UPDATE_NORM, NORM_BOUND_MODE
 from fedloom.strategies._base import StateDict, Strategy
 from fedloom.types import (
-    MAX_NORM_KEY,
     AggregateResult,
     ClientInfo,
     ClientUpdate,
@@ -38,35 +35,17 @@ from fedloom.types import (
     FitPlan,
     Metrics,
 )
-from fedloom.weights import Weights
+from fedloom.weights import Weights, check_norm_bound, clip_to_norm, l2_norm
 
 NormBoundMode = Literal["clip", "reject"]
 NORM_BOUND_MODES: tuple[str, ...] = ("clip", "reject")
-#: Fit-config keys that tell clients the bound (`MAX_NORM_KEY`; clients clip with
-#: `clip_update`) and what the server does with a larger update.
-MODE_KEY = "norm_bound_mode"
+#: The fit-config key of what the server does with a larger update (kept under this
+#: name for the strategies that send it).
+MODE_KEY = NORM_BOUND_MODE
 
-
-def update_norm(delta: Weights) -> float:
-    """Global L2 norm of a delta over its floating-point tensors, in float64."""
-    total = 0.0
-    for arr in delta.values():
-        if arr.dtype.kind == "f":
-            flat = arr.astype(np.float64, copy=False).ravel()
-            total += float(np.dot(flat, flat))
-    return math.sqrt(total)
-
-
-def check_max_update_norm(max_update_norm: float) -> float:
-    """Validate a norm bound (a positive finite number) and return it as a float."""
-    if (
-        isinstance(max_update_norm, bool)
-        or not isinstance(max_update_norm, int | float)
-        or not math.isfinite(max_update_norm)
-        or max_update_norm <= 0
-    ):
-        raise ConfigError("max_update_norm", f"must be a positive number, got {max_update_norm!r}")
-    return float(max_update_norm)
+#: Global L2 norm of a delta over its floating-point tensors, in float64 (the kernel's
+#: `fedloom.weights.l2_norm`, under the strategies' public name).
+update_norm = l2_norm
 
 
 def clip_update(delta: Weights, max_update_norm: float) -> Weights:
@@ -74,23 +53,15 @@ def clip_update(delta: Weights, max_update_norm: float) -> Weights:
 
     Pure: returns ``delta`` itself when it is within the bound, else a new `Weights`
     whose floating-point tensors are multiplied by ``max_update_norm / norm`` (computed
-    in float64, cast back); integer tensors are kept as they are.
+    in float64, cast back); integer tensors are kept as they are
+    (`fedloom.weights.clip_to_norm`).
 
     >>> import numpy as np
     >>> d = Weights({"w": np.array([3.0, 4.0], np.float32)})
     >>> clip_update(d, 1.0)["w"]
     array([0.6, 0.8], dtype=float32)
     """
-    bound = check_max_update_norm(max_update_norm)
-    norm = update_norm(delta)
-    if norm <= bound:
-        return delta
-    scale = bound / norm
-    return Weights(
-        (name, (arr.astype(np.float64) * scale).astype(arr.dtype) if arr.dtype.kind == "f"
-         else arr)
-        for name, arr in delta.items()
-    )
+    return clip_to_norm(delta, max_update_norm).weights
 
 
 class NormBoundedStrategy:
@@ -98,9 +69,13 @@ class NormBoundedStrategy:
 
     Args:
         inner: the strategy that aggregates the bounded updates.
-        max_update_norm: the bound on each delta's global L2 norm, > 0.
+        max_update_norm: the bound on each delta's global L2 norm, > 0 (in ``[strategy]``,
+            unset means no bound). Sent to clients in the fit config too: `TorchClient`
+            clips its own update to it (under secure aggregation, the only place the
+            bound can hold).
         norm_bound_mode: ``"clip"`` (scale down to the bound, default) or ``"reject"``
-            (drop the update from the round).
+            (drop the update from the round). Counted as ``num_clipped`` /
+            ``num_rejected`` in round metrics.
 
     The wrapper keeps no state of its own: `state_dict` is the inner strategy's, and a
     round whose updates iterable raises leaves the inner strategy as it was (the inner
@@ -110,7 +85,7 @@ class NormBoundedStrategy:
     def __init__(
         self, inner: Strategy, max_update_norm: float, norm_bound_mode: NormBoundMode = "clip"
     ) -> None:
-        self.max_update_norm = check_max_update_norm(max_update_norm)
+        self.max_update_norm = check_norm_bound(max_update_norm)
         if norm_bound_mode not in NORM_BOUND_MODES:
             raise ConfigError(
                 "norm_bound_mode",
@@ -128,8 +103,8 @@ class NormBoundedStrategy:
         self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
     ) -> FitPlan:
         plan = self.inner.configure_fit(server_round, current, clients)
-        config = {**plan.config, MAX_NORM_KEY: self.max_update_norm,
-                  MODE_KEY: self.norm_bound_mode}
+        config = {**plan.config, MAX_UPDATE_NORM: self.max_update_norm,
+                  NORM_BOUND_MODE: self.norm_bound_mode}
         return FitPlan(plan.client_ids, config)
 
     def aggregate_fit(
@@ -140,16 +115,21 @@ class NormBoundedStrategy:
         def bounded() -> Iterator[ClientUpdate]:
             nonlocal clipped, rejected
             for update in updates:
-                if update_norm(update.delta) <= self.max_update_norm:
+                if self.norm_bound_mode == "reject":
+                    if l2_norm(update.delta) <= self.max_update_norm:
+                        yield update
+                    else:
+                        rejected += 1
+                    continue
+                outcome = clip_to_norm(update.delta, self.max_update_norm)
+                if not outcome.clipped:
                     yield update
-                elif self.norm_bound_mode == "reject":
-                    rejected += 1
-                else:
-                    clipped += 1
-                    yield ClientUpdate(
-                        update.client_id, clip_update(update.delta, self.max_update_norm),
-                        update.num_examples, update.base_round, update.metrics,
-                    )
+                    continue
+                clipped += 1
+                yield ClientUpdate(
+                    update.client_id, outcome.weights,
+                    update.num_examples, update.base_round, update.metrics,
+                )
 
         result = self.inner.aggregate_fit(server_round, current, bounded())
         metrics = {**result.metrics, "num_clipped": clipped, "num_rejected": rejected}

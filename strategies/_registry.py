@@ -3,10 +3,15 @@
 `STRATEGIES` maps each configurable name to its class. A strategy's settings are its
 constructor's keyword arguments (typed by their annotations, ranges checked by the
 constructor), plus two that every strategy takes and that wrap it in
-`NormBoundedStrategy`: ``max_update_norm`` and ``norm_bound_mode``. Client selection
-(``fraction_fit``, ``min_fit_clients``, ...) and ``seed`` are top-level server settings
-and are refused inside ``[strategy]``. Unknown names, unknown settings, values of the
-wrong type and out-of-range values raise a `ConfigError` naming the setting.
+`NormBoundedStrategy`: ``max_update_norm`` and ``norm_bound_mode``. Client selection is
+not a strategy setting: the caller passes a `SelectionConfig` (the server its top-level
+``fraction_fit``, ``min_fit_clients``, ..., ``seed``; a simulation its scenario's), and
+those keys are refused inside ``[strategy]``. Unknown names, unknown settings, values of
+the wrong type and out-of-range values raise a `ConfigError` naming the setting.
+
+Help text comes from the constructors' Google-style ``Args:`` docstrings rather than
+field metadata: a strategy's settings are constructor arguments, and the docstring that
+documents them for Python users is then the one text `describe_strategies` prints.
 
 .. code-block:: toml
 
@@ -18,6 +23,7 @@ wrong type and out-of-range values raise a `ConfigError` naming the setting.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import textwrap
@@ -25,8 +31,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from fedloom.config import StrategyConfig
+from fedloom.config import SelectionConfig, StrategyConfig
 from fedloom.errors import ConfigError
+from fedloom.settings import coerce, format_default, type_name
 from fedloom.strategies._base import Strategy
 from fedloom.strategies._bulyan import Bulyan
 from fedloom.strategies._composed import ComposedStrategy
@@ -37,13 +44,7 @@ from fedloom.strategies._krum import Krum, MultiKrum
 from fedloom.strategies._median import FedMedian
 from fedloom.strategies._momentum import FedAvgM
 from fedloom.strategies._norm_bound import NormBoundedStrategy, NormBoundMode
-from fedloom.strategies._settings import (
-    argument_docs,
-    coerce,
-    format_default,
-    summary_line,
-    type_name,
-)
+from fedloom.strategies._settings import argument_docs, summary_line
 from fedloom.strategies._trimmed_mean import FedTrimmedAvg
 
 STRATEGIES: dict[str, type[ComposedStrategy]] = {
@@ -60,9 +61,8 @@ STRATEGIES: dict[str, type[ComposedStrategy]] = {
     "bulyan": Bulyan,
 }
 
-#: Settings the server passes from its own configuration, not from ``[strategy]``.
-SERVER_OWNED = ("fraction_fit", "min_fit_clients", "fraction_evaluate", "min_evaluate_clients",
-                "seed")
+#: Client selection: the caller's `SelectionConfig`, never part of ``[strategy]``.
+SELECTION_SETTINGS = tuple(f.name for f in dataclasses.fields(SelectionConfig))
 
 _KW = inspect.Parameter.KEYWORD_ONLY
 #: Settings every strategy takes; they wrap it in `NormBoundedStrategy` when set.
@@ -71,16 +71,6 @@ NORM_BOUND_SETTINGS: dict[str, inspect.Parameter] = {
                                          annotation=float | None),
     "norm_bound_mode": inspect.Parameter("norm_bound_mode", _KW, default="clip",
                                          annotation=NormBoundMode),
-}
-_COMMON_DOCS = {
-    "max_update_norm": "bound on each update's global L2 norm, > 0; unset (default) means "
-                       "no bound. Sent to clients in the fit config too: TorchClient clips "
-                       "its own update to it (under secure aggregation, the only place the "
-                       "bound can hold).",
-    "norm_bound_mode": '"clip" scales a larger delta down to the bound (default); "reject" '
-                       "drops it. Counted as num_clipped / num_rejected in round metrics.",
-    "fit_config": "extra entries sent to every client with each fit task (a table).",
-    "evaluate_config": "extra entries sent with each evaluate task (a table).",
 }
 _COMMON = ("fit_config", "evaluate_config", *NORM_BOUND_SETTINGS)
 
@@ -103,26 +93,32 @@ def strategy_settings(name: str) -> dict[str, inspect.Parameter]:
     params = inspect.signature(cls.__init__).parameters
     out = {
         k: p.replace(annotation=hints.get(k, p.annotation)) for k, p in params.items()
-        if k != "self" and p.kind is p.KEYWORD_ONLY and k not in SERVER_OWNED
+        if k != "self" and p.kind is p.KEYWORD_ONLY and k != "selection"
     }
     out.update(NORM_BOUND_SETTINGS)
     return out
 
 
-def build_strategy(config: StrategyConfig, **server_owned: Any) -> Strategy:
-    """Instantiate ``config.name`` with ``config.params`` plus the server-owned settings.
+def build_strategy(config: StrategyConfig, selection: SelectionConfig | None = None) -> Strategy:
+    """Instantiate ``config.name`` with ``config.params``, sampling with ``selection``.
 
     Returns the strategy, wrapped in `NormBoundedStrategy` when ``max_update_norm`` is
     set. Raises `ConfigError` for an unknown name or setting, a value of the wrong type
     or out of range (the setting is named ``strategy.<setting>``).
+
+    >>> build_strategy(StrategyConfig("fedyogi", {"eta": 0.02}),
+    ...                SelectionConfig(fraction_fit=0.5, seed=1)).selection.fraction_fit
+    0.5
     """
     cls = _lookup(config.name)
     accepted = strategy_settings(config.name)
     kwargs: dict[str, Any] = {}
     for key, value in config.params.items():
-        if key in SERVER_OWNED:
+        if key in SELECTION_SETTINGS:
             raise ConfigError(
-                f"strategy.{key}", "is a top-level server setting; move it out of [strategy]"
+                f"strategy.{key}", "is client selection, a top-level server setting (in a "
+                "scenario: clients_per_round, evaluate_clients_per_round, seed); move it out "
+                "of [strategy]"
             )
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)
@@ -132,10 +128,7 @@ def build_strategy(config: StrategyConfig, **server_owned: Any) -> Strategy:
                 f"{config.name} has no such setting{hint}; it takes: {', '.join(accepted)}",
             )
         kwargs[key] = coerce(f"strategy.{key}", accepted[key].annotation, value)
-    for key, value in server_owned.items():
-        if key not in SERVER_OWNED:
-            raise TypeError(f"{key} is not a server-owned strategy setting")
-        kwargs[key] = value
+    kwargs["selection"] = selection
     max_norm = kwargs.pop("max_update_norm", None)
     mode = kwargs.pop("norm_bound_mode", "clip")
     try:
@@ -171,11 +164,14 @@ def describe_strategies(width: int = 100) -> str:
     common = {**NORM_BOUND_SETTINGS, **{
         k: inspect.Parameter(k, _KW, default=None, annotation=Mapping) for k in
         ("fit_config", "evaluate_config")}}
+    docs = {**argument_docs(ComposedStrategy), **argument_docs(NormBoundedStrategy)}
     for key in _COMMON:
-        lines.extend(_describe_setting(key, common[key], _COMMON_DOCS[key], width))
+        lines.extend(_describe_setting(key, common[key], docs[key], width))
     lines.append("")
-    lines.extend(textwrap.wrap("Top-level server settings (not in [strategy]): "
-                               + ", ".join(SERVER_OWNED), width=width))
+    lines.extend(textwrap.wrap("Client selection is not a strategy setting: the server's "
+                               "top-level " + ", ".join(SELECTION_SETTINGS) + " (a scenario's "
+                               "clients_per_round, evaluate_clients_per_round and seed).",
+                               width=width))
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import AggregationError, ConfigError
 from fedloom.strategies._base import MeanUpdate
 from fedloom.strategies._composed import ComposedStrategy
@@ -90,11 +91,7 @@ class FedTrimmedAvg(ComposedStrategy):
         enforce_preconditions: raise `AggregationError` when ``int(beta * n) == 0``
             although ``beta > 0`` (nothing would be trimmed). Default true; false is
             Flower's behaviour (average everything).
-        fraction_fit: share of connected clients sampled for training each round.
-        min_fit_clients: never sample fewer (if that many are connected).
-        fraction_evaluate: share sampled for federated evaluation (0 disables it).
-        min_evaluate_clients: never sample fewer for evaluation, when it is enabled.
-        seed: seeds client sampling.
+        selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
     """
@@ -104,22 +101,14 @@ class FedTrimmedAvg(ComposedStrategy):
         *,
         beta: float = 0.2,
         enforce_preconditions: bool = True,
-        fraction_fit: float = 1.0,
-        min_fit_clients: int = 2,
-        fraction_evaluate: float = 1.0,
-        min_evaluate_clients: int = 0,
-        seed: int = 0,
+        selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
     ) -> None:
         super().__init__(
             TrimmedMeanAggregator(beta, enforce_preconditions),
             ServerSGD(1.0),
-            fraction_fit=fraction_fit,
-            min_fit_clients=min_fit_clients,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_clients=min_evaluate_clients,
-            seed=seed,
+            selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
         )

@@ -43,7 +43,6 @@ def small_weights() -> Weights:
 def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading.Thread]:  # type: ignore[no-untyped-def]
     config = ClientConfig(
         server_address=address,
-        long_poll_s=2.0,
         rpc_timeout_s=10.0,
         reconnect_initial_s=0.05,
         reconnect_max_s=0.5,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fedloom import ConfigError, ServerConfig, StrategyConfig
 from fedloom.cli import build_parser, server_config_from_args
-from fedloom.config import from_mapping
-from fedloom.server.app import grpc_server_options
+from fedloom.config import ClientConfig, SelectionConfig, TransferConfig, from_mapping
+from fedloom.server.app import Server, grpc_server_options
+from fedloom.settings import field_help
 from fedloom.strategies import build_strategy
 
 
@@ -83,3 +86,43 @@ def test_missing_config_file_is_a_clear_error(tmp_path) -> None:
     args = build_parser().parse_args(["server", "--config", str(tmp_path / "nope.toml")])
     with pytest.raises(ConfigError, match="not found"):
         server_config_from_args(args)
+
+
+def test_selection_is_built_from_the_server_settings_and_validated_once() -> None:
+    config = from_mapping(ServerConfig, {"insecure": True, "min_clients": 4, "fraction_fit": 0.5,
+                                         "min_fit_clients": 3, "fraction_evaluate": 0.0,
+                                         "seed": 9})
+    assert config.selection == SelectionConfig(fraction_fit=0.5, min_fit_clients=3,
+                                               fraction_evaluate=0.0, seed=9)
+    strategy = Server(config).strategy
+    assert strategy.selection == config.selection  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError) as info:
+        SelectionConfig(min_evaluate_clients=-1)
+    assert info.value.setting == "min_evaluate_clients"
+
+
+def test_server_selection_fields_share_the_selection_defaults_and_help() -> None:
+    server = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    for field in dataclasses.fields(SelectionConfig):
+        assert server[field.name].default == field.default
+        assert field_help(server[field.name]) == field_help(field) != ""
+
+
+@pytest.mark.parametrize("cls", [ServerConfig, TransferConfig, ClientConfig, SelectionConfig])
+def test_every_scalar_setting_has_help_the_cli_prints(cls, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["server", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(cls):
+        if field.default_factory is not dataclasses.MISSING:
+            continue  # a table of its own
+        assert field_help(field), (cls.__name__, field.name)
+        if cls is not ClientConfig and field.name != "insecure":
+            assert " ".join(field_help(field).split()) in help_text, field.name
+
+
+def test_client_config_has_no_long_poll_setting() -> None:
+    # The server's long_poll_s, told to clients at Join, is the only long-poll hold.
+    assert "long_poll_s" not in {f.name for f in dataclasses.fields(ClientConfig)}
+    with pytest.raises(TypeError):
+        ClientConfig(server_address="h:1", insecure=True, long_poll_s=2.0)  # type: ignore[call-arg]

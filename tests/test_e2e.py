@@ -68,9 +68,7 @@ def test_model_far_larger_than_the_message_limit(server_config) -> None:
     from fedloom.client_sdk import start_client
     from fedloom.config import ClientConfig
 
-    cfg = ClientConfig(
-        server_address=handle.address, transfer=transfer, long_poll_s=2.0, insecure=True
-    )
+    cfg = ClientConfig(server_address=handle.address, transfer=transfer, insecure=True)
     threads = [
         threading.Thread(
             target=start_client,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedloom import ClientUpdate, RoundAbortedError, Weights
+from fedloom.config import SelectionConfig
 from fedloom.strategies import FedAvg
 
 
@@ -86,7 +87,7 @@ def test_fedavg_matches_flower_aggregate_arrayrecords() -> None:
 
 def test_aborted_stream_leaves_strategy_state_unchanged() -> None:
     current, updates = _updates(1, 3)
-    strategy = FedAvg(seed=3)
+    strategy = FedAvg(selection=SelectionConfig(seed=3))
     before = strategy.state_dict()
 
     def stream():
@@ -131,13 +132,13 @@ def test_sampling_is_seeded_and_order_independent() -> None:
     from fedloom import ClientInfo
 
     clients = [ClientInfo(f"id{i}", f"c{i}") for i in range(10)]
-    a = FedAvg(fraction_fit=0.3, min_fit_clients=2, seed=7)
-    b = FedAvg(fraction_fit=0.3, min_fit_clients=2, seed=7)
+    a = FedAvg(selection=SelectionConfig(fraction_fit=0.3, min_fit_clients=2, seed=7))
+    b = FedAvg(selection=SelectionConfig(fraction_fit=0.3, min_fit_clients=2, seed=7))
     plan_a = a.configure_fit(1, Weights(), clients)
     plan_b = b.configure_fit(1, Weights(), list(reversed(clients)))
     assert plan_a.client_ids == plan_b.client_ids and len(plan_a.client_ids) == 3
     state = a.state_dict()
-    c = FedAvg(fraction_fit=0.3, min_fit_clients=2, seed=0)
+    c = FedAvg(selection=SelectionConfig(fraction_fit=0.3, min_fit_clients=2, seed=0))
     c.load_state_dict(state)
     assert (
         a.configure_fit(2, Weights(), clients).client_ids

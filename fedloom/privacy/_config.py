@@ -57,6 +57,7 @@ import dataclasses
 import math
 
 from fedloom.errors import ConfigError
+from fedloom.settings import described
 
 SECTION = "privacy"
 MODES = ("off", "central", "distributed")
@@ -102,18 +103,39 @@ class PrivacyConfig:
             before their masked input, in [0, 1).
     """
 
-    mode: str = "off"
-    noise_multiplier: float = 1.0
-    clip_norm: float = 1.0
-    clipping: str = "fixed"
-    target_quantile: float = 0.5
-    clip_learning_rate: float = 0.2
-    count_noise_std: float = 0.0
-    delta: float = 1e-5
-    target_epsilon: float = 0.0
-    sampling: str = "fixed"
-    accountant: str = "rdp"
-    expected_dropout: float = 0.0
+    mode: str = described(
+        "off",
+        '"off", "central" (the server adds the noise) or "distributed" (the clients '
+        "do, under secure aggregation)")
+    noise_multiplier: float = described(
+        1.0,
+        "z: noise std / clip norm (choose it with fedloom privacy calibrate)")
+    clip_norm: float = described(
+        1.0,
+        "C: each client's delta is clipped to this L2 norm (initial C if adaptive)")
+    clipping: str = described(
+        "fixed",
+        '"fixed" or "adaptive" (C follows target_quantile of the update norms)')
+    target_quantile: float = described(
+        0.5,
+        "adaptive: the share of updates C should leave unclipped")
+    clip_learning_rate: float = described(
+        0.2,
+        "adaptive: C *= exp(-rate * (unclipped share - quantile))")
+    count_noise_std: float = described(
+        0.0,
+        "adaptive: noise std of the clipped count (0: clients per round / 20)")
+    delta: float = described(1e-5, "the delta at which epsilon is reported")
+    target_epsilon: float = described(
+        0.0,
+        "stop before a round would take epsilon past this (0: no budget)")
+    sampling: str = described(
+        "fixed",
+        '"fixed" (m of n), "poisson" or "none" (no amplification by sampling)')
+    accountant: str = described("rdp", '"rdp" or "pld" (pld: poisson or none sampling)')
+    expected_dropout: float = described(
+        0.0,
+        "distributed: share of sampled clients expected to drop out")
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -144,7 +166,7 @@ class PrivacyConfig:
         if self.accountant == "pld" and self.sampling == "fixed":
             raise _fail(
                 "accountant",
-                'dp-accounting has no PLD for sampling without replacement: use accountant '
+                "dp-accounting has no PLD for sampling without replacement: use accountant "
                 '= "rdp" with sampling = "fixed", or sampling = "poisson" with "pld"',
             )
         if self.mode == "distributed" and self.clipping == "adaptive":
@@ -156,7 +178,7 @@ class PrivacyConfig:
         if self.mode == "distributed" and self.sampling != "none":
             raise _fail(
                 "sampling",
-                'distributed mode is accounted without amplification by sampling (the '
+                "distributed mode is accounted without amplification by sampling (the "
                 "Skellam mechanism has no subsampled bound in dp-accounting): set "
                 'sampling = "none"',
             )

@@ -68,6 +68,7 @@ import dataclasses
 import math
 
 from fedloom.errors import ConfigError, SecureAggregationError
+from fedloom.settings import described
 
 SECTION = "secure_aggregation"
 
@@ -132,18 +133,39 @@ class SecAggConfig:
             (secure against an honest-but-curious server only).
     """
 
-    enabled: bool = False
-    neighbours: int = 10
-    threshold: int = 6
-    clip_range: float = 8.0
-    bits: int = 22
-    max_weight: float = 10_000.0
-    max_participants: int = 1024
-    stage_timeout_s: float = 60.0
-    min_survivors: int = 0
-    colluding_clients: int = 1
-    max_attempts: int = 3
-    allow_unauthenticated: bool = False
+    enabled: bool = described(
+        False,
+        "run fit rounds under SecAgg+: the server learns only the sum of the updates")
+    neighbours: int = described(
+        10,
+        "k: other clients each client masks against and shares secrets with (even)")
+    threshold: int = described(6, "t: neighbours' shares that reconstruct a secret; k/2 < t <= k")
+    clip_range: float = described(
+        8.0,
+        "each delta coordinate is clipped to [-clip_range, clip_range] on the client")
+    bits: int = described(
+        22,
+        "quantization bits per coordinate; bits + ceil(log2 max_participants) <= 32")
+    max_weight: float = described(
+        10_000.0,
+        "num_examples of the largest client (weights are num_examples / max_weight)")
+    max_participants: int = described(1024, "most clients summed in one secure round")
+    stage_timeout_s: float = described(
+        60.0,
+        "seconds each stage but masked input (which trains) waits for replies")
+    min_survivors: int = described(
+        0,
+        "clients refuse to unmask a sum over fewer survivors (0: threshold + 1)")
+    colluding_clients: int = described(
+        1,
+        "c: clients assumed to collude with the server; c <= 2t - k - 1")
+    max_attempts: int = described(
+        3,
+        "attempts per round: a failed attempt is retried without its dropouts")
+    allow_unauthenticated: bool = described(
+        False,
+        "run secure rounds without mutual TLS (protects against an honest-but-curious"
+        " server only; warned)")
 
     def __post_init__(self) -> None:
         k, t = self.neighbours, self.threshold

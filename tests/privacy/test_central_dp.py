@@ -19,6 +19,7 @@ import pytest
 from test_accountant import DELTA, reference_epsilon
 
 from fedloom import ClientInfo, ClientUpdate, ConfigError, ServerConfig, StrategyConfig, Weights
+from fedloom.config import SelectionConfig
 from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.privacy import PrivacyConfig, RoundEvent
 from fedloom.secagg import SecAggConfig
@@ -53,7 +54,7 @@ def central(**overrides: Any) -> PrivacyConfig:
 
 def dp_strategy(inner: ComposedStrategy | None = None, *, seed: int = 0,
                 **privacy: Any) -> CentralDPStrategy:
-    inner = inner if inner is not None else FedAvg(min_fit_clients=1, seed=0)
+    inner = inner if inner is not None else FedAvg(selection=SelectionConfig(min_fit_clients=1))
     return CentralDPStrategy(inner, central(**privacy), rng=np.random.default_rng(seed))
 
 
@@ -103,7 +104,7 @@ def run_round(strategy: Any, server_round: int, current: Weights, population: in
 
 def test_each_update_is_clipped_and_the_mean_divides_by_the_number_sampled() -> None:
     rng, clip = np.random.default_rng(1), 0.8
-    strategy = dp_strategy(FedAvg(min_fit_clients=4, seed=0), clip_norm=clip)
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=4)), clip_norm=clip)
     current = model()
     deltas = {"c000": delta_of_norm(rng, 5.0),   # above C: clipped to C
               "c001": delta_of_norm(rng, 0.3),   # within C: unchanged
@@ -130,7 +131,8 @@ def test_each_update_is_clipped_and_the_mean_divides_by_the_number_sampled() -> 
 @pytest.mark.parametrize("reported", [None, 0.01])  # 0.01: a client lying about its norm
 def test_one_update_contributes_at_most_c(norm: float, reported: float | None) -> None:
     rng, clip, sampled = np.random.default_rng(2), 1.5, 3
-    strategy = dp_strategy(FedAvg(min_fit_clients=sampled, seed=0), clip_norm=clip)
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=sampled)),
+                           clip_norm=clip)
     current = model()
     d = delta_of_norm(rng, norm)
     _, result = run_round(strategy, 1, current, sampled,
@@ -198,7 +200,8 @@ def _noise_of_one_round(strategy: CentralDPStrategy, population: int) -> np.ndar
 @pytest.mark.parametrize(("z", "clip", "m"), [(1.0, 1.0, 4), (0.6, 2.5, 10), (3.0, 0.1, 1)])
 def test_noise_on_the_mean_is_gaussian_with_std_z_c_over_m(z: float, clip: float,
                                                            m: int) -> None:
-    strategy = dp_strategy(FedAvg(min_fit_clients=m, seed=0), seed=11, noise_multiplier=z,
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=m)), seed=11,
+                           noise_multiplier=z,
                            clip_norm=clip)
     noise = _noise_of_one_round(strategy, m)
     assert gaussian_problems(noise, z * clip / m) == []
@@ -206,7 +209,8 @@ def test_noise_on_the_mean_is_gaussian_with_std_z_c_over_m(z: float, clip: float
 
 def test_adaptive_clipping_noises_the_sum_with_the_split_multiplier() -> None:
     z, clip, m, count_std = 1.0, 1.0, 20, 1.0
-    strategy = dp_strategy(FedAvg(min_fit_clients=m, seed=0), seed=12, noise_multiplier=z,
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=m)), seed=12,
+                           noise_multiplier=z,
                            clip_norm=clip, clipping="adaptive", count_noise_std=count_std)
     noise = _noise_of_one_round(strategy, m)
     z_delta = 1 / math.sqrt(z**-2 - (2 * count_std) ** -2)
@@ -216,14 +220,15 @@ def test_adaptive_clipping_noises_the_sum_with_the_split_multiplier() -> None:
 
 def test_default_noise_comes_from_a_csprng_seeded_generator() -> None:
     privacy = central(noise_multiplier=1.0)
-    a = CentralDPStrategy(FedAvg(min_fit_clients=2, seed=0), privacy)
-    b = CentralDPStrategy(FedAvg(min_fit_clients=2, seed=0), privacy)
+    a = CentralDPStrategy(FedAvg(selection=SelectionConfig(min_fit_clients=2)), privacy)
+    b = CentralDPStrategy(FedAvg(selection=SelectionConfig(min_fit_clients=2)), privacy)
     noise_a, noise_b = _noise_of_one_round(a, 2), _noise_of_one_round(b, 2)
     assert not np.allclose(noise_a, noise_b)
     assert gaussian_problems(noise_a, 0.5) == [] and gaussian_problems(noise_b, 0.5) == []
     # Not a fixed seed either: not the noise of default_rng(0) .. default_rng(9).
     for seed in range(10):
-        seeded = dp_strategy(FedAvg(min_fit_clients=2, seed=0), seed=seed, noise_multiplier=1.0)
+        seeded = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=2)), seed=seed,
+                             noise_multiplier=1.0)
         assert not np.allclose(_noise_of_one_round(seeded, 2), noise_a)
 
 
@@ -238,7 +243,7 @@ def test_adaptive_clip_norm_follows_the_geometric_update_to_the_quantile() -> No
     norms = 2.0 * (np.arange(m) + 0.5) / m  # uniform in [0, 2]: the median is 1
     rng = np.random.default_rng(3)
     directions = {f"c{i:03d}": delta_of_norm(rng, norms[i]) for i in range(m)}
-    strategy = dp_strategy(FedAvg(min_fit_clients=m, seed=0), clip_norm=0.1,
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=m)), clip_norm=0.1,
                            clipping="adaptive", target_quantile=gamma,
                            clip_learning_rate=eta, noise_multiplier=1e-6,
                            count_noise_std=1e-4)
@@ -259,7 +264,7 @@ def test_adaptive_clip_norm_follows_the_geometric_update_to_the_quantile() -> No
 def test_adaptive_clipping_counts_the_norm_the_client_reports() -> None:
     """A client clips before sending; its reported norm says whether it had to."""
     m = 10
-    strategy = dp_strategy(FedAvg(min_fit_clients=m, seed=0), clip_norm=1.0,
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=m)), clip_norm=1.0,
                            clipping="adaptive", clip_learning_rate=0.5,
                            noise_multiplier=1e-6, count_noise_std=1e-4)
     d = delta_of_norm(np.random.default_rng(4), 1.0)  # every client sends norm C ...
@@ -291,7 +296,8 @@ def test_an_impossible_adaptive_split_is_refused_before_clients_train() -> None:
     split exists. That must be refused in configure_fit, before the round's tasks go
     out, not in aggregate_fit after ten clients trained (the coordinator only handles
     AggregationError there)."""
-    strategy = dp_strategy(FedAvg(min_fit_clients=10, seed=0), noise_multiplier=1.0,
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=10)),
+                           noise_multiplier=1.0,
                            clipping="adaptive")
     with pytest.raises(ConfigError) as info:
         strategy.configure_fit(1, model(), clients(10))
@@ -307,7 +313,7 @@ def test_the_budget_stops_exactly_before_the_round_that_would_exceed_it() -> Non
     # Target between the epsilon of 3 and of 4 rounds (dp-accounting, directly).
     eps3, eps4 = (reference_epsilon([event] * k, "fixed") for k in (3, 4))
     target = (eps3 + eps4) / 2
-    strategy = dp_strategy(FedAvg(fraction_fit=0.4, min_fit_clients=1, seed=0),
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=0.4, min_fit_clients=1)),
                            noise_multiplier=z, target_epsilon=target)
     rng, current, done = np.random.default_rng(6), model(), 0
     epsilons = []
@@ -344,7 +350,8 @@ class RefusingFedAvg(FedAvg):
 
 
 def test_a_round_without_a_model_records_nothing() -> None:
-    strategy = dp_strategy(RefusingFedAvg(min_fit_clients=3, seed=0), noise_multiplier=1.0,
+    strategy = dp_strategy(RefusingFedAvg(selection=SelectionConfig(min_fit_clients=3)),
+                           noise_multiplier=1.0,
                            clipping="adaptive", count_noise_std=5.0)
     d = delta_of_norm(np.random.default_rng(7), 3.0)
     _, result = run_round(strategy, 1, model(), 3, lambda cid: d)
@@ -354,7 +361,8 @@ def test_a_round_without_a_model_records_nothing() -> None:
 
 
 def test_a_round_without_updates_records_nothing() -> None:
-    strategy = dp_strategy(FedAvg(min_fit_clients=3, seed=0), noise_multiplier=1.0)
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=3)),
+                           noise_multiplier=1.0)
     _, result = run_round(strategy, 1, model(), 3, lambda cid: None)
     assert result.weights is None and result.num_updates == 0
     assert strategy.accountant.num_rounds == 0 and strategy.privacy_spent()[0] == 0.0
@@ -369,7 +377,8 @@ def test_a_round_without_updates_records_nothing() -> None:
 
 def test_poisson_sampling_picks_each_client_with_probability_fraction_fit() -> None:
     n, q, rounds = 200, 0.3, 200
-    strategy = dp_strategy(FedAvg(fraction_fit=q, min_fit_clients=1, seed=9), sampling="poisson")
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=q, min_fit_clients=1,
+                                                            seed=9)), sampling="poisson")
     counts, per_client = [], dict.fromkeys((c.client_id for c in clients(n)), 0)
     for server_round in range(1, rounds + 1):
         plan = strategy.configure_fit(server_round, model(), clients(n))
@@ -388,7 +397,8 @@ def test_poisson_sampling_picks_each_client_with_probability_fraction_fit() -> N
 
 def test_poisson_rounds_divide_by_the_expected_count_and_record_the_rate() -> None:
     n, q, clip = 20, 0.25, 1.0
-    strategy = dp_strategy(FedAvg(fraction_fit=q, min_fit_clients=1, seed=4),
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=q, min_fit_clients=1,
+                                                            seed=4)),
                            sampling="poisson", clip_norm=clip)
     rng, current = np.random.default_rng(10), model()
     for server_round in (1, 2):
@@ -409,11 +419,12 @@ def test_poisson_rounds_divide_by_the_expected_count_and_record_the_rate() -> No
 def _twins(name: str) -> tuple[ComposedStrategy, ComposedStrategy]:
     def make() -> ComposedStrategy:
         if name == "fedavg":
-            return FedAvg(min_fit_clients=3, seed=0)
+            return FedAvg(selection=SelectionConfig(min_fit_clients=3))
         if name == "fedavgm":
-            return FedAvgM(server_learning_rate=0.7, server_momentum=0.9, min_fit_clients=3,
-                           seed=0)
-        return FedAdam(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3, min_fit_clients=3, seed=0)
+            return FedAvgM(server_learning_rate=0.7, server_momentum=0.9,
+                           selection=SelectionConfig(min_fit_clients=3))
+        return FedAdam(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3,
+                       selection=SelectionConfig(min_fit_clients=3))
 
     return make(), make()
 
@@ -445,8 +456,8 @@ DP_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi")
 
 @pytest.mark.parametrize("name", sorted(set(STRATEGIES) - set(DP_NAMES)))
 def test_robust_rules_are_refused(name: str) -> None:
-    strategy = build_strategy(StrategyConfig(name), fraction_fit=1.0, min_fit_clients=10,
-                              fraction_evaluate=0.0, min_evaluate_clients=0, seed=0)
+    strategy = build_strategy(StrategyConfig(name), SelectionConfig(min_fit_clients=10,
+                                                                    fraction_evaluate=0.0))
     with pytest.raises(ConfigError) as info:
         apply_privacy(strategy, central())
     assert info.value.setting == "strategy.name"
@@ -456,8 +467,8 @@ def test_robust_rules_are_refused(name: str) -> None:
 
 @pytest.mark.parametrize("name", DP_NAMES)
 def test_mean_strategies_are_wrapped(name: str) -> None:
-    strategy = build_strategy(StrategyConfig(name), fraction_fit=1.0, min_fit_clients=2,
-                              fraction_evaluate=0.0, min_evaluate_clients=0, seed=0)
+    strategy = build_strategy(StrategyConfig(name), SelectionConfig(min_fit_clients=2,
+                                                                    fraction_evaluate=0.0))
     wrapped = apply_privacy(strategy, central())
     assert isinstance(wrapped, CentralDPStrategy) and wrapped.inner is strategy
     assert apply_privacy(wrapped, central()) is wrapped  # not wrapped twice
@@ -465,8 +476,8 @@ def test_mean_strategies_are_wrapped(name: str) -> None:
 
 def test_a_norm_bounded_strategy_is_refused() -> None:
     strategy = build_strategy(StrategyConfig("fedavg", {"max_update_norm": 1.0}),
-                              fraction_fit=1.0, min_fit_clients=2, fraction_evaluate=0.0,
-                              min_evaluate_clients=0, seed=0)
+                              SelectionConfig(fraction_fit=1.0, min_fit_clients=2,
+                                              fraction_evaluate=0.0, min_evaluate_clients=0))
     with pytest.raises(ConfigError) as info:
         apply_privacy(strategy, central())
     assert info.value.setting == "strategy.max_update_norm"
@@ -504,7 +515,8 @@ def _walk(value: Any) -> list[Any]:
 
 def test_state_continues_the_ledger_and_the_clip_norm() -> None:
     def make() -> CentralDPStrategy:
-        inner = FedAvgM(server_momentum=0.5, min_fit_clients=3, fraction_fit=0.6, seed=1)
+        inner = FedAvgM(server_momentum=0.5, selection=SelectionConfig(min_fit_clients=3,
+                                                                       fraction_fit=0.6, seed=1))
         return dp_strategy(inner, noise_multiplier=1e-6, clipping="adaptive",
                            count_noise_std=1e-4)
 
@@ -526,9 +538,11 @@ def test_state_continues_the_ledger_and_the_clip_norm() -> None:
 
 
 def test_the_noise_generator_is_not_in_the_state() -> None:
-    a = dp_strategy(FedAvg(min_fit_clients=3, fraction_fit=0.6, seed=1), seed=100,
+    a = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=3, fraction_fit=0.6, seed=1)),
+                    seed=100,
                     noise_multiplier=1.0)
-    b = dp_strategy(FedAvg(min_fit_clients=3, fraction_fit=0.6, seed=1), seed=200,
+    b = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=3, fraction_fit=0.6, seed=1)),
+                    seed=200,
                     noise_multiplier=1.0)
     wa, wb = _rounds(a, (1, 2)), _rounds(b, (1, 2))
     assert not wa.allclose(wb, rtol=0, atol=1e-3)  # different noise ...
@@ -541,9 +555,9 @@ def test_the_noise_generator_is_not_in_the_state() -> None:
 
 
 def test_a_state_without_privacy_is_refused() -> None:
-    strategy = dp_strategy(FedAvg(min_fit_clients=2, seed=0))
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=2)))
     with pytest.raises(ConfigError) as info:
-        strategy.load_state_dict(FedAvg(min_fit_clients=2, seed=0).state_dict())
+        strategy.load_state_dict(FedAvg(selection=SelectionConfig(min_fit_clients=2)).state_dict())
     assert info.value.setting == "privacy"
 
 

@@ -144,7 +144,6 @@ class ClientPool:
         self.errors: list[BaseException] = []
         config = ClientConfig(
             server_address=address,
-            long_poll_s=1.0,
             rpc_timeout_s=5.0,
             reconnect_initial_s=0.05,
             reconnect_max_s=0.3,

@@ -23,6 +23,7 @@ from e2e_harness import (
 )
 from helpers import small_weights
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError, SecureAggregationError
 from fedloom.privacy import PrivacyConfig
 from fedloom.privacy._distributed import (
@@ -131,7 +132,8 @@ def test_a_client_refuses_a_partial_or_malformed_announcement() -> None:
 def test_the_strategy_announces_a_floor_and_accounts_the_survivors() -> None:
     from fedloom.types import ClientInfo
 
-    strategy = apply_privacy(FedAvg(min_fit_clients=10), _private(1.0, expected_dropout=0.2),
+    strategy = apply_privacy(FedAvg(selection=SelectionConfig(min_fit_clients=10)),
+                             _private(1.0, expected_dropout=0.2),
                              colluding_clients=1)
     assert isinstance(strategy, DistributedDPStrategy)
     clients = [ClientInfo(str(i)) for i in range(10)]
@@ -165,14 +167,15 @@ def test_the_local_engine_runs_distributed_dp_and_stops_at_the_budget() -> None:
     secure = secagg(max_weight=200.0)
     clients = {i: RecordingClient(seed=i, num_examples=10) for i in range(8)}
     ledger_probe = _private(2.0)
-    strategy = apply_privacy(FedAvg(min_fit_clients=8), ledger_probe)
+    strategy = apply_privacy(FedAvg(selection=SelectionConfig(min_fit_clients=8)), ledger_probe)
     history = run_local(strategy, lambda i: clients[i], small_weights(), num_clients=8,
                         num_rounds=3, secure_aggregation=LocalSecureAggregation(secure, seed=1))
     eps = [r.metrics["privacy_epsilon"] for r in history.rounds[1:]]
     assert len(eps) == 3 and eps[0] < eps[1] < eps[2]
     budget = (eps[1] + eps[2]) / 2  # allows two rounds, not three
     clients = {i: RecordingClient(seed=i, num_examples=10) for i in range(8)}
-    strategy = apply_privacy(FedAvg(min_fit_clients=8), _private(2.0, target_epsilon=budget))
+    strategy = apply_privacy(FedAvg(selection=SelectionConfig(min_fit_clients=8)),
+                             _private(2.0, target_epsilon=budget))
     history = run_local(strategy, lambda i: clients[i], small_weights(), num_clients=8,
                         num_rounds=3, secure_aggregation=LocalSecureAggregation(secure, seed=1))
     assert [r.round for r in history.rounds] == [0, 1, 2]
@@ -237,7 +240,8 @@ def test_rotation_seeds_are_fresh_unless_a_simulation_seeds_them() -> None:
         return str(strategy.configure_fit(1, small_weights(), clients).config[SEED_KEY])
 
     def build(rng: np.random.Generator | None) -> DistributedDPStrategy:
-        return DistributedDPStrategy(FedAvg(min_fit_clients=6), _private(1.0), rng=rng)
+        return DistributedDPStrategy(FedAvg(selection=SelectionConfig(min_fit_clients=6)),
+                                     _private(1.0), rng=rng)
 
     assert seed_of(build(None)) != seed_of(build(None))  # the OS CSPRNG
     seeded = [seed_of(build(np.random.default_rng(7))) for _ in range(2)]

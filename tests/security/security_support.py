@@ -55,7 +55,6 @@ def client_config(address: str, pki: Path | None, name: str = "", **overrides: A
     settings: dict[str, Any] = dict(
         server_address=address,
         name=name,
-        long_poll_s=2.0,
         rpc_timeout_s=10.0,
         reconnect_initial_s=0.05,
         reconnect_max_s=0.5,

@@ -15,6 +15,7 @@ from sim_fakegrid import FakeGrid
 from test_sim_local import ShiftClient
 
 from fedloom.client_sdk import FitOutput
+from fedloom.config import SelectionConfig
 from fedloom.simulations._records import arrays_to_weights, weights_to_arrays
 from fedloom.simulations.flower_client import partition_id, to_client_app
 from fedloom.simulations.flower_strategy import FlowerStrategy
@@ -91,7 +92,7 @@ def test_fedloom_fedavg_matches_flowers_fedavg() -> None:
     # All 5 nodes train (Flower samples at random; with fraction 1 both take everyone).
     initial = Weights({"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3),
                        "b": np.zeros(3, np.float32)})
-    ours = FlowerStrategy(FedAvg(seed=0), min_available_nodes=5).start(
+    ours = FlowerStrategy(FedAvg(), min_available_nodes=5).start(
         FakeGrid(shift_app(), 5), weights_to_arrays(initial), num_rounds=2)
     theirs = FlowerFedAvg(fraction_evaluate=0.0, min_available_nodes=5).start(
         FakeGrid(shift_app(), 5), weights_to_arrays(initial), num_rounds=2)
@@ -103,7 +104,7 @@ def test_fedloom_fedavg_matches_flowers_fedavg() -> None:
 def test_failed_and_non_finite_replies_are_skipped() -> None:
     initial = Weights({"w": np.zeros(2, np.float32)})
     failures: list[int] = []
-    bridge = FlowerStrategy(FedAvg(seed=0), min_available_nodes=4,
+    bridge = FlowerStrategy(FedAvg(), min_available_nodes=4,
                             on_fit_round=lambda r, res, f: failures.append(f))
     app = shift_app(fail=frozenset({1}), nan=frozenset({2}))
     result = bridge.start(FakeGrid(app, 4), weights_to_arrays(initial), num_rounds=1)
@@ -132,7 +133,7 @@ def plain_flower_app() -> ClientApp:
 
 def test_plain_flower_client_app_under_the_bridge() -> None:
     initial = Weights({"w": np.zeros(2, np.float32)})
-    bridge = FlowerStrategy(FedAvg(fraction_fit=0.5, min_fit_clients=1, seed=0),
+    bridge = FlowerStrategy(FedAvg(selection=SelectionConfig(fraction_fit=0.5, min_fit_clients=1)),
                             min_available_nodes=4)
     grid = FakeGrid(plain_flower_app(), 4)
     result = bridge.start(grid, weights_to_arrays(initial), num_rounds=2,
@@ -150,7 +151,7 @@ def test_two_nodes_with_one_partition_are_refused() -> None:
     grid = FakeGrid(shift_app(), 2)
     for context in grid.contexts.values():
         context.node_config["partition-id"] = 0
-    bridge = FlowerStrategy(FedAvg(seed=0), min_available_nodes=2)
+    bridge = FlowerStrategy(FedAvg(), min_available_nodes=2)
     with pytest.raises(ValueError, match="claim partition 0"):
         bridge.start(grid, weights_to_arrays(Weights({"w": np.zeros(1)})), num_rounds=1)
 

@@ -10,7 +10,7 @@ import pytest
 
 import fedloom.simulations
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
-from fedloom.config import StrategyConfig
+from fedloom.config import SelectionConfig, StrategyConfig
 from fedloom.server import load_weights
 from fedloom.simulations.job import Job
 from fedloom.simulations.local_engine import run_local
@@ -46,7 +46,8 @@ def test_local_engine_equals_hand_computed_fedavg() -> None:
     clients = [ShiftClient(i) for i in range(n)]
     initial = Weights({"w": np.zeros(3, np.float64)})
     history = run_local(
-        FedAvg(fraction_fit=0.25, min_fit_clients=1, fraction_evaluate=0.1, seed=5),
+        FedAvg(selection=SelectionConfig(fraction_fit=0.25, min_fit_clients=1,
+                                         fraction_evaluate=0.1, seed=5)),
         clients.__getitem__, initial, num_clients=n, num_rounds=rounds,
         base_seed=base_seed, fit_defaults={"local_epochs": 2},
     )
@@ -73,7 +74,7 @@ def test_local_engine_equals_hand_computed_fedavg() -> None:
 
 def test_failed_clients_are_counted_not_fatal() -> None:
     clients = [ShiftClient(i, fail=i % 2 == 0) for i in range(6)]
-    history = run_local(FedAvg(seed=0), clients.__getitem__,
+    history = run_local(FedAvg(), clients.__getitem__,
                         Weights({"w": np.zeros(2)}), num_clients=6, num_rounds=1)
     record = history.rounds[1]
     assert record.get("num_failures") == 3 and record.get("num_updates") == 3
@@ -88,7 +89,7 @@ def test_failed_clients_are_counted_not_fatal() -> None:
 def test_round_without_updates_keeps_the_model() -> None:
     clients = [ShiftClient(i, fail=True) for i in range(3)]
     initial = Weights({"w": np.ones(2)})
-    history = run_local(FedAvg(seed=0), clients.__getitem__, initial, num_clients=3,
+    history = run_local(FedAvg(), clients.__getitem__, initial, num_clients=3,
                         num_rounds=2)
     assert history.weights is not None and history.weights.allclose(initial)
     assert history.rounds[1].get("no_model_reason")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError
 from fedloom.simulations.cli import _apply, main
 from fedloom.simulations.scenario import Scenario, load_scenario, scenario_from_mapping
@@ -53,8 +54,8 @@ def test_load_full_scenario(tmp_path: Path) -> None:
         "client_resources": {"num_cpus": 2.0, "num_gpus": 0.5},
         "init_args": {"address": "auto"},
     }
-    assert s.sampling() == {"fraction_fit": 0.25, "min_fit_clients": 5,
-                            "fraction_evaluate": 0.0, "min_evaluate_clients": 0, "seed": 3}
+    assert s.selection == SelectionConfig(fraction_fit=0.25, min_fit_clients=5,
+                                          fraction_evaluate=0.0, min_evaluate_clients=0, seed=3)
 
 
 def test_defaults_resolve_partition() -> None:

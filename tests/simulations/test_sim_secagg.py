@@ -105,7 +105,7 @@ def mean_bound(weighted: np.ndarray, total: float, count: int, config: SecAggCon
 def run(n: int = 12, rounds: int = 3, secure: LocalSecureAggregation | None = None,
         strategy: Strategy | None = None) -> tuple[History, list[StepClient]]:
     clients = [StepClient(i) for i in range(n)]
-    history = run_local(strategy or FedAvg(seed=0), clients.__getitem__,
+    history = run_local(strategy or FedAvg(), clients.__getitem__,
                         initial(), num_clients=n, num_rounds=rounds, base_seed=3,
                         secure_aggregation=secure)
     return history, clients
@@ -163,7 +163,7 @@ def test_masked_inputs_computed_in_threads_give_the_same_model() -> None:
         for workers in (1, 3):
             clients = [StepClient(i, scale=0.01) for i in range(10)]
             secure = LocalSecureAggregation(SECURE, dropout, seed=5, workers=workers)
-            history = run_local(FedAvg(seed=0), clients.__getitem__, big, num_clients=10,
+            history = run_local(FedAvg(), clients.__getitem__, big, num_clients=10,
                                 num_rounds=1, secure_aggregation=secure)
             assert history.weights is not None and not secure.reports[0].failure
             models.append(history.weights)
@@ -253,7 +253,7 @@ def test_spread_dropouts_leave_every_client_threshold_neighbours() -> None:
 def test_fedadam_under_secure_aggregation_takes_the_secure_mean() -> None:
     # FedAdam's step from the secure mean equals its step from the plain mean, within
     # what the bound on the mean allows after Adam's normalisation: compare the runs.
-    secure, plain = (run(rounds=2, strategy=FedAdam(eta=0.1, seed=0),
+    secure, plain = (run(rounds=2, strategy=FedAdam(eta=0.1),
                          secure=LocalSecureAggregation(SECURE) if s else None)[0]
                      for s in (True, False))
     assert secure.weights is not None and plain.weights is not None
@@ -263,10 +263,10 @@ def test_fedadam_under_secure_aggregation_takes_the_secure_mean() -> None:
 
 def test_a_norm_bound_becomes_clipping_on_the_client() -> None:
     bound = 1.0
-    strategy = NormBoundedStrategy(FedAvg(seed=0), max_update_norm=bound)
+    strategy = NormBoundedStrategy(FedAvg(), max_update_norm=bound)
     history, clients = run(rounds=1, strategy=strategy,
                            secure=LocalSecureAggregation(SECURE))
-    plain, _ = run(rounds=1, strategy=NormBoundedStrategy(FedAvg(seed=0), bound))
+    plain, _ = run(rounds=1, strategy=NormBoundedStrategy(FedAvg(), bound))
     # reference: each delta scaled to norm <= 1, then the weighted mean
     total, acc = 0.0, 0.0
     for c in clients:
@@ -283,7 +283,7 @@ def test_a_norm_bound_becomes_clipping_on_the_client() -> None:
 
 def test_robust_strategies_and_disabled_configs_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"strategy\.name"):
-        run(rounds=1, strategy=FedMedian(seed=0), secure=LocalSecureAggregation(SECURE))
+        run(rounds=1, strategy=FedMedian(), secure=LocalSecureAggregation(SECURE))
     with pytest.raises(ConfigError, match="enabled"):
         LocalSecureAggregation(SecAggConfig())
     with pytest.raises(ConfigError, match=r"secure_dropout\.after"):

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedloom import ClientInfo, ClientUpdate, ConfigError, StrategyConfig, Weights
+from fedloom.config import SelectionConfig
 from fedloom.strategies import (
     FedAvg,
     FedMedian,
@@ -109,7 +110,7 @@ def test_all_rejected_gives_no_model_with_reason() -> None:
 
 
 def test_bound_is_sent_to_clients_and_state_delegates() -> None:
-    inner = FedAvg(fraction_fit=0.5, seed=4)
+    inner = FedAvg(selection=SelectionConfig(fraction_fit=0.5, seed=4))
     strategy = NormBoundedStrategy(inner, 3.0, "reject")
     clients = [ClientInfo(f"id{i}") for i in range(6)]
     plan = strategy.configure_fit(2, Weights(), clients)

@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("torch")  # fedloom.simulations' data pipeline imports it
 
+from fedloom.config import SelectionConfig
 from fedloom.strategies import Bulyan, FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -34,12 +35,14 @@ experiments: Any = importlib.import_module("strategies_experiments")
 ROUNDS = 12
 F = 4
 ROBUST = {
-    "fedmedian": lambda: FedMedian(fraction_evaluate=0.0),
-    "fedtrimmedavg": lambda: FedTrimmedAvg(beta=0.2, fraction_evaluate=0.0),
-    "krum": lambda: Krum(num_malicious_nodes=F, fraction_evaluate=0.0),
+    "fedmedian": lambda: FedMedian(selection=SelectionConfig(fraction_evaluate=0.0)),
+    "fedtrimmedavg": lambda: FedTrimmedAvg(beta=0.2,
+                                           selection=SelectionConfig(fraction_evaluate=0.0)),
+    "krum": lambda: Krum(num_malicious_nodes=F, selection=SelectionConfig(fraction_evaluate=0.0)),
     "multikrum": lambda: MultiKrum(num_malicious_nodes=F, num_nodes_to_select=20 - F,
-                                   fraction_evaluate=0.0),
-    "bulyan": lambda: Bulyan(num_malicious_nodes=F, fraction_evaluate=0.0),
+                                   selection=SelectionConfig(fraction_evaluate=0.0)),
+    "bulyan": lambda: Bulyan(num_malicious_nodes=F,
+                             selection=SelectionConfig(fraction_evaluate=0.0)),
 }
 ATTACKS = {"sign_flip": ("sign_flip", -10.0), "noise": ("noise", -10.0),
            "noise1000": ("noise", -1000.0), "inflate": ("inflate", -10.0)}
@@ -60,7 +63,7 @@ def accuracy(strategy: Any, attack: str, attack_scale: float = -10.0) -> float:
 
 @functools.cache
 def clean_accuracy() -> float:
-    return accuracy(FedAvg(fraction_evaluate=0.0), "none")
+    return accuracy(FedAvg(selection=SelectionConfig(fraction_evaluate=0.0)), "none")
 
 
 def test_the_clean_baseline_learns() -> None:
@@ -72,7 +75,8 @@ def test_robust_strategies_hold_while_fedavg_falls(column: str) -> None:
     attack, scale = ATTACKS[column]
     clean = clean_accuracy()
     ratios = {name: accuracy(make(), attack, scale) / clean for name, make in ROBUST.items()}
-    fedavg = accuracy(FedAvg(fraction_evaluate=0.0), attack, scale) / clean
+    fedavg = accuracy(FedAvg(selection=SelectionConfig(fraction_evaluate=0.0)), attack,
+                      scale) / clean
     held = {name: r for name, r in ratios.items() if r < 0.9}
     assert not held, f"{column}: below 90% of FedAvg's clean accuracy: {held}"
     if column != "noise":

@@ -8,7 +8,7 @@ import pytest
 
 import fedloom.strategies as strategies_pkg
 from fedloom import ConfigError, StrategyConfig
-from fedloom.config import ServerConfig, from_mapping
+from fedloom.config import SelectionConfig, ServerConfig, from_mapping
 from fedloom.strategies import (
     STRATEGIES,
     FedAdam,
@@ -26,9 +26,11 @@ NAMES = ["fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi", "fe
 def test_every_name_is_registered_and_builds_with_defaults() -> None:
     assert list(STRATEGIES) == NAMES
     for name in NAMES:
-        built = build_strategy(StrategyConfig(name), fraction_fit=0.5, min_fit_clients=3, seed=1)
+        selection = SelectionConfig(fraction_fit=0.5, min_fit_clients=3, seed=1)
+        built = build_strategy(StrategyConfig(name), selection)
         assert isinstance(built, STRATEGIES[name])
-        assert built.fraction_fit == 0.5 and built.min_fit_clients == 3
+        assert built.selection == selection
+        assert built.sampler.state_dict()["seed"] == 1
     assert isinstance(build_strategy(StrategyConfig("FedYogi")), FedYogi)  # case-insensitive
 
 
@@ -61,6 +63,8 @@ def test_from_a_toml_table() -> None:
     ("fedadam", {"etaa": 0.1}, "strategy.etaa", "did you mean 'eta'"),
     ("fedavg", {"eta": 0.1}, "strategy.eta", "no such setting"),
     ("krum", {"fraction_fit": 0.5}, "strategy.fraction_fit", "top-level server setting"),
+    ("fedavg", {"seed": 1}, "strategy.seed", "client selection"),
+    ("fedavg", {"selection": {}}, "strategy.selection", "no such setting"),
     ("fedadam", {"eta": "fast"}, "strategy.eta", "must be a number"),
     ("fedadam", {"eta": True}, "strategy.eta", "must be a number"),
     ("krum", {"num_malicious_nodes": 1.5}, "strategy.num_malicious_nodes", "integer"),
@@ -98,6 +102,7 @@ def test_server_owned_settings_are_not_strategy_settings() -> None:
     for name in NAMES:
         settings = strategy_settings(name)
         assert "seed" not in settings and "fraction_fit" not in settings
+        assert "selection" not in settings
         assert {"max_update_norm", "norm_bound_mode", "fit_config"} <= set(settings)
     with pytest.raises(TypeError):
         build_strategy(StrategyConfig("fedavg"), eta=0.1)
@@ -138,7 +143,7 @@ def test_exported_names_are_pinned() -> None:
         "ClientSampler", "ComposedStrategy", "CoordinateMedianAggregator", "FedAdagrad",
         "FedAdam", "FedAvg", "FedAvgM", "FedMedian", "FedProx", "FedTrimmedAvg", "FedYogi",
         "HoldingAggregator", "Krum", "KrumAggregator", "MeanUpdate", "MultiKrum",
-        "NormBoundedStrategy", "ServerAdagrad", "ServerAdam", "ServerMomentum",
+        "NormBoundedStrategy", "SelectionConfig", "ServerAdagrad", "ServerAdam", "ServerMomentum",
         "ServerOptimizer", "ServerSGD", "ServerYogi", "StateDict", "Strategy",
         "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta", "apply_privacy",
         "aggregate_secure_mean", "build_strategy", "check_secure_strategy", "clip_update",

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from fedloom import ClientInfo, ClientUpdate, RoundAbortedError, StrategyConfig, Weights
+from fedloom.config import SelectionConfig
 from fedloom.strategies import STRATEGIES, build_strategy
 
 # Settings that give each strategy non-trivial state and a valid round with 6 updates.
@@ -36,8 +37,8 @@ SHAPES = {"w": (3, 2), "b": (2,), "s": (), "steps": ()}
 
 
 def build(name: str, seed: int, fraction_fit: float = 0.5):  # type: ignore[no-untyped-def]
-    return build_strategy(StrategyConfig(name, PARAMS.get(name, {})), fraction_fit=fraction_fit,
-                          min_fit_clients=6, seed=seed)
+    selection = SelectionConfig(fraction_fit=fraction_fit, min_fit_clients=6, seed=seed)
+    return build_strategy(StrategyConfig(name, PARAMS.get(name, {})), selection)
 
 
 def initial() -> Weights:
