@@ -86,7 +86,7 @@ def serve(num_params: int, rounds: int, num_clients: int, report: Connection) ->
             "cpu_s": cpu_seconds(),
             "peak_rss": peak,
             "round_ends": ends,
-            "statuses": [r.get("status") for r in history],
+            "statuses": [r.status for r in history],
         }
     )
 

@@ -162,7 +162,7 @@ def server_targets(state: Path) -> tuple[list[Target], Callable[[], dict[str, An
         deadline = time.monotonic() + 60
         ok = False
         while time.monotonic() < deadline and not ok:
-            ok = any(r.get("num_updates", 0) >= 1 for r in coordinator.history[seen:]) and all(
+            ok = any(r.num_updates >= 1 for r in coordinator.history[seen:]) and all(
                 c.sent for c in clients
             )
             time.sleep(0.05)

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load_client import LoadStats, drive
 
 from fedloom.config import ServerConfig
+from fedloom.records import RoundRecord
 from fedloom.server.store import RunStore
 from fedloom.weights import Weights
 
@@ -158,23 +159,23 @@ def _round_starts(state_dir: str) -> dict[int, float]:
 
 
 def report(
-    stats: LoadStats, history: list[dict[str, Any]], starts: dict[int, float], **extra: Any
+    stats: LoadStats, history: list[RoundRecord], starts: dict[int, float], **extra: Any
 ) -> dict[str, Any]:
     delivery = [t - starts[r] for r, t in stats.fit_received if r in starts]
-    rounds = [r for r in history if r.get("round", 0) > 0]
+    rounds = [r for r in history if r.round > 0]
     return {
         **extra,
-        "rounds_ok": sum(1 for r in rounds if r["status"] == "ok"),
+        "rounds_ok": sum(1 for r in rounds if r.status == "ok"),
         "per_round": [
             {
-                "round": r["round"],
-                "status": r["status"],
-                "sampled": r.get("num_sampled"),
-                "updates": r.get("num_updates"),
-                "cancelled": r.get("num_cancelled"),
-                "federated_evaluation": bool(r.get("evaluate")),
-                "failures": r.get("num_failures"),
-                "duration_s": round(r.get("duration_s", 0.0), 3),
+                "round": r.round,
+                "status": r.status,
+                "sampled": r.num_sampled,
+                "updates": r.num_updates,
+                "cancelled": r.num_cancelled,
+                "federated_evaluation": bool(r.evaluate),
+                "failures": r.num_failures,
+                "duration_s": round(r.duration_s, 3),
             }
             for r in rounds
         ],

@@ -120,7 +120,7 @@ def run_case(num_params: int, rtt_ms: float, window: int, rounds: int,
         )
         client.start()
         history = handle.wait(1800)
-    durations = [r["duration_s"] for r in history if r.get("status") == "ok"]
+    durations = [r.duration_s for r in history if r.status == "ok"]
     steady = statistics.median(durations[1:]) if len(durations) > 1 else float("nan")
     model_mb = num_params * 4 / 1e6
     return {

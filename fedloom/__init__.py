@@ -28,6 +28,7 @@ from fedloom.errors import (
     SecureAggregationError,
     TransportError,
 )
+from fedloom.records import RoundRecord
 from fedloom.secagg import SecAggConfig
 from fedloom.types import (
     AggregateResult,
@@ -64,6 +65,7 @@ __all__ = [
     "Metrics",
     "RejectReason",
     "RoundAbortedError",
+    "RoundRecord",
     "Scalar",
     "SecAggConfig",
     "SecureAggregationError",

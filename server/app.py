@@ -8,6 +8,7 @@ Embed it in Python::
     server = Server(ServerConfig(num_rounds=5, tls=tls), initial_weights=weights,
                     evaluate_fn=my_eval)        # evaluate_fn(round, weights) -> (loss, metrics)
     history = server.run()                      # blocks; SIGINT/SIGTERM stop it cleanly
+    history[-1].server["accuracy"]              # a RoundRecord per round (fedloom.records)
 
 (``ServerConfig(insecure=True)`` serves plaintext, for loopback tests), or start it in a
 background thread (tests, demos)::
@@ -29,6 +30,7 @@ import grpc
 
 from fedloom.config import ServerConfig
 from fedloom.errors import ConfigError
+from fedloom.records import RoundRecord
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, EvaluateFn
 from fedloom.server.memory import tune_allocator
@@ -100,7 +102,7 @@ class Server:
         self.coordinator: Coordinator | None = None
         self._ready = threading.Event()
 
-    async def serve(self) -> list[dict[str, Any]]:
+    async def serve(self) -> list[RoundRecord]:
         """Run the whole federated run; returns the per-round history."""
         persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)
         # Round 0 is committed (or the run resumed): the initial model is on disk now,
@@ -157,10 +159,10 @@ class Server:
         while len(coordinator.registry) and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[RoundRecord]:
         """Serve in this thread until the run ends; SIGINT/SIGTERM stop it cleanly."""
 
-        async def main() -> list[dict[str, Any]]:
+        async def main() -> list[RoundRecord]:
             task = asyncio.current_task()
             loop = asyncio.get_running_loop()
             assert task is not None
@@ -189,10 +191,10 @@ class ServerHandle:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.history: list[dict[str, Any]] = []
+        self.history: list[RoundRecord] = []
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[list[dict[str, Any]]] | None = None
+        self._task: asyncio.Task[list[RoundRecord]] | None = None
         self.thread = threading.Thread(target=self._main, name="fedloom-server", daemon=True)
 
     @property
@@ -228,7 +230,7 @@ class ServerHandle:
         if self._loop is not None and self._task is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._task.cancel)
 
-    def wait(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    def wait(self, timeout_s: float | None = None) -> list[RoundRecord]:
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             raise TimeoutError("server still running")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any
 
 from fedloom.config import ServerConfig
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import JoinReply, JoinRequest, NoTask, ResultHeader, TaskHeader
+from fedloom.records import RoundRecord
 from fedloom.server.driver import RoundParts
 from fedloom.server.evaluation import EvaluateFn
 from fedloom.server.fleet import Fleet
@@ -70,7 +70,7 @@ class Coordinator:
 
     # -- what the run has done ------------------------------------------------------
     @property
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[RoundRecord]:
         return self.rounds.history
 
     @property

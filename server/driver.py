@@ -44,11 +44,16 @@ class RoundParts:
 
 @dataclasses.dataclass
 class FitOutcome:
-    """A round's fit: the strategy's result (None: the round failed) and the record the
-    round loop commits (counts of sampled, updated, failed clients, driver details)."""
+    """A round's fit: the strategy's result (None: the round failed) and what the round
+    loop records of it (`fedloom.records.RoundRecord`)."""
 
     result: AggregateResult | None
-    record: dict[str, Any]
+    num_sampled: int = 0
+    num_updates: int = 0
+    num_failures: int = 0
+    num_cancelled: int = 0
+    #: A secure round's details (attempts, survivors, stage times).
+    secure_aggregation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RoundDriver(abc.ABC):

@@ -23,9 +23,10 @@ from typing import Any
 
 from fedloom.config import ServerConfig
 from fedloom.errors import CheckpointError, ConfigError
+from fedloom.records import RoundRecord
 from fedloom.server.checkpoint import load_checkpoint, write_checkpoint
 from fedloom.server.crashpoints import crashpoint
-from fedloom.server.store import RoundRecord, RunStore
+from fedloom.server.store import RoundRow, RunStore
 from fedloom.strategies import Strategy
 from fedloom.weights import Weights
 
@@ -78,7 +79,7 @@ class RunPersistence:
             store.create_run(run_id, config.num_rounds, _config_summary(config))
         persistence = cls(state_dir, store, run_id, initial_weights, 0, config.keep_checkpoints)
         persistence.commit(
-            0, "ok", initial_weights, strategy.state_dict(), {"round": 0}, time.time()
+            RoundRecord(0), initial_weights, strategy.state_dict(), time.time()
         )
         log.info("started run %s in %s", run_id, state_dir)
         return persistence
@@ -133,14 +134,13 @@ class RunPersistence:
 
     def commit(
         self,
-        server_round: int,
-        status: str,
+        record: RoundRecord,
         weights: Weights,
         strategy_state: Any,
-        metrics: dict[str, Any],
         started_at: float,
     ) -> None:
         """The round's commit point: durable checkpoint, then one SQLite transaction."""
+        server_round = record.round
         relative = self.checkpoint_path(server_round)
         digest = write_checkpoint(
             self.state_dir / relative,
@@ -150,13 +150,13 @@ class RunPersistence:
             strategy_state=strategy_state,
         )
         self.store.commit_round(
-            RoundRecord(
+            RoundRow(
                 self.run_id,
                 server_round,
-                status,
+                record.status,
                 str(relative),
                 digest,
-                metrics,
+                record.to_dict(),
                 started_at,
                 time.time(),
             )
@@ -176,9 +176,10 @@ class RunPersistence:
             if number < oldest_kept:
                 path.unlink(missing_ok=True)
 
-    def history(self) -> list[dict[str, Any]]:
-        """Per-round metrics of the committed rounds after round 0."""
-        return [r.metrics for r in self.store.rounds(self.run_id) if r.round > 0]
+    def history(self) -> list[RoundRecord]:
+        """The committed rounds after round 0."""
+        return [RoundRecord.from_dict(r.metrics) for r in self.store.rounds(self.run_id)
+                if r.round > 0]
 
     def finish(self) -> None:
         self.store.finish_run(self.run_id)

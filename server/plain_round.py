@@ -169,11 +169,5 @@ class PlainRounds(RoundDriver):
         finally:
             owner.close()
             self.clean_spool()
-        record: dict[str, Any] = {
-            "round": server_round,
-            "num_sampled": len(phase.tasks),
-            "num_updates": phase.num_accepted,
-            "num_failures": len(phase.failures),
-            "num_cancelled": phase.num_cancelled,
-        }
-        return FitOutcome(result, record)
+        return FitOutcome(result, num_sampled=len(phase.tasks), num_updates=phase.num_accepted,
+                          num_failures=len(phase.failures), num_cancelled=phase.num_cancelled)

@@ -8,15 +8,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fedloom.records import RoundRecord
 from fedloom.types import TaskKind
 
 log = logging.getLogger("fedloom.server")
 
 
-def _pick(record: dict[str, Any], key: str) -> Any:
+def _pick(record: RoundRecord, key: str) -> Any:
     """A metric from server-side evaluation, else from federated evaluation."""
-    for source in ("server", "evaluate"):
-        value = record.get(source, {}).get(key)
+    for source in (record.server, record.evaluate):
+        value = source.get(key)
         if value is not None:
             return value
     return None
@@ -49,24 +50,25 @@ class RoundReporter:
             verb = "trained" if kind is TaskKind.FIT else "evaluated"
             self._set_status(f"round {server_round}: {answered}/{total} clients {verb}")
 
-    def round_finished(self, record: dict[str, Any]) -> None:
+    def round_finished(self, record: RoundRecord) -> None:
         loss, acc = _pick(record, "loss"), _pick(record, "accuracy")
+        trained = record.round > 0  # round 0 only evaluates the initial model
         log.info(
             "round %s %s: loss=%s accuracy=%s updates=%s",
-            record.get("round"),
-            record.get("status"),
+            record.round,
+            record.status,
             _fmt(loss),
             _fmt(acc),
-            record.get("num_updates", "-"),
+            record.num_updates if trained else "-",
             extra={
-                "round": record.get("round"),
-                "status": record.get("status"),
+                "round": record.round,
+                "status": record.status,
                 "loss": loss,
                 "accuracy": acc,
-                "updates": record.get("num_updates"),
-                "failures": record.get("num_failures"),
-                "cancelled": record.get("num_cancelled"),
-                "duration_s": record.get("duration_s"),
+                "updates": record.num_updates if trained else None,
+                "failures": record.num_failures if trained else None,
+                "cancelled": record.num_cancelled if trained else None,
+                "duration_s": record.duration_s if trained else None,
             },
         )
         if not self.enabled:
@@ -83,20 +85,15 @@ class RoundReporter:
             ("seconds", 7),
         ):
             table.add_column(column, justify="right", min_width=width)
-        fit_loss = record.get("fit", {}).get("train_loss")
-        clients = (
-            f"{record.get('num_updates')}/{record.get('num_sampled')}"
-            if "num_sampled" in record
-            else "-"
-        )
+        clients = f"{record.num_updates}/{record.num_sampled}" if trained else "-"
         table.add_row(
-            str(record.get("round")),
-            str(record.get("status", "")),
+            str(record.round),
+            record.status,
             clients,
-            _fmt(fit_loss),
+            _fmt(record.fit.get("train_loss")),
             _fmt(loss),
             _fmt(acc),
-            _fmt(record.get("duration_s"), ".2f"),
+            _fmt(record.duration_s if trained else None, ".2f"),
         )
         self.console.print(table)
         self._header_printed = True

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from fedloom.errors import PrivacyBudgetExhausted
+from fedloom.records import RoundRecord
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.evaluation import EvaluateFn, federated_evaluate, server_evaluate
 from fedloom.server.metrics import ServerMetrics
@@ -42,7 +43,7 @@ class RoundLoop:
         self.driver = driver
         self.persistence = persistence
         self.evaluate_fn = evaluate_fn
-        self.history: list[dict[str, Any]] = persistence.history()
+        self.history: list[RoundRecord] = persistence.history()
         self.next_round = persistence.completed_round + 1
         self.stopped_reason = ""  # why the run ended before num_rounds (the privacy budget)
 
@@ -52,7 +53,7 @@ class RoundLoop:
         if self.next_round == 1 and not self.history:
             initial = await server_evaluate(parts, self.evaluate_fn, 0, parts.model.weights)
             if initial:
-                self.history.append({"round": 0, "status": "ok", "server": initial})
+                self.history.append(RoundRecord(0, server=initial))
                 parts.reporter.round_finished(self.history[-1])
         for server_round in range(self.next_round, parts.config.num_rounds + 1):
             await parts.fleet.wait_for(parts.config.min_clients)
@@ -70,24 +71,29 @@ class RoundLoop:
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
         """Install the new model (if any), evaluate, and commit the round."""
-        parts, result, record = self.parts, outcome.result, outcome.record
+        parts, result = self.parts, outcome.result
+        sections: dict[str, Any] = {}
         if result is not None and result.weights is None:
             log.warning("round %d produced no model: %s", server_round, result.reason)
+            sections["reason"] = result.reason
         if result is not None and result.weights is not None:
             parts.model.install(result.weights)
-            record["status"] = "ok"
-            record["fit"] = dict(result.metrics)
-            record["evaluate"] = await federated_evaluate(parts, server_round)
-            record["server"] = await server_evaluate(parts, self.evaluate_fn, server_round,
-                                                     parts.model.weights)
-        else:
-            record["status"] = "failed"
-        record["duration_s"] = time.time() - started
+            sections["fit"] = dict(result.metrics)
+            sections["evaluate"] = await federated_evaluate(parts, server_round)
+            sections["server"] = await server_evaluate(parts, self.evaluate_fn, server_round,
+                                                       parts.model.weights)
+        record = RoundRecord(
+            server_round, "ok" if sections.get("fit") is not None else "failed",
+            num_sampled=outcome.num_sampled, num_updates=outcome.num_updates,
+            num_failures=outcome.num_failures, num_cancelled=outcome.num_cancelled,
+            secure_aggregation=outcome.secure_aggregation, duration_s=time.time() - started,
+            **sections)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
-            parts.executor, self.persistence.commit, server_round, record["status"],
-            parts.model.weights, parts.strategy.state_dict(), record, started)
+            parts.executor, self.persistence.commit, record, parts.model.weights,
+            parts.strategy.state_dict(), started)
         self.history.append(record)
-        epsilon = record.get("fit", {}).get("privacy_epsilon")
-        ServerMetrics.round_done(record["status"], record["duration_s"], server_round, epsilon)
+        epsilon = record.fit.get("privacy_epsilon")
+        ServerMetrics.round_done(record.status, record.duration_s, server_round,
+                                 float(epsilon) if isinstance(epsilon, int | float) else None)
         parts.reporter.round_finished(record)

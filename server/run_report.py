@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedloom.errors import ConfigError
-from fedloom.server.store import RoundRecord, RunRecord, RunStore
+from fedloom.server.store import RoundRow, RunRecord, RunStore
 
 DATABASE = "fedloom.db"
 
@@ -70,7 +70,7 @@ def _stamp(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
-def _training_rounds(store: RunStore, run_id: str) -> list[RoundRecord]:
+def _training_rounds(store: RunStore, run_id: str) -> list[RoundRow]:
     return [r for r in store.rounds(run_id) if r.round > 0]  # round 0: the initial model
 
 

@@ -46,7 +46,10 @@ class RunRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundRecord:
+class RoundRow:
+    """A committed round as stored; ``metrics`` is its `fedloom.records.RoundRecord`'s
+    JSON form."""
+
     run_id: str
     round: int
     status: str
@@ -100,7 +103,7 @@ class RunStore:
             self._db.execute("BEGIN")
             self._db.execute("UPDATE runs SET status = 'finished' WHERE run_id = ?", (run_id,))
 
-    def commit_round(self, record: RoundRecord) -> None:
+    def commit_round(self, record: RoundRow) -> None:
         """Record a round whose checkpoint file is already durable (one transaction)."""
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -126,13 +129,13 @@ class RunStore:
                 "DELETE FROM rounds WHERE run_id = ? AND round > ?", (run_id, server_round)
             )
 
-    def rounds(self, run_id: str) -> list[RoundRecord]:
+    def rounds(self, run_id: str) -> list[RoundRow]:
         rows = self._db.execute(
             "SELECT * FROM rounds WHERE run_id = ? ORDER BY round", (run_id,)
         ).fetchall()
         return [self._round(r) for r in rows]
 
-    def latest_round(self, run_id: str) -> RoundRecord | None:
+    def latest_round(self, run_id: str) -> RoundRow | None:
         row = self._db.execute(
             "SELECT * FROM rounds WHERE run_id = ? ORDER BY round DESC LIMIT 1", (run_id,)
         ).fetchone()
@@ -143,7 +146,7 @@ class RunStore:
         return RunRecord(row[0], row[1], row[2], row[3], json.loads(row[4]))
 
     @staticmethod
-    def _round(row: tuple[Any, ...]) -> RoundRecord:
-        return RoundRecord(
+    def _round(row: tuple[Any, ...]) -> RoundRow:
+        return RoundRow(
             row[0], row[1], row[2], row[3], row[4], json.loads(row[5]), row[6], row[7]
         )

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fedloom.config import ServerConfig, StrategyConfig
+from fedloom.records import RoundRecord
 from fedloom.simulations.demo_secure import ClientKiller, describe, secure_settings
 from fedloom.simulations.demo_tls import ThrowawayPKI, client_tls_config
 from fedloom.weights import Weights
@@ -118,11 +119,11 @@ def _server_evaluator(seed: int) -> Any:
     return evaluate
 
 
-def plot_history(history: list[dict[str, Any]], path: Path) -> None:
+def plot_history(history: list[RoundRecord], path: Path) -> None:
     history_figure(history).savefig(path, dpi=120)
 
 
-def history_figure(history: list[dict[str, Any]]) -> Any:
+def history_figure(history: list[RoundRecord]) -> Any:
     """Test accuracy and loss per round of a server's history (a matplotlib Figure)."""
     import matplotlib
 
@@ -130,9 +131,10 @@ def history_figure(history: list[dict[str, Any]]) -> Any:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    rounds = [r["round"] for r in history if r.get("server")]
-    acc = [r["server"]["accuracy"] for r in history if r.get("server")]
-    loss = [r["server"]["loss"] for r in history if r.get("server")]
+    evaluated = [r for r in history if r.server]
+    rounds = [r.round for r in evaluated]
+    acc = [r.server["accuracy"] for r in evaluated]
+    loss = [r.server["loss"] for r in evaluated]
     fig = Figure(figsize=(7, 4))
     ax1 = fig.subplots()
     ax1.plot(rounds, acc, "o-", color="tab:blue", label="test accuracy")
@@ -157,7 +159,7 @@ def run_demo(
     secure_aggregation: bool = False,
     drop_clients: int = 0,
     drop_round: int = 2,
-) -> list[dict[str, Any]]:
+) -> list[RoundRecord]:
     """Run the demo and return its history (also written to ``out_dir``).
 
     With ``secure_aggregation`` the fit rounds run under SecAgg+; ``drop_clients``
@@ -243,14 +245,14 @@ def run_demo(
                 "rounds": rounds,
                 "seed": seed,
                 "seconds": elapsed,
-                "history": history,
+                "history": [r.to_dict() for r in history],
             },
             indent=2,
         )
     )
     plot_history(history, out / "metrics.png")
-    best = max((r["server"]["accuracy"] for r in history if r.get("server")), default=0.0)
-    last = history[-1].get("server", {}).get("accuracy", 0.0) if history else 0.0
+    best = max((float(r.server["accuracy"]) for r in history if r.server), default=0.0)
+    last = float(history[-1].server.get("accuracy", 0.0)) if history else 0.0
     print(
         f"\nfinished {rounds} rounds with {clients} clients in {elapsed:.1f} s; "
         f"final test accuracy {last:.3f} (best {best:.3f})"

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from fedloom.records import RoundRecord
 from fedloom.secagg import SecAggConfig, Stage
 from fedloom.server.secure import SecureRounds
 
@@ -90,22 +91,22 @@ class ClientKiller:
         self._done.set()
 
 
-def describe(history: list[dict[str, Any]], killer: ClientKiller | None) -> str:
+def describe(history: list[RoundRecord], killer: ClientKiller | None) -> str:
     """One line per secure round that lost clients (for the demo's summary)."""
     lines = []
     for record in history:
-        info = record.get("secure_aggregation")
-        if not info or record.get("num_failures", 0) == 0:
+        info = record.secure_aggregation
+        if not info or record.num_failures == 0:
             continue
         if "failure" in info:
-            lines.append(f"round {record['round']}: failed ({info['failure']}); the global "
+            lines.append(f"round {record.round}: failed ({info['failure']}); the global "
                          "model was kept and the next round ran")
             continue
         lines.append(
-            f"round {record['round']}: {info['survivors']} of {record['num_sampled']} clients' "
+            f"round {record.round}: {info['survivors']} of {record.num_sampled} clients' "
             f"updates aggregated; {info['dropped']} dropped after sharing keys (their masks "
             f"removed with their neighbours' shares), "
-            f"{record['num_sampled'] - info['survivors'] - info['dropped']} left out earlier")
+            f"{record.num_sampled - info['survivors'] - info['dropped']} left out earlier")
     if killer is not None and killer.killed:
         lines.insert(0, f"killed client processes {killer.killed} in round {killer.round} "
                         "(then started again: they joined the later rounds as new sessions)")

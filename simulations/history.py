@@ -1,7 +1,8 @@
 """`History`: per-round metrics of a run, and the files a scenario writes.
 
-Every engine records rounds through one `RoundRecorder`, so their histories have the
-same keys: the strategy's fit metrics (``train_loss``, ``num_updates``,
+Every engine records rounds through one `RoundRecorder`, as the server does, in
+`fedloom.records.RoundRecord`s. A record's flat `RoundRecord.metrics` has the same keys
+for every engine: the strategy's fit metrics (``train_loss``, ``num_updates``,
 ``num_examples``...), ``num_failures``, federated evaluation as ``federated_<key>``,
 central evaluation (``test_loss``, ``test_accuracy``) and ``seconds`` (wall time of
 the round; the only key that is not deterministic). Round 0 holds the evaluation of
@@ -26,19 +27,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedloom.types import AggregateResult, Metrics, Scalar
+from fedloom.records import RoundRecord
+from fedloom.types import AggregateResult, Metrics
 from fedloom.weights import Weights
 
-
-@dataclasses.dataclass(frozen=True)
-class RoundRecord:
-    """One round's metrics (see the module docstring for the keys)."""
-
-    round: int
-    metrics: Mapping[str, Scalar]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metrics.get(key, default)
+__all__ = ["History", "RoundRecord", "RoundRecorder"]
 
 
 @dataclasses.dataclass
@@ -138,7 +131,7 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def _jsonable(metrics: Mapping[str, Scalar]) -> dict[str, Any]:
+def _jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in metrics.items():
         if isinstance(v, bytes):
@@ -173,24 +166,29 @@ class RoundRecorder:
     def __init__(self, on_round: Callable[[RoundRecord], None] | None = None) -> None:
         self.on_round = on_round
         self.records: list[RoundRecord] = []
-        self._pending: dict[str, Scalar] = {}
+        self._pending: dict[str, Any] = {}
         self._started = time.perf_counter()
 
-    def fit(self, result: AggregateResult, num_failures: int) -> None:
-        self._pending.update(result.metrics)
-        self._pending["num_failures"] = num_failures
-        if result.weights is None:
-            self._pending["no_model_reason"] = result.reason
+    def fit(self, result: AggregateResult, num_failures: int,
+            num_sampled: int | None = None) -> None:
+        """The round's fit: the strategy's result, the clients whose update did not count,
+        and how many were sampled (default: updates + failures)."""
+        updates = result.metrics.get("num_updates", 0)
+        num_updates = int(updates) if isinstance(updates, int | float) else 0
+        self._pending.update(
+            fit=dict(result.metrics), num_failures=num_failures, num_updates=num_updates,
+            num_sampled=num_updates + num_failures if num_sampled is None else num_sampled,
+            status="ok" if result.weights is not None else "failed",
+            reason=result.reason if result.weights is None else "")
 
     def evaluate(self, metrics: Metrics) -> None:
-        self._pending.update({f"federated_{k}": v for k, v in metrics.items()})
+        self._pending["evaluate"] = dict(metrics)
 
     def finish(self, server_round: int, central: Metrics | None) -> RoundRecord:
-        metrics = {**self._pending, **(central or {})}
         now = time.perf_counter()
-        metrics["seconds"] = now - self._started
+        record = RoundRecord(server_round, server=dict(central or {}),
+                             duration_s=now - self._started, **self._pending)
         self._started = now
-        record = RoundRecord(server_round, metrics)
         self.records.append(record)
         self._pending = {}
         if self.on_round is not None:

@@ -109,7 +109,7 @@ def run_local(
         else:
             result = secure_aggregation.aggregate_fit(
                 strategy, server_round, current, plan, updates, failures)
-        recorder.fit(result, len(failures))
+        recorder.fit(result, len(failures), num_sampled=len(plan.client_ids))
         if result.weights is not None:
             current = result.weights
         else:

@@ -23,7 +23,7 @@ def test_each_round_equals_numpy_fedavg_of_pushed_updates(server_config) -> None
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert [r["status"] for r in history] == ["ok", "ok", "ok"]
+    assert [r.status for r in history] == ["ok", "ok", "ok"]
     store = RunStore(Path(config.state_dir) / "fedloom.db")
     run = store.runs()[-1]
     assert run.status == "finished"
@@ -81,7 +81,7 @@ def test_model_far_larger_than_the_message_limit(server_config) -> None:
     for t in threads:
         t.start()
     history = handle.wait(120)
-    assert history[-1]["status"] == "ok"
+    assert history[-1].status == "ok"
     new = handle.server.coordinator.global_weights
     expected = np.mean([c.sent[0][2]["w"] for c in clients], axis=0)
     np.testing.assert_allclose(new["w"], expected, rtol=1e-5, atol=1e-5)
@@ -123,7 +123,7 @@ def test_clients_survive_a_server_restart_and_the_run_resumes(server_config) -> 
     for t in threads:
         t.join(15)
         assert not t.is_alive()
-    assert [r["round"] for r in history][-1] == 40
-    assert all(r["status"] == "ok" for r in history)
+    assert [r.round for r in history][-1] == 40
+    assert all(r.status == "ok" for r in history)
     rounds_trained = sorted({r for c in clients for (r, _, _) in c.sent})
     assert rounds_trained[-1] == 40

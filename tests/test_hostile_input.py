@@ -142,8 +142,8 @@ def test_every_bad_result_is_refused_and_the_round_completes(server_config) -> N
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert history[-1]["status"] == "ok"
-    assert history[-1]["num_updates"] == 2  # the raw client's garbage never counted
+    assert history[-1].status == "ok"
+    assert history[-1].num_updates == 2  # the raw client's garbage never counted
     new = handle.server.coordinator.global_weights
     sent = [c.sent[0] for c in honest]
     expected = np.mean([n["w"] - g["w"] for _, g, n in sent], axis=0)
@@ -168,5 +168,5 @@ def test_retried_push_is_idempotent_and_a_different_payload_is_refused(server_co
         grpc.StatusCode.FAILED_PRECONDITION,
     )
     history = handle.wait(30)
-    assert history[-1]["num_updates"] == 1
+    assert history[-1].num_updates == 1
     np.testing.assert_allclose(handle.server.coordinator.global_weights["w"], 1.0)

@@ -50,8 +50,8 @@ def serve(args: argparse.Namespace) -> int:
         history = Server(config, initial_weights=initial_weights(args.seed)).run()
     if args.history:
         with open(args.history, "w") as out:
-            json.dump(history, out, indent=2)
-    finished = len(history) == args.rounds and all(r["status"] == "ok" for r in history)
+            json.dump([r.to_dict() for r in history], out, indent=2)
+    finished = len(history) == args.rounds and all(r.status == "ok" for r in history)
     return 0 if finished else 1
 
 

@@ -7,7 +7,7 @@ would be its own device in a deployment); from the repository root::
 
 ``evaluate_fn(server_round, weights) -> (loss, metrics)`` runs on the server after each
 round, and once before round 1 on the initial model (round 0). Its results land in the
-history that `Server` returns, under ``"server"``.
+history that `Server` returns: each round's `RoundRecord` has them as ``record.server``.
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     history = run(args.clients, args.rounds, args.seed)
     print("round  test loss  test accuracy")
     for record in history:
-        scores = record.get("server", {})  # absent when a round failed
-        print(f"{record['round']:5d}  {scores.get('loss', float('nan')):9.3f}  "
+        scores = record.server  # empty when a round failed
+        print(f"{record.round:5d}  {scores.get('loss', float('nan')):9.3f}  "
               f"{scores.get('accuracy', float('nan')):13.3f}")
     if args.history:
         with open(args.history, "w") as out:
-            json.dump(history, out, indent=2)
-    return 0 if [r["round"] for r in history] == list(range(args.rounds + 1)) else 1
+            json.dump([r.to_dict() for r in history], out, indent=2)
+    return 0 if [r.round for r in history] == list(range(args.rounds + 1)) else 1
 
 
 if __name__ == "__main__":

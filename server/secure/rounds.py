@@ -146,23 +146,22 @@ class SecureRounds(RoundDriver):
         eligible = await parts.fleet.wait_for(self.config.min_fit_clients, Capability.SECAGG)
         current, payload, payload_info = parts.model.weights, parts.model.payload, parts.model.info
         try:
-            result, record = await self._run_round(server_round, current, eligible, payload,
-                                                   payload_info)
+            outcome = await self._run_round(server_round, current, eligible, payload,
+                                            payload_info)
         finally:
             self.clean_spool()
-        return FitOutcome(result, record)
+        return outcome
 
     async def _run_round(self, server_round: int, current: Weights, eligible: list[ClientInfo],
                          payload: memoryview, payload_info: PayloadInfo
-                         ) -> tuple[AggregateResult | None, dict[str, Any]]:
+                         ) -> FitOutcome:
         strategy = self.parts.strategy
         plan = strategy.configure_fit(server_round, current, eligible)
         participants = [c for c in plan.client_ids if c in self.registry]
         participants = participants[: self.secagg.max_participants]
-        record: dict[str, Any] = {"round": server_round, "num_sampled": len(participants),
-                                  "num_updates": 0, "num_failures": len(participants)}
         info: dict[str, Any] = {}
-        record["secure_aggregation"] = info
+        record = FitOutcome(None, num_sampled=len(participants),
+                            num_failures=len(participants), secure_aggregation=info)
         deadline = time.monotonic() + self.config.round_timeout_s
         binding = {"model_digest": model_digest(current.specs(), payload_info.sha256),
                    "config_digest": config_digest(plan.config)}
@@ -193,14 +192,14 @@ class SecureRounds(RoundDriver):
             log.warning("secure round %d failed: %s; the global model is unchanged",
                         server_round, outcome)
             info["failure"] = outcome
-            return None, record
+            return record
         self.last_result = outcome
         survivors = len(outcome.survivors)
-        record.update(num_updates=survivors, num_failures=record["num_sampled"] - survivors)
+        record.num_updates, record.num_failures = survivors, record.num_sampled - survivors
         info.update(survivors=survivors, dropped=len(outcome.dropped),
                     total_examples=round(outcome.total_examples))
-        result = await self._apply(strategy, server_round, current, outcome)
-        return result, record
+        record.result = await self._apply(strategy, server_round, current, outcome)
+        return record
 
     def _setup(self, server_round: int, participants: list[str], current: Weights,
                binding: dict[str, bytes], fit_config: Any) -> RoundSetup:

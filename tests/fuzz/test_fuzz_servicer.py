@@ -112,13 +112,13 @@ def test_the_server_still_runs_a_round_after_the_fuzzing(server) -> None:  # typ
     threads = run_clients(server.address, [*clients], stop=stop)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        honest = [r for r in coordinator.history[seen:] if r.get("num_updates", 0) >= 1]
+        honest = [r for r in coordinator.history[seen:] if r.num_updates >= 1]
         if honest and all(c.sent for c in clients):
             break
         time.sleep(0.05)
     else:
         raise AssertionError(f"no round took an honest update: {coordinator.history[seen:]}")
-    assert honest[-1]["status"] == "ok"
+    assert honest[-1].status == "ok"
     stop.set()
     server.stop()
     server.wait(15)

@@ -100,8 +100,8 @@ def test_a_client_sending_garbage_is_quarantined_and_the_round_goes_on(
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
-    assert history[-1]["duration_s"] < 10  # its dropped task did not hold the round open
+    assert history[-1].status == "ok" and history[-1].num_updates == 2
+    assert history[-1].duration_s < 10  # its dropped task did not hold the round open
     assert handle.server.coordinator is not None
     assert handle.server.coordinator.quarantine.remaining_s("c0") == 0.0  # honest: untouched
 

@@ -42,7 +42,7 @@ def _round_completes_with(handle: ServerHandle, threads: list[Any], updates: int
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == updates
+    assert history[-1].status == "ok" and history[-1].num_updates == updates
 
 
 def _stop_reading_download(
@@ -225,5 +225,5 @@ def test_models_of_one_chunk_need_no_transfer_turn(
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert [r["status"] for r in history] == ["ok", "ok"]
-    assert [r["num_updates"] for r in history] == [2, 2]
+    assert [r.status for r in history] == ["ok", "ok"]
+    assert [r.num_updates for r in history] == [2, 2]

@@ -34,7 +34,7 @@ def _one_run(server_config, **overrides) -> tuple[str, str]:  # type: ignore[no-
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert [r["status"] for r in history] == ["ok", "ok"]
+    assert [r.status for r in history] == ["ok", "ok"]
     coordinator = handle.server.coordinator
     assert coordinator is not None
     return config.state_dir, coordinator.run_id

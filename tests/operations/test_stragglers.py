@@ -122,9 +122,9 @@ def test_over_selection_closes_with_the_first_enough_and_late_pushes_hear_round_
     assert coordinator is not None
     wait_for(lambda: len(coordinator.history) >= 1)  # round 2 is open now
     record = coordinator.history[0]
-    assert record["status"] == "ok"
-    assert (record["num_sampled"], record["num_updates"]) == (4, 2)
-    assert (record["num_cancelled"], record["num_failures"]) == (2, 0)
+    assert record.status == "ok"
+    assert (record.num_sampled, record.num_updates) == (4, 2)
+    assert (record.num_cancelled, record.num_failures) == (2, 0)
     for conn, (task, weights) in zip(conns[2:], tasks[2:], strict=True):
         with pytest.raises(ResultRefusedError, match="round 1 closed: enough results") as info:
             push_zero_update(conn, task, weights)
@@ -160,9 +160,9 @@ def test_the_deadline_closes_a_round_with_the_minimum_and_a_late_push_hears_why(
         conns[2].heartbeat()
         time.sleep(0.1)
     record = coordinator.history[0]
-    assert record["status"] == "ok"
-    assert (record["num_updates"], record["num_failures"]) == (2, 1)
-    assert 1.4 < record["duration_s"] < 5.0
+    assert record.status == "ok"
+    assert (record.num_updates, record.num_failures) == (2, 1)
+    assert 1.4 < record.duration_s < 5.0
     with pytest.raises(ResultRefusedError, match="round 1 closed: no result before the deadline"):
         push_zero_update(conns[2], *tasks[2])
     handle.stop()
@@ -202,11 +202,11 @@ def test_heartbeats_keep_a_slow_client_and_silence_drops_a_sampled_one(server_co
     for t in threads:
         t.join(10)
     record = history[-1]
-    assert record["status"] == "ok"
+    assert record.status == "ok"
     # The silent client's task failed when it was dropped, well before round_timeout_s;
     # the slow client outlived client_timeout_s (2.5 s > 1 s) on heartbeats alone.
-    assert (record["num_sampled"], record["num_updates"], record["num_failures"]) == (3, 2, 1)
-    assert record["duration_s"] < 15.0
+    assert (record.num_sampled, record.num_updates, record.num_failures) == (3, 2, 1)
+    assert record.duration_s < 15.0
     assert len(slow.sent) == 1
     coordinator = handle.server.coordinator
     assert coordinator is not None
@@ -231,9 +231,9 @@ def test_a_client_joining_between_rounds_is_sampled_in_later_rounds(server_confi
     history = handle.wait(60)
     for t in [*threads, late_thread]:
         t.join(10)
-    assert [r["status"] for r in history] == ["ok"] * 4
-    assert history[0]["num_sampled"] == 2
-    assert history[-1]["num_sampled"] == 3  # it joined, and fraction_fit = 1 takes it
+    assert [r.status for r in history] == ["ok"] * 4
+    assert history[0].num_sampled == 2
+    assert history[-1].num_sampled == 3  # it joined, and fraction_fit = 1 takes it
     rounds_late = sorted(r for r, _, _ in late.sent)
     assert rounds_late and rounds_late[0] >= 2
-    assert all(r["num_failures"] == 0 for r in history)
+    assert all(r.num_failures == 0 for r in history)

@@ -61,10 +61,10 @@ def test_the_budget_ends_the_run_cleanly(server_config) -> None:  # type: ignore
     for t in threads:
         t.join(15)
         assert not t.is_alive()  # told the run is finished
-    rounds = [r for r in history if r["round"] > 0]
-    assert [r["round"] for r in rounds] == [1, 2, 3]
-    assert all(r["status"] == "ok" for r in rounds)
-    epsilons = [r["fit"]["privacy_epsilon"] for r in rounds]
+    rounds = [r for r in history if r.round > 0]
+    assert [r.round for r in rounds] == [1, 2, 3]
+    assert all(r.status == "ok" for r in rounds)
+    epsilons = [r.fit["privacy_epsilon"] for r in rounds]
     for k, epsilon in enumerate(epsilons, start=1):
         assert epsilon == pytest.approx(_epsilon(k), rel=1e-9)
     assert epsilons == sorted(epsilons) and epsilons[-1] <= _target(allowed)
@@ -142,10 +142,10 @@ def test_a_resumed_run_continues_the_same_ledger(tmp_path: Path) -> None:
         assert not t.is_alive()
     # The history holds rounds 1 and 2 (stored) and 3..5, run after the resume, whose
     # epsilons compose all rounds: the ledger held rounds 1 and 2 already.
-    rounds = [r for r in history if r["round"] > 0]
-    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]
+    rounds = [r for r in history if r.round > 0]
+    assert [r.round for r in rounds] == [1, 2, 3, 4, 5]
     for r in rounds:
-        assert r["fit"]["privacy_epsilon"] == pytest.approx(_epsilon(r["round"]), rel=1e-9)
+        assert r.fit["privacy_epsilon"] == pytest.approx(_epsilon(r.round), rel=1e-9)
     gauge = ServerMetrics.registry.get_sample_value("fedloom_privacy_epsilon")
     assert gauge == pytest.approx(_epsilon(allowed), rel=1e-9)
     status, stored = _store_rounds(str(tmp_path / "state"))

@@ -339,7 +339,7 @@ def reference_run(tmp_root: Path) -> Reference:
         pool = ClientPool(handle.address)
         history = handle.wait(60)
         pool.join(15.0)
-        assert [r["status"] for r in history] == ["ok"] * NUM_ROUNDS
+        assert [r.status for r in history] == ["ok"] * NUM_ROUNDS
         assert all(c.rounds == list(range(1, NUM_ROUNDS + 1)) for c in pool.clients)
         _reference["run"] = final_checkpoint(folder / "state")
     return _reference["run"]

@@ -38,4 +38,4 @@ def test_clients_rejoin_a_restarted_server_promptly_after_an_outage(tmp_path: Pa
     finally:
         pool.stop.set()
     assert elapsed < 2.0, f"clients took {elapsed:.2f} s to rejoin"
-    assert [r["status"] for r in history] == ["ok"]
+    assert [r.status for r in history] == ["ok"]

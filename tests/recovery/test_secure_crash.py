@@ -52,7 +52,7 @@ def test_killed_mid_secure_round_resumes_with_a_new_attempt(tmp_path: Path) -> N
     pool = ClientPool(handle.address, num_clients=CLIENTS)
     history = handle.wait(90)
     pool.join(15)
-    assert [r["status"] for r in history] == ["ok"] * NUM_ROUNDS
+    assert [r.status for r in history] == ["ok"] * NUM_ROUNDS
     want, _, _ = final_checkpoint(ref_dir)
     # Killed after the second stage of round 3's attempt (stages close one hit each).
     port = free_port()

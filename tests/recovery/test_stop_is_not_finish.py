@@ -71,6 +71,6 @@ def test_a_client_long_polling_through_a_stop_reconnects_and_finishes(tmp_path: 
     second = Server(_config(tmp_path, port, min_clients=1), initial_weights=initial_weights())
     history = second.start().wait(30)
     thread.join(10)
-    assert [r["status"] for r in history] == ["ok"]
+    assert [r.status for r in history] == ["ok"]
     assert outcome["stats"].run_finished and outcome["stats"].fits == 1
     assert client.rounds == [1]

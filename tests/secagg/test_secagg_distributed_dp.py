@@ -63,8 +63,8 @@ def test_a_grpc_round_unmasks_the_noised_mean_of_clipped_deltas(server_config, m
     runners, threads = start_runners(handle.address, clients, {}, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
-    assert history[0]["status"] == "ok", history
-    fit = history[0]["fit"]
+    assert history[0].status == "ok", history
+    fit = history[0].fit
     assert fit["num_updates"] == 7 and fit["privacy_epsilon"] > 0
     deltas = [clients[i].delta(1)[0] for i in survivor_indices(server, runners)]
     assert max(np.linalg.norm(d) for d in deltas) > CLIP  # clipping bites

@@ -47,11 +47,11 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     runners, threads = start_runners(handle.address, clients, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
-    assert [r["status"] for r in history] == ["ok", "ok"]
-    assert [r["num_updates"] for r in history] == [6, 6]
+    assert [r.status for r in history] == ["ok", "ok"]
+    assert [r.num_updates for r in history] == [6, 6]
     assert fits._value.get() - fits_before == 12  # secure fits count like plain ones
-    assert history[0]["fit"] == {"num_updates": 6, "num_examples": 210}  # sums only
-    assert set(history[0]["secure_aggregation"]["stage_s"]) == {str(s) for s in Stage}
+    assert history[0].fit == {"num_updates": 6, "num_examples": 210}  # sums only
+    assert set(history[0].secure_aggregation["stage_s"]) == {str(s) for s in Stage}
     assert {"train", *(str(s) for s in Stage)} == set(runners[0].secagg_cpu_s)
     assert all(v >= 0 for v in runners[0].secagg_cpu_s.values())
     # authenticated: every attempt advertises fresh signed keys and runs the consistency
@@ -103,10 +103,10 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
     elapsed = time.monotonic() - started
     stop_runners(runners, threads)
     assert behaviours[0].vanished.is_set()
-    assert history[0]["status"] == "ok", history
+    assert history[0].status == "ok", history
     assert elapsed < 15.0
     survivors = survivor_indices(server, runners)
-    info = history[0]["secure_aggregation"]
+    info = history[0].secure_aggregation
     # gone before its stage closed: left out of the round, nothing to unmask; gone after
     # its masked input was accepted: a survivor that never confirms the survivor set, so
     # no neighbour reveals its self-mask share, and the attempt is retried without it
@@ -142,9 +142,9 @@ def test_a_client_gone_after_sharing_keys_has_its_masks_removed(
     history = handle.wait(60)
     elapsed = time.monotonic() - started
     stop_runners(runners, threads)
-    assert history[0]["status"] == "ok", history
+    assert history[0].status == "ok", history
     assert elapsed < 12.0
-    info = history[0]["secure_aggregation"]
+    info = history[0].secure_aggregation
     assert (info["survivors"], info["dropped"]) == (6, 1)
     survivors = survivor_indices(server, runners)
     assert survivors == list(range(1, 7))
@@ -182,7 +182,7 @@ def test_a_silent_client_is_dropped_when_its_heartbeats_stop(
     elapsed = time.monotonic() - started
     release.set()
     stop_runners(runners, threads)
-    assert history[0]["status"] == "ok" and history[0]["num_updates"] == 5
+    assert history[0].status == "ok" and history[0].num_updates == 5
     assert elapsed < 12.0
 
 
@@ -206,12 +206,12 @@ def test_too_few_survivors_fail_the_round_cleanly_and_the_next_one_runs(
     runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
-    assert [r["status"] for r in history] == ["failed", "ok"], history
-    assert "at least 5 are needed" in history[0]["secure_aggregation"]["failure"]
+    assert [r.status for r in history] == ["failed", "ok"], history
+    assert "at least 5 are needed" in history[0].secure_aggregation["failure"]
     saved = checkpoints(config.state_dir)
     assert saved[1].allclose(saved[0], rtol=0, atol=0)  # the global model is unchanged
     assert not saved[2].allclose(saved[1], rtol=0, atol=1e-3)
-    assert history[1]["num_updates"] == 5
+    assert history[1].num_updates == 5
 
 
 def test_fedadam_composes_with_secure_aggregation(
@@ -231,7 +231,7 @@ def test_fedadam_composes_with_secure_aggregation(
     runners, threads = start_runners(handle.address, clients, pki=pki)
     history = handle.wait(60)
     stop_runners(runners, threads)
-    assert history[0]["status"] == "ok"
+    assert history[0].status == "ok"
     initial = small_weights()
     updates = []
     for i, c in enumerate(clients):
@@ -277,12 +277,12 @@ def test_a_round_restarted_by_a_server_restart_gets_a_new_attempt_and_fresh_keys
     second = Server(config, initial_weights=small_weights())
     history = second.start().wait(60)
     stop_runners(runners, threads)
-    assert [r["status"] for r in history] == ["ok"]
-    assert history[0]["secure_aggregation"]["attempt"] > stopped_attempt
+    assert [r.status for r in history] == ["ok"]
+    assert history[0].secure_aggregation["attempt"] > stopped_attempt
     for runner in runners:
         keys = [r.secagg for r in runner.results if isinstance(r.secagg, AdvertisedKeys)]
         assert [k.round_id.attempt for k in keys] == [stopped_attempt,
-                                                     history[0]["secure_aggregation"]["attempt"]]
+                                                     history[0].secure_aggregation["attempt"]]
         assert keys[0].mask_public_key != keys[1].mask_public_key
         assert keys[0].cipher_public_key != keys[1].cipher_public_key
 
@@ -309,7 +309,7 @@ def test_an_unauthenticated_round_runs_on_key_offers_and_warns(server_config, ca
     runners, threads = start_runners(handle.address, clients)
     history = handle.wait(60)
     stop_runners(runners, threads)
-    assert [r["status"] for r in history] == ["ok", "ok"]
+    assert [r.status for r in history] == ["ok", "ok"]
     for runner in runners:
         early = [(r, s) for r, s in runner.stages_pushed if s is not Stage.UNMASK]
         assert early == [(1, Stage.ADVERTISE_KEYS), (1, Stage.SHARE_KEYS),

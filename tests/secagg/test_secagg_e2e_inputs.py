@@ -100,8 +100,8 @@ def _run(server_config, tls: tuple[dict[str, Any], Path], behaviours: dict[int, 
 def test_a_bad_masked_input_is_dropped_and_the_round_completes(server_config, mtls, pki,
                                                              kind: str) -> None:  # type: ignore[no-untyped-def]
     out = _run(server_config, (mtls, pki), {3: Behaviour(tamper=TAMPERS[kind])})
-    assert out.history[0]["status"] == "ok", out.history
-    info = out.history[0]["secure_aggregation"]
+    assert out.history[0].status == "ok", out.history
+    info = out.history[0].secure_aggregation
     assert (info["survivors"], info["dropped"]) == (6, 1)  # its keys were shared: dropped
     assert out.runners[3].stats.refused == 1  # the server refused its upload
     survivors = survivor_indices(out.server, out.runners)
@@ -120,8 +120,8 @@ def test_no_masked_input_is_taken_after_the_survivors_are_published(  # type: ig
     counts as dropped."""
     out = _run(server_config, (mtls, pki), {5: Behaviour(delay={Stage.MASKED_INPUT: 3.0})},
                round_timeout_s=1.5)
-    assert out.history[0]["status"] == "ok", out.history
-    info = out.history[0]["secure_aggregation"]
+    assert out.history[0].status == "ok", out.history
+    info = out.history[0].secure_aggregation
     assert (info["survivors"], info["dropped"]) == (6, 1)
     assert out.runners[5].stats.refused == 1
     survivors = survivor_indices(out.server, out.runners)
@@ -133,8 +133,8 @@ def test_a_norm_bound_becomes_clipping_on_the_client(server_config, mtls, pki) -
     model is the weighted mean of the clipped deltas (oracle: `clip_update`)."""
     out = _run(server_config, (mtls, pki), {},
                strategy=StrategyConfig("fedavg", {"max_update_norm": 1.0}))
-    assert out.history[0]["status"] == "ok"
-    assert "num_clipped" not in out.history[0]["fit"]  # the server sees no update to clip
+    assert out.history[0].status == "ok"
+    assert "num_clipped" not in out.history[0].fit  # the server sees no update to clip
     sa, clients = out.sa, out.clients
     total_weight, weighted = 0.0, np.zeros(15)
     for c in clients:

@@ -135,7 +135,7 @@ def test_tokens_over_tls(server_config: MakeConfig, pki: Path, tmp_path: Path, c
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
+    assert history[-1].status == "ok" and history[-1].num_updates == 2
     assert "site-1" in caplog.text and "site-2" in caplog.text  # joined under their names
     for token in tokens.values():  # never a token or its secret in the logs
         assert token not in caplog.text and token.rpartition(".")[2] not in caplog.text

@@ -66,7 +66,7 @@ def test_only_the_client_a_task_was_issued_to_may_answer_it(server_config: MakeC
     finally:
         a.close()
         b.close()
-    assert history[-1]["num_updates"] == 2
+    assert history[-1].num_updates == 2
     np.testing.assert_allclose(coordinator(handle).global_weights["w"], 2.0)  # (1+3)/2
 
 
@@ -84,7 +84,7 @@ def test_a_retry_after_the_round_closed_is_accepted_once(server_config: MakeConf
         deadline = time.time() + 20
         while not rounds and time.time() < deadline:
             time.sleep(0.01)
-        assert rounds[0]["round"] == 1  # round 1 has closed
+        assert rounds[0].round == 1  # round 1 has closed
         assert client.push(*result) is True  # the acknowledgement was "lost": duplicate
         with pytest.raises(ResultRefusedError) as info:
             client.push(*_fit(client.session, task, 5.0))  # another payload, same nonce
@@ -95,7 +95,7 @@ def test_a_retry_after_the_round_closed_is_accepted_once(server_config: MakeConf
         history = handle.wait(30)
     finally:
         client.close()
-    assert [r["num_updates"] for r in history] == [1, 1]
+    assert [r.num_updates for r in history] == [1, 1]
     np.testing.assert_allclose(coordinator(handle).global_weights["w"], 1.0)  # once
 
 

@@ -44,7 +44,7 @@ def test_a_round_over_tls(server_config: MakeConfig, pki: Path) -> None:
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert history[-1]["status"] == "ok" and history[-1]["num_updates"] == 2
+    assert history[-1].status == "ok" and history[-1].num_updates == 2
     expected = np.mean([c.sent[0][2]["w"] - c.sent[0][1]["w"] for c in clients], axis=0)
     np.testing.assert_allclose(coordinator(handle).global_weights["w"], expected, atol=1e-6)
 
@@ -66,7 +66,7 @@ def test_large_updates_over_mutual_tls_use_their_own_connections(
     history = handle.wait(60)
     for t in threads:
         t.join(10)
-    assert [(r["status"], r["num_updates"]) for r in history if r["round"] > 0] == [("ok", 2)] * 2
+    assert [(r.status, r.num_updates) for r in history if r.round > 0] == [("ok", 2)] * 2
     expected = np.mean([c.sent[-1][2]["w"] for c in clients], axis=0)
     np.testing.assert_allclose(coordinator(handle).global_weights["w"], expected, atol=1e-5)
 

@@ -146,7 +146,7 @@ def test_the_server_and_the_local_engine_give_the_same_model(
     history = handle.wait(120)
     for t in threads:
         t.join(15)
-    assert [r["status"] for r in history] == ["ok"] * SCENARIO.rounds
+    assert [r.status for r in history] == ["ok"] * SCENARIO.rounds
 
     # The same clients were sampled each round (and not all of them: sampling counts)...
     for server_round in range(1, SCENARIO.rounds + 1):

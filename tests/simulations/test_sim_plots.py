@@ -21,7 +21,7 @@ def _assert_whole(ticks: list[float]) -> None:
 
 
 def test_a_simulation_history_plot_ticks_whole_rounds() -> None:
-    rounds = [RoundRecord(r, {"test_accuracy": 0.2 * r + 0.1, "test_loss": 2.0 - 0.5 * r})
+    rounds = [RoundRecord(r, server={"test_accuracy": 0.2 * r + 0.1, "test_loss": 2.0 - 0.5 * r})
               for r in range(4)]
     fig = History("local", rounds).figure()
     axes = fig.get_axes()
@@ -31,7 +31,7 @@ def test_a_simulation_history_plot_ticks_whole_rounds() -> None:
 
 
 def test_the_demo_plot_ticks_whole_rounds() -> None:
-    history = [{"round": r, "status": "ok", "server": {"accuracy": 0.3 * r, "loss": 2.0 / (r + 1)}}
+    history = [RoundRecord(r, server={"accuracy": 0.3 * r, "loss": 2.0 / (r + 1)})
                for r in range(4)]
     fig = history_figure(history)
     _assert_whole(_round_ticks(fig.get_axes()[0]))

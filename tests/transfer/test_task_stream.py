@@ -136,7 +136,7 @@ def test_each_task_comes_once_and_the_next_follows_on_the_same_stream(serve) -> 
             if message.no_task.run_finished:
                 break
         assert client.next_message() == "end"
-        assert [r["status"] for r in handle.wait(10) if r["round"] >= 1] == ["ok"] * 3
+        assert [r.status for r in handle.wait(10) if r.round >= 1] == ["ok"] * 3
     finally:
         client.close()
 
@@ -168,7 +168,7 @@ def test_a_broken_stream_ends_the_session_and_its_task(serve) -> None:  # type: 
         task = fresh.next_task()
         assert task.round == first.round + 1  # round 1 failed without waiting for it
         fresh.answer(task)
-        statuses = [r["status"] for r in handle.wait(10) if r["round"] >= 1]
+        statuses = [r.status for r in handle.wait(10) if r.round >= 1]
         assert statuses == ["failed", "ok"]
     finally:
         client.close()

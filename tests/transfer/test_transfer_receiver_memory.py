@@ -80,7 +80,7 @@ def _serve(report: Connection) -> None:
         del weights
         report.send(handle.port)
         history = handle.wait(240)
-    report.send({"idle": idle, "peak": _kib("VmHWM"), "status": history[-1]["status"]})
+    report.send({"idle": idle, "peak": _kib("VmHWM"), "status": history[-1].status})
 
 
 def _client(address: str, report: Connection) -> None:

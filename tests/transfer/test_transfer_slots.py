@@ -66,6 +66,6 @@ def test_a_round_completes_with_one_turn_each_way(
     history = handle.wait(120)
     for t in threads:
         t.join(15)
-    assert [r["status"] for r in history] == ["ok", "ok"]
-    assert [r["num_updates"] for r in history] == [6, 6]
+    assert [r.status for r in history] == ["ok", "ok"]
+    assert [r.num_updates for r in history] == [6, 6]
     assert all(len(c.sent) == 2 for c in clients)
