@@ -1,6 +1,6 @@
 """The receivers' peak memory when a model far larger than a gRPC message moves.
 
-Issue 2 §2: a model many times the message limit (here 48 MB through 160 KiB messages
+A model many times the message limit (here 48 MB through 160 KiB messages
 of 64 KiB chunks) moves both ways, and each receiver's peak resident memory stays a
 small multiple of the model:
 
