@@ -290,7 +290,8 @@ class SecureAttempt:
                 self._lock.release()
         else:  # a fold or a stage change is under way: wait for it in its thread
             complete = await self.call(self._receive, task.client_id, reply, None)
-        task.settle(TaskStatus.ACCEPTED, fingerprint)
+        if task.status is TaskStatus.PENDING:  # the stage may have closed while it waited
+            task.settle(TaskStatus.ACCEPTED, fingerprint)
         if complete:
             self.complete.set()
         return False
