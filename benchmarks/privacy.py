@@ -74,154 +74,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _privacy_noise import DELTA, SECAGG, central_z, distributed_z, encode_seconds
+from _privacy_report import plot, table, targets, wire_bytes
+from _privacy_setup import Federation
 from _report import print_targets, write_report
 
-from fedloom.client_sdk.torch_trainer import TorchClient
-from fedloom.privacy import PrivacyConfig, calibrate_noise_multiplier
-from fedloom.privacy._distributed import SkellamLedger, encode_for_secagg, noisy_shares
+from fedloom.privacy import PrivacyConfig
 from fedloom.privacy._hadamard import padded_length
-from fedloom.privacy._skellam import calibrate, skellam_epsilon
-from fedloom.secagg import SecAggConfig
-from fedloom.simulations.job import Job
-from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.local_secure import LocalSecureAggregation
-from fedloom.simulations.plan import client_fit_config, client_infos
-from fedloom.simulations.scenario import ClientSpec, PartitionSpec, Scenario
-from fedloom.strategies import CentralDPStrategy, FedAvg, SelectionConfig, Strategy
+from fedloom.strategies import CentralDPStrategy, Strategy
 from fedloom.strategies._ddp import DistributedDPStrategy
-from fedloom.weights import Weights
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DELTA = 1e-5
 EPSILONS = (1.0, 3.0, 8.0)
-TARGET_EPSILON, TARGET_POINTS = 8.0, 0.02
-SECAGG = SecAggConfig(enabled=True, neighbours=10, threshold=6, max_participants=1024)
 MODES = ("central-fixed", "central-adaptive", "distributed-same-z", "distributed-own-eps")
 
 
-# -- the task ---------------------------------------------------------------------------
-def scenario(args: argparse.Namespace, seed: int) -> Scenario:
-    return Scenario(
-        name="privacy", seed=seed, num_clients=args.clients, clients_per_round=args.per_round,
-        rounds=args.rounds, local_epochs=args.local_epochs, progress=False,
-        partition=PartitionSpec(name="iid"),
-        client=ClientSpec(batch_size=args.batch_size, lr=args.lr, momentum=0.9))
-
-
-class Federation:
-    """One seed's job, its clients (cached, one shared torch module) and evaluation."""
-
-    def __init__(self, args: argparse.Namespace, seed: int) -> None:
-        self.args, self.seed = args, seed
-        self.job = Job.from_scenario(scenario(args, seed))
-        self.initial = self.job.initial_weights()
-        self._shared = self.job.make_model()
-        self._clients: dict[int, TorchClient] = {}
-
-    def client(self, index: int) -> TorchClient:
-        if index not in self._clients:
-            self._clients[index] = self.job.make_client(index, model=self._shared)
-        return self._clients[index]
-
-    @property
-    def dimension(self) -> int:
-        return sum(spec.size for spec in self.initial.specs())
-
-    def first_round_norms(self) -> list[float]:
-        """L2 norms of the deltas of the clients plain FedAvg samples in round 1."""
-        plan = self.fedavg().configure_fit(1, self.initial, client_infos(self.args.clients))
-        norms = []
-        for cid in plan.client_ids:
-            config = client_fit_config(plan.config, base_seed=self.seed, client_index=int(cid),
-                                       server_round=1, defaults=self.job.fit_defaults())
-            out = self.client(int(cid)).fit(self.initial, config)
-            norms.append(_norm(out.weights, self.initial))
-        return norms
-
-    def fedavg(self) -> FedAvg:
-        a = self.args
-        return FedAvg(selection=SelectionConfig(
-            fraction_fit=a.per_round / a.clients, min_fit_clients=a.per_round,
-            fraction_evaluate=0.0, seed=self.seed))
-
-    def run(self, strategy: Strategy, secure: LocalSecureAggregation | None = None
-            ) -> dict[str, Any]:
-        started = time.perf_counter()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            history = run_local(
-                strategy, self.client, self.initial, num_clients=self.args.clients,
-                num_rounds=self.args.rounds, base_seed=self.seed,
-                fit_defaults=self.job.fit_defaults(),
-                evaluate_fn=lambda _r, w: self.job.central_evaluate(w),
-                secure_aggregation=secure)
-        finally:
-            torch.set_num_threads(threads)
-        accuracy = [a for r, a in history.series("test_accuracy") if r > 0]
-        epsilon = [e for _, e in history.series("privacy_epsilon")]
-        clip = [c for _, c in history.series("clip_norm")]
-        updated = [r for r in history.rounds[1:] if r.get("num_updates")]
-        return {"accuracy": accuracy[-1], "accuracy_last5": float(np.mean(accuracy[-5:])),
-                "accuracy_curve": accuracy, "spent_epsilon": epsilon[-1] if epsilon else None,
-                "final_clip_norm": clip[-1] if clip else None,
-                "rounds_updated": len(updated), "seconds": time.perf_counter() - started}
-
-
-def _norm(new: Weights, base: Weights) -> float:
-    return math.sqrt(sum(float(np.sum((new[k].astype(np.float64) - base[k]) ** 2))
-                         for k in base if base[k].dtype.kind == "f"))
-
-
-# -- noise calibration ------------------------------------------------------------------
-def central_z(epsilon: float, args: argparse.Namespace, sampling: str) -> float:
-    rate = args.per_round / args.clients
-    if sampling == "poisson":
-        return calibrate_noise_multiplier(epsilon, DELTA, args.rounds, sampling="poisson",
-                                          rate=rate, accountant="rdp")
-    return calibrate_noise_multiplier(epsilon, DELTA, args.rounds, sampling="fixed",
-                                      sampled=args.per_round, population=args.clients)
-
-
-def distributed_epsilon(z: float, clip: float, dimension: int, args: argparse.Namespace) -> float:
-    """The ε a distributed run's `SkellamLedger` reports after all rounds (no dropout)."""
-    ledger = SkellamLedger(DELTA)
-    params = calibrate(clip, dimension, args.per_round, z)
-    noisy = noisy_shares(args.per_round, SECAGG.colluding_clients)
-    rdp = ledger.round_rdp(params, noisy) * args.rounds  # RDP composes by addition
-    return skellam_epsilon(ledger.orders, rdp, DELTA)[0]
-
-
-def distributed_z(epsilon: float, clip: float, dimension: int, args: argparse.Namespace) -> float:
-    """The smallest z (to 0.1%) whose distributed run spends at most ``epsilon``."""
-    low, high = 0.1, 1000.0
-    while high / low > 1.001:  # bisection on log z; ε falls as z grows
-        mid = math.sqrt(low * high)
-        if distributed_epsilon(mid, clip, dimension, args) > epsilon:
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-def encode_seconds(clip: float, dimension: int, z: float, per_round: int) -> float:
-    """CPU seconds of one client's Skellam encoding of a d-parameter delta (median)."""
-    params = calibrate(clip, dimension, per_round, z)
-    rng = np.random.default_rng(0)
-    update = rng.normal(0.0, clip / math.sqrt(dimension), dimension)
-    seconds = []
-    for i in range(50):
-        started = time.thread_time()
-        encode_for_secagg(update, params, i.to_bytes(16, "big"), rng=rng)
-        seconds.append(time.thread_time() - started)
-    return statistics.median(seconds)
-
-
-# -- the runs ---------------------------------------------------------------------------
 def strategy_for(fed: Federation, mode: str, z: float, clip: float
                  ) -> tuple[Strategy, LocalSecureAggregation | None]:
     inner = fed.fedavg()
@@ -279,77 +150,6 @@ def execute(args: argparse.Namespace, runs: list[tuple[str, float, float]], clip
         row["spent_epsilon"] = max(spent) if spent else None
         row["seeds"] = {str(k): v for k, v in row["seeds"].items()}
     return list(rows.values())
-
-
-# -- report -----------------------------------------------------------------------------
-def wire_bytes(dimension: int) -> dict[str, int]:
-    """Upload bytes per client per round of each mode, from the model size."""
-    return {"plain": 4 * dimension, "central-fixed": 4 * dimension,
-            "central-adaptive": 4 * dimension, "secagg": 4 * (dimension + 1),
-            "distributed-same-z": 4 * (padded_length(dimension) + 1),
-            "distributed-own-eps": 4 * (padded_length(dimension) + 1)}
-
-
-def table(rows: list[dict[str, Any]], dimension: int) -> str:
-    sizes = wire_bytes(dimension)
-    lines = ["| mode | target ε | z | spent ε (max over seeds) | accuracy (mean) | per seed | "
-             "upload B/client/round |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        spent = "-" if r["spent_epsilon"] is None else f"{r['spent_epsilon']:.2f}"
-        seeds = " ".join(f"{s['accuracy']:.3f}" for s in r["seeds"].values())
-        lines.append(f"| {r['mode']} | {r['target_epsilon']:g} | {r['z']:.3f} | {spent} | "
-                     f"{r['accuracy']:.3f} | {seeds} | {sizes[r['mode']]:,} |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    plain = next(r for r in rows if r["mode"] == "plain")
-    ax.axhline(plain["accuracy"], color="black", linestyle="--",
-               label=f"no DP (ε = ∞): {plain['accuracy']:.3f}")
-    styles = {"central-fixed": "o-", "central-adaptive": "s-", "distributed-own-eps": "^-",
-              "distributed-same-z": "v:"}
-    for mode, style in styles.items():
-        points = sorted((r["target_epsilon"] if mode != "distributed-same-z"
-                         else r["spent_epsilon"], r["accuracy"]) for r in rows
-                        if r["mode"] == mode)
-        label = mode if mode != "distributed-same-z" else (
-            "distributed, central's z (at the ε its ledger spent)")
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
-    ax.set_xscale("log")
-    ticks = sorted({r["target_epsilon"] for r in rows if math.isfinite(r["target_epsilon"])}
-                   | {round(r["spent_epsilon"]) for r in rows
-                      if r["mode"] == "distributed-same-z" and r["spent_epsilon"]})
-    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel("ε (δ = 1e-5)")
-    ax.set_ylabel("test accuracy after the last round")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {out}")
-
-
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by = {(r["mode"], r["target_epsilon"]): r for r in rows}
-    central = by.get(("central-fixed", TARGET_EPSILON))
-    distributed = by.get(("distributed-same-z", TARGET_EPSILON))
-    if central is None or distributed is None:
-        return []
-    gap = central["accuracy"] - distributed["accuracy"]
-    return [{"target": "distributed DP within 2 accuracy points of central DP (fixed clipping) "
-             f"at the noise of central ε = {TARGET_EPSILON:g}",
-             "value": f"distributed {distributed['accuracy']:.3f}, central "
-                      f"{central['accuracy']:.3f} (difference {-100 * gap:+.1f} points)",
-             "met": gap <= TARGET_POINTS}]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ Systems (each setting runs its plain round, then its secure round, back to back)
   certificates checked, the consistency stage); clients in spawned processes
   (`_secagg_grpc.ClientPool`: 20 workers, so 10 and 20 clients run one per process and
   50 clients run 2 or 3 per process, as threads);
-- **fedloom local**: `run_local` in this process, plain or with `LocalSecureAggregation`;
+- **fedloom local**: `run_local` in this process, plain or with `LocalSecureAggregation`
+  (`_secagg_local`);
 - **Flower sim**: `flwr.simulation.run_simulation`, legacy ``DefaultWorkflow`` with the
   default fit workflow or ``SecAggPlusWorkflow`` + ``secaggplus_mod`` (`_secagg_flower`),
   one Ray CPU per client (as many actors at once as the machine has CPUs), 50
@@ -64,48 +65,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from _secagg_grpc import fixed_step
+from _secagg_local import run_local_mode
+from _secagg_report import tables, targets
+from _secagg_setup import (
+    FLOWER_SECAGG,
+    NEIGHBOURS,
+    STAGES,
+    THRESHOLD,
+    ddp_config,
+    initial,
+    secagg_config,
+    steady,
+)
 
 from fedloom.certs import write_certificates
-from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
 from fedloom.config import ServerConfig, TLSConfig
 from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.server import Server
-from fedloom.simulations.local_engine import run_local
-from fedloom.simulations.local_secure import LocalSecureAggregation, SecureDropout
-from fedloom.strategies import FedAvg, SelectionConfig, apply_privacy
-from fedloom.weights import Weights
 
 RESULTS = Path(__file__).resolve().parent / "results"
-NEIGHBOURS, THRESHOLD = 10, 6
-FLOWER_SECAGG = {"num_shares": NEIGHBOURS + 1, "reconstruction_threshold": THRESHOLD,
-                 "max_weight": 100.0, "clipping_range": 8.0, "quantization_range": 2**22}
-STAGES = ("train", "advertise_keys", "share_keys", "masked_input", "consistency", "unmask",
-          "update", "push")
-FLOWER_STAGES = ("fit", "setup", "share_keys", "collect_masked_vectors", "unmask")
-
-
-def secagg_config() -> SecAggConfig:
-    return SecAggConfig(enabled=True, neighbours=NEIGHBOURS, threshold=THRESHOLD,
-                        clip_range=8.0, bits=22, max_weight=100.0, max_participants=64,
-                        stage_timeout_s=120.0)
-
-
-def ddp_config(dropout: float) -> PrivacyConfig:
-    """Distributed DP at z = 1; the clip bound does not bind the benchmark's step."""
-    return PrivacyConfig(mode="distributed", noise_multiplier=1.0, clip_norm=1e4,
-                         sampling="none", expected_dropout=dropout)
-
-
-def steady(seconds: list[float]) -> float:
-    """Median seconds per round after the first (warm-up) round."""
-    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
-
-
-def initial(params: int) -> Weights:
-    return Weights({"w": np.zeros(params, np.float32)})
 
 
 # -- fedloom over gRPC ----------------------------------------------------------------
@@ -135,15 +114,15 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
     history = handle.wait(1800.0)
     wall, server_cpu = time.perf_counter() - started, time.process_time() - started_cpu
     clients = pool.collect(pending, 120.0)
-    rows = [r for r in history if r.get("round", 0) >= 1]
-    if len(rows) != rounds or any(r["status"] != "ok" for r in rows):
+    rows = [r for r in history if r.round >= 1]
+    if len(rows) != rounds or any(r.status != "ok" for r in rows):
         raise RuntimeError(f"gRPC {mode} n={n} P={params}: rounds {rows}")
-    seconds = [r["duration_s"] for r in rows]
+    seconds = [r.duration_s for r in rows]
     per = n * rounds
     cpu = {s: sum(c["cpu_s"].get(s, 0.0) for c in clients) / per for s in STAGES}
     out: dict[str, Any] = {
         "round_s": steady(seconds), "rounds_s": seconds, "wall_s": wall,
-        "updates": [r["num_updates"] for r in rows],
+        "updates": [r.num_updates for r in rows],
         "client_cpu_s": {k: v for k, v in cpu.items() if v > 0},
         "client_process_cpu_s": sum(c["process_cpu_s"] for c in clients) / per,
         "server_cpu_s": server_cpu / rounds,
@@ -154,67 +133,9 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
                              for s in STAGES if any(s in c["stage_sent"] for c in clients)},
     }
     if mode != "plain":
-        stage_rows = [r["secure_aggregation"]["stage_s"] for r in rows[1:] or rows]
+        stage_rows = [r.secure_aggregation["stage_s"] for r in rows[1:] or rows]
         out["stage_s"] = {s: statistics.median(x[s] for x in stage_rows) for s in stage_rows[0]}
-        out["survivors"] = [r["secure_aggregation"]["survivors"] for r in rows]
-    return out
-
-
-# -- fedloom's local engine -----------------------------------------------------------
-class LocalClient(Client):
-    """The gRPC benchmark's client, in-process: a fixed step; a plain dropout raises."""
-
-    def __init__(self, index: int, dropout: float, cpu: dict[str, float]) -> None:
-        self.index, self.dropout, self.cpu = index, dropout, cpu
-        self.steps: dict[int, np.ndarray] = {}
-
-    def fit(self, weights: Weights, config: Any) -> FitOutput:
-        arr = weights["w"]
-        step = self.steps.get(arr.size)
-        if step is None:  # made once per size, not counted as training
-            step = self.steps[arr.size] = fixed_step(self.index, arr.size)
-        started = time.thread_time()
-        out = FitOutput(Weights({"w": arr + step}), 100)
-        self.cpu["train"] = self.cpu.get("train", 0.0) + time.thread_time() - started
-        if self.dropout and (self.index + int(config["server_round"])) % 5 == 0:
-            raise RuntimeError("benchmark dropout")  # trained, then vanished
-        return out
-
-    def evaluate(self, weights: Weights, config: Any) -> EvaluateOutput:
-        return EvaluateOutput(0.0, 100)
-
-
-def run_local_mode(mode: str, n: int, params: int, dropout: float,
-                   rounds: int) -> dict[str, Any]:
-    cpu: dict[str, float] = {}
-    secure = (LocalSecureAggregation(secagg_config(), SecureDropout(dropout, "share_keys"))
-              if mode != "plain" else None)
-    clients = [LocalClient(i, dropout if secure is None else 0.0, cpu) for i in range(n)]
-    logging.getLogger("fedloom.simulations").setLevel(logging.ERROR)
-    strategy = FedAvg(selection=SelectionConfig(min_fit_clients=n, fraction_evaluate=0.0))
-    if mode == "secure-ddp":
-        strategy = apply_privacy(strategy, ddp_config(dropout))
-    history = run_local(strategy, clients.__getitem__, initial(params), num_clients=n,
-                        num_rounds=rounds, secure_aggregation=secure)
-    seconds = [float(r.get("seconds")) for r in history.rounds[1:]]
-    per = n * rounds
-    out: dict[str, Any] = {"round_s": steady(seconds), "rounds_s": seconds,
-                           "updates": [r.get("num_updates") for r in history.rounds[1:]]}
-    if secure is None:
-        out["client_cpu_s"] = {"train": cpu.get("train", 0.0) / per}
-        out["sent_bytes"] = 4.0 * params * (n - round(dropout * n)) / n  # float32 delta
-        return out
-    totals: dict[str, float] = {}
-    for report in secure.reports:
-        for stage, value in report.client_cpu_s.items():
-            totals[stage] = totals.get(stage, 0.0) + value
-        if report.failure:
-            raise RuntimeError(f"local secure round failed: {report.failure}")
-    out["client_cpu_s"] = {k: v / per for k, v in totals.items()}
-    out["sent_bytes"] = sum(sum(r.bytes_sent.values()) for r in secure.reports) / per
-    reports = secure.reports[1:] or secure.reports
-    out["stage_s"] = {s: statistics.median(r.stage_s[s] for r in reports)
-                      for s in reports[0].stage_s}
+        out["survivors"] = [r.secure_aggregation["survivors"] for r in rows]
     return out
 
 
@@ -241,130 +162,6 @@ def run_flower(settings: list[tuple[int, int, float]], rounds: int) -> dict[tupl
             "received_bytes": sum(m["received"] for m in phase["messages"]) / per,
             "errors": sum(m["error"] for m in phase["messages"]),
         }
-    return out
-
-
-# -- report ---------------------------------------------------------------------------
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def tables(rows: list[dict[str, Any]]) -> str:
-    head = ("| clients | params | dropout | gRPC plain s | gRPC secure s | ratio | local "
-            "plain s | local secure s | ratio | Flower plain s | Flower SecAgg+ s | ratio | "
-            "Flower SecAgg+ / local secure | secure bytes sent / float32 (fedloom, Flower) |")
-    lines = [head, "|" + "---|" * 14]
-    for r in rows:
-        g, lo, f = r.get("grpc", {}), r.get("local", {}), r.get("flower", {})
-        gp, gs = g.get("plain", {}).get("round_s"), g.get("secure", {}).get("round_s")
-        lp, ls = lo.get("plain", {}).get("round_s"), lo.get("secure", {}).get("round_s")
-        fp, fs = f.get("plain", {}).get("round_s"), f.get("secure", {}).get("round_s")
-        float32 = 4 * r["params"]
-        ours = g.get("secure", {}).get("sent_bytes") or lo.get("secure", {}).get("sent_bytes")
-        theirs = f.get("secure", {}).get("sent_bytes")
-        lines.append(
-            f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | {fmt(gp)} | "
-            f"{fmt(gs)} | {fmt(ratio(gs, gp), '.2f')}x | {fmt(lp)} | {fmt(ls)} | "
-            f"{fmt(ratio(ls, lp), '.2f')}x | {fmt(fp)} | {fmt(fs)} | "
-            f"{fmt(ratio(fs, fp), '.2f')}x | {fmt(ratio(fs, ls), '.1f')}x | "
-            f"{fmt(ratio(ours, float32), '.4f')}, {fmt(ratio(theirs, float32), '.3f')} |")
-    lines += ["", "fedloom over gRPC: fastest steady round (s), server CPU s per round, "
-              "client process CPU s per client per round, MB sent / received per client "
-              "per round (plain | secure):", "",
-              "| clients | params | dropout | fastest round | server CPU | client CPU | "
-              "MB sent | MB received |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = r.get("grpc", {})
-        if "plain" not in g or "secure" not in g:
-            continue
-        p, q = g["plain"], g["secure"]
-        lines.append(
-            f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | "
-            f"{p['min_round_s']:.3f} / {q['min_round_s']:.3f} | "
-            f"{p['server_cpu_s']:.3f} / {q['server_cpu_s']:.3f} | "
-            f"{p['client_process_cpu_s']:.4f} / {q['client_process_cpu_s']:.4f} | "
-            f"{p['sent_bytes'] / 1e6:.3f} / {q['sent_bytes'] / 1e6:.3f} | "
-            f"{p['received_bytes'] / 1e6:.3f} / {q['received_bytes'] / 1e6:.3f} |")
-    lines += ["", "Client CPU seconds per client per round, by stage (0% dropout rows; "
-              "fedloom gRPC | fedloom local | Flower):", ""]
-    lines.append("| clients | params | mode | fedloom gRPC | fedloom local | Flower |")
-    lines.append("|---|---|---|---|---|---|")
-    for r in rows:
-        if r["dropout"]:
-            continue
-        for mode in ("plain", "secure"):
-            cells = []
-            for system in ("grpc", "local", "flower"):
-                cpu = r.get(system, {}).get(mode, {}).get("client_cpu_s", {})
-                order = FLOWER_STAGES if system == "flower" else STAGES
-                cells.append(", ".join(f"{s} {cpu[s]:.4f}" for s in order if s in cpu) or "-")
-            lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {mode} | "
-                         + " | ".join(cells) + " |")
-    lines += ["", "fedloom over gRPC, each SecAgg+ stage of a steady secure round: wall s "
-              "(median), client CPU s and bytes sent per client:", "",
-              "| clients | params | dropout | " + " | ".join(STAGES[1:6]) + " |",
-              "|---|---|---|" + "---|" * 5]
-    for r in rows:
-        q = r.get("grpc", {}).get("secure")
-        if q is None:
-            continue
-        cells = [f"{q.get('stage_s', {}).get(s, 0):.4f} s, "
-                 f"{q.get('client_cpu_s', {}).get(s, 0) * 1e3:.2f} ms, "
-                 f"{q.get('stage_sent_bytes', {}).get(s, 0):,.0f} B" for s in STAGES[1:6]]
-        lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | "
-                     + " | ".join(cells) + " |")
-    ddp = [r for r in rows if "secure-ddp" in r.get("grpc", {}) or "secure-ddp" in r.get(
-        "local", {})]
-    if ddp:
-        lines += ["", "Distributed DP under SecAgg+ (Skellam, z = 1) beside the secure round "
-                  "without it: steady round s, and bytes sent per client / float32:", "",
-                  "| clients | params | dropout | gRPC secure s | gRPC secure + DDP s | ratio "
-                  "| local secure s | local secure + DDP s | ratio | DDP bytes / float32 |",
-                  "|" + "---|" * 10]
-    for r in ddp:
-        g, lo = r.get("grpc", {}), r.get("local", {})
-        gs, gd = g.get("secure", {}).get("round_s"), g.get("secure-ddp", {}).get("round_s")
-        ls, ld = lo.get("secure", {}).get("round_s"), lo.get("secure-ddp", {}).get("round_s")
-        sent = (g.get("secure-ddp", {}).get("sent_bytes")
-                or lo.get("secure-ddp", {}).get("sent_bytes"))
-        lines.append(f"| {r['clients']} | {r['params'] // 1000}k | {r['dropout']:.0%} | "
-                     f"{fmt(gs)} | {fmt(gd)} | {fmt(ratio(gd, gs), '.2f')}x | {fmt(ls)} | "
-                     f"{fmt(ld)} | {fmt(ratio(ld, ls), '.2f')}x | "
-                     f"{fmt(ratio(sent, 4 * r['params']), '.3f')} |")
-    return "\n".join(lines)
-
-
-def targets(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        if r["params"] != 1_000_000:
-            continue
-        g, lo, f = r.get("grpc", {}), r.get("local", {}), r.get("flower", {})
-        tag = f"{r['clients']} clients, 1M, {r['dropout']:.0%} dropout"
-        if r["clients"] == 20 and "secure" in g and "plain" in g:
-            x = ratio(g["secure"]["round_s"], g["plain"]["round_s"])
-            # The fastest steady rounds beside the medians: one slow plain run on a
-            # shared machine moves a median of two runs a long way.
-            fast = ratio(g["secure"].get("min_round_s"), g["plain"].get("min_round_s"))
-            out.append(f"gRPC secure / plain ({tag}): {fmt(x, '.2f')}x median, "
-                       f"{fmt(fast, '.2f')}x fastest rounds (target <= 1.5x)")
-        if "secure" in f and "secure" in lo and "plain" in lo:
-            x = ratio(f["secure"]["round_s"], lo["secure"]["round_s"])
-            out.append(f"Flower SecAgg+ / fedloom local secure ({tag}): {fmt(x, '.1f')}x "
-                       "(target >= 5x)")
-        if r["clients"] == 20 and "secure" in g and "secure-ddp" in g:
-            x = ratio(g["secure-ddp"]["round_s"], g["secure"]["round_s"])
-            fast = ratio(g["secure-ddp"].get("min_round_s"), g["secure"].get("min_round_s"))
-            out.append(f"gRPC secure with distributed DP / secure ({tag}): {fmt(x, '.2f')}x "
-                       f"median, {fmt(fast, '.2f')}x fastest rounds (target <= 1.2x)")
-        if not r["dropout"] and "secure" in g:
-            x = ratio(g["secure"]["sent_bytes"], 4e6)
-            out.append(f"upload expansion, gRPC bytes sent / float32 ({tag}): "
-                       f"{fmt(x, '.4f')}x (target <= 1.1x)")
     return out
 
 

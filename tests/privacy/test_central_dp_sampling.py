@@ -1,0 +1,58 @@
+"""Poisson sampling under `CentralDPStrategy`: each client with probability
+fraction_fit, and the mean over the expected cohort size."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from central_dp_support import (
+    TINY_Z,
+    clients,
+    clipped,
+    delta_of_norm,
+    dp_strategy,
+    model,
+    run_round,
+)
+
+from fedloom.config import SelectionConfig
+from fedloom.strategies import FedAvg
+
+
+def test_poisson_sampling_picks_each_client_with_probability_fraction_fit() -> None:
+    n, q, rounds = 200, 0.3, 200
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=q, min_fit_clients=1,
+                                                            seed=9)), sampling="poisson")
+    counts, per_client = [], dict.fromkeys((c.client_id for c in clients(n)), 0)
+    for server_round in range(1, rounds + 1):
+        plan = strategy.configure_fit(server_round, model(), clients(n))
+        counts.append(len(plan.client_ids))
+        for cid in plan.client_ids:
+            per_client[cid] += 1
+    total, expected = sum(counts), n * q * rounds
+    assert abs(total - expected) < 5 * math.sqrt(n * rounds * q * (1 - q))
+    # The cohort size is Binomial(n, q), not fixed: its variance is n q (1 - q)
+    # (the sample variance of 200 rounds has a relative standard error of 0.1).
+    assert 0.6 < np.var(counts, ddof=1) / (n * q * (1 - q)) < 1.4
+    # Every client near q: Binomial(rounds, q) per client, 5 standard errors.
+    spread = 5 * math.sqrt(rounds * q * (1 - q))
+    assert all(abs(k - rounds * q) < spread for k in per_client.values())
+
+
+def test_poisson_rounds_divide_by_the_expected_count_and_record_the_rate() -> None:
+    n, q, clip = 20, 0.25, 1.0
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=q, min_fit_clients=1,
+                                                            seed=4)),
+                           sampling="poisson", clip_norm=clip)
+    rng, current = np.random.default_rng(10), model()
+    for server_round in (1, 2):
+        deltas = {c.client_id: delta_of_norm(rng, 2.0) for c in clients(n)}
+        chosen, result = run_round(strategy, server_round, current, n, deltas.__getitem__)
+        assert chosen and result.weights is not None
+        for k in ("w", "b"):
+            total = sum(clipped(deltas[cid], clip)[k] for cid in chosen)
+            expected = current[k].astype(np.float64) + total / (q * n)  # not / len(chosen)
+            np.testing.assert_allclose(result.weights[k], expected, rtol=1e-6, atol=1e-6)
+        current = result.weights
+    assert strategy.accountant.state_dict()["events"] == [[[TINY_Z, 0, n, q], 2]]

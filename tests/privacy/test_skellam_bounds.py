@@ -1,0 +1,128 @@
+"""The distributed Skellam mechanism's parameters and norm bounds: conditional rounding
+keeps every client's integer vector within them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from skellam_support import clipped
+
+from fedloom.errors import ConfigError, SecureAggregationError
+from fedloom.privacy._hadamard import padded_length, rotation_signs, unrotate
+from fedloom.privacy._skellam import DEFAULT_BETA, SkellamParams, discretize, encode
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("clip_norm", 0.0), ("clip_norm", math.inf), ("dimension", 0), ("scale", -1.0),
+     ("bits", 33), ("bits", 1), ("beta", 1.0), ("beta", -0.1), ("client_noise_mu", -1.0),
+     ("client_noise_mu", math.nan)],
+)
+def test_params_refuse_bad_values(field: str, value: float) -> None:
+    base = dict(clip_norm=1.0, dimension=10, scale=100.0)
+    with pytest.raises(ConfigError, match=field):
+        SkellamParams(**{**base, field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("beta", [DEFAULT_BETA, 0.1, 0.99])
+@pytest.mark.parametrize(("c", "scale", "d"), [(1.0, 50.0, 1000), (0.1, 3.0, 100), (2.0, 1e6, 3)])
+def test_l2_bound_is_the_conditional_rounding_bound(beta: float, c: float, scale: float,
+                                                    d: int) -> None:
+    # Kairouz-Liu-Steinke's bound in the unscaled domain, on the grid g = 1/scale:
+    # ||x~||² <= c² + g² d/4 + sqrt(2 ln(1/β)) g (c + g sqrt(d)/2), or (c + g sqrt(d))²;
+    # the integer vector is x~ * scale, so its norm bound is scale times the root.
+    params = SkellamParams(clip_norm=c, dimension=d, scale=scale, beta=beta)
+    g, dp = 1.0 / scale, padded_length(d)
+    conditional = c**2 + g**2 * dp / 4 + math.sqrt(2 * math.log(1 / beta)) * g * (
+        c + g * math.sqrt(dp) / 2)
+    expected = scale * min(math.sqrt(conditional), c + g * math.sqrt(dp))
+    assert params.l2_bound == pytest.approx(expected, rel=1e-12)
+    assert params.l1_bound == pytest.approx(expected * min(expected, math.sqrt(dp)), rel=1e-12)
+
+
+def test_without_beta_the_bound_is_the_plain_rounding_bound() -> None:
+    params = SkellamParams(clip_norm=1.0, dimension=100, scale=10.0, beta=0.0)
+    assert params.l2_bound == pytest.approx(10.0 + math.sqrt(128))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 700),
+    norm_ratio=st.floats(0.01, 10.0),
+    log_scale=st.floats(-0.5, 5.0),
+    beta=st.sampled_from([0.0, 0.1, DEFAULT_BETA, 0.99]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_integer_vector_stays_within_the_norm_bounds(d: int, norm_ratio: float,
+                                                     log_scale: float, beta: float,
+                                                     seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    c = 1.5
+    update = rng.normal(size=d)
+    update *= norm_ratio * c / np.linalg.norm(update)
+    params = SkellamParams(clip_norm=c, dimension=d, scale=10.0**log_scale, beta=beta)
+    signs = rotation_signs(seed.to_bytes(4, "big"), params.padded_dimension)
+    integers = discretize(update.astype(np.float32), params, signs, rng)
+    assert integers.dtype == np.int64 and integers.shape == (params.padded_dimension,)
+    assert float(np.sum(integers.astype(np.float64) ** 2)) <= params.l2_bound**2
+    assert float(np.sum(np.abs(integers))) <= params.l1_bound
+
+
+def _half_integer_update(d: int, scale: float) -> tuple[np.ndarray, SkellamParams, np.ndarray]:
+    """An update whose rotated, scaled coordinates are all exactly 1/2.
+
+    Plain stochastic rounding then gives ||z||² ~ Binomial(d, 1/2): mean d/2, sd
+    sqrt(d)/2, while with c gamma = sqrt(d)/2 the conditional bound is d/2 + s sqrt(d),
+    s = sqrt(2 ln(1/β)); for β = 0.99 (s = 0.14) a plain rounding exceeds it with
+    probability P(Z > 2s) = 0.39.
+    """
+    signs = rotation_signs(b"half", d)
+    update = unrotate(np.full(d, 0.5 / scale), signs, d)
+    c = float(np.linalg.norm(update)) * (1 + 1e-12)
+    return update, SkellamParams(clip_norm=c, dimension=d, scale=scale, beta=0.99), signs
+
+
+def test_conditional_rounding_resamples_what_plain_rounding_would_not() -> None:
+    update, params, signs = _half_integer_update(1024, 8.0)
+    rng = np.random.default_rng(5)
+    # The control: plain stochastic rounding breaks the bound often (see the helper).
+    plain = [rng.random(1024) < 0.5 for _ in range(200)]
+    assert sum(int(p.sum()) > params.l2_bound**2 for p in plain) > 40
+    for _ in range(100):
+        z = discretize(update, params, signs, rng)
+        assert float(np.sum(z.astype(np.float64) ** 2)) <= params.l2_bound**2
+
+
+class _AlwaysRoundUp:
+    """A stand-in generator whose uniforms are all 0: every fraction rounds up."""
+
+    def random(self, size: int) -> np.ndarray:
+        return np.zeros(size)
+
+
+def test_rounding_gives_up_with_a_clear_error() -> None:
+    update, params, signs = _half_integer_update(1024, 8.0)
+    with pytest.raises(SecureAggregationError, match="conditional rounding failed"):
+        discretize(update, params, signs, _AlwaysRoundUp())  # type: ignore[arg-type]
+
+
+def test_clipping_applies_before_rounding() -> None:
+    d, c = 3000, 2.0
+    params = SkellamParams(clip_norm=c, dimension=d, scale=1e4, beta=DEFAULT_BETA)
+    signs = rotation_signs(b"clip", params.padded_dimension)
+    update = np.random.default_rng(2).normal(size=d) * 50  # norm about 2700
+    z = discretize(update, params, signs, np.random.default_rng(3))
+    recovered = unrotate(z / params.scale, signs, d)
+    # Rounding moves each rotated coordinate by < 1/gamma: norm error < sqrt(d')/gamma.
+    assert np.linalg.norm(recovered - clipped(update, c)) < math.sqrt(params.padded_dimension) / 1e4
+
+
+@pytest.mark.parametrize("bad", [np.ones(9), np.ones((10, 1)), np.array([np.nan] * 10)])
+def test_encode_refuses_a_bad_update(bad: np.ndarray) -> None:
+    params = SkellamParams(clip_norm=1.0, dimension=10, scale=10.0)
+    with pytest.raises(SecureAggregationError):
+        encode(bad, params, rotation_signs(b"x", 16), np.random.default_rng(0))
