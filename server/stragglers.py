@@ -1,4 +1,4 @@
-"""Stragglers: over-selection, and the memory of tasks whose round has closed.
+"""Stragglers: over-selection.
 
 Over-selection (Bonawitz et al., "Towards Federated Learning at Scale: System Design",
 MLSys 2019, section 2: the server "selects a subset of the connected devices ...
@@ -20,14 +20,12 @@ needs no state of its own in the checkpoint and a resumed run draws alike.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from fedloom.server.rounds import RoundTasks, TaskStatus
 from fedloom.types import ClientInfo
 
 
@@ -76,32 +74,3 @@ def over_select(
     rng = np.random.default_rng([seed % (1 << 63), server_round])
     picked = sorted(int(i) for i in rng.choice(len(pool), size=extra, replace=False))
     return Selection(planned + tuple(pool[i].client_id for i in picked), target)
-
-
-class ClosedTasks:
-    """Why the unanswered tasks of the last few phases ended, for late results.
-
-    A client that pushes after its round closed is told why ("round 3 closed: enough
-    updates arrived", "... no result before the deadline") instead of "unknown task".
-    """
-
-    def __init__(self, keep_phases: int = 4) -> None:
-        self._phases: collections.deque[dict[str, tuple[str, str]]] = collections.deque(
-            maxlen=keep_phases
-        )
-
-    def remember(self, phase: RoundTasks) -> None:
-        ended: dict[str, tuple[str, str]] = {}
-        for task in phase.tasks.values():
-            if task.status is not TaskStatus.ACCEPTED:
-                why = f"round {phase.round} closed: {phase.end_reason(task)}"
-                ended[task.task_id] = (task.client_id, why)
-        self._phases.append(ended)
-
-    def reason(self, task_id: str, client_id: str) -> str | None:
-        """The message for a late result of ``task_id`` from ``client_id``, if known."""
-        for phase in reversed(self._phases):
-            entry = phase.get(task_id)
-            if entry is not None and entry[0] == client_id:
-                return f"{entry[1]}; this result is no longer needed"
-        return None
