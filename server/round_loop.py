@@ -67,6 +67,9 @@ class RoundLoop:
                 self.stopped_reason = str(exc)
                 break
             await self._conclude(server_round, started, outcome)
+            # Its aggregate is a model-sized array apart from the installed model (which
+            # lives in the broadcast payload): not kept through the next round.
+            del outcome
         self.persistence.finish()
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
