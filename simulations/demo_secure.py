@@ -24,7 +24,6 @@ from typing import Any
 
 from fedloom.records import RoundRecord
 from fedloom.secagg import SecAggConfig, Stage
-from fedloom.server.secure import SecureRounds
 
 log = logging.getLogger("fedloom.demo")
 
@@ -70,6 +69,8 @@ class ClientKiller:
             self._thread.start()
 
     def _watch(self) -> None:
+        from fedloom.server.secure import SecureRounds  # the server's extra: at run time only
+
         while not self._done.wait(0.005):
             coordinator = self.server.coordinator
             driver = coordinator.driver if coordinator is not None else None
