@@ -333,16 +333,16 @@ def start_client(
         token: a credential, when the server requires one.
         config: connection settings (TLS files, or ``insecure=True``: one is required);
             ``server_address`` and ``name`` override its own.
-
-    Raises:
-        AccessDeniedError: the server refused this client's credentials at Join.
-        ConfigError: no TLS settings (and not insecure), or a TLS file is unreadable.
         stop: set it (from another thread) to stop after the current task.
         handle_signals: install SIGINT/SIGTERM handlers that stop the loop cleanly
             (only from the main thread; the previous handlers are restored after).
         secure_aggregation: when given, this client takes part in secure rounds only
             with exactly these parameters (k, t, clip_range, bits, max_weight); by
             default it accepts any that pass `SecAggConfig`'s rules.
+
+    Raises:
+        AccessDeniedError: the server refused this client's credentials at Join.
+        ConfigError: no TLS settings (and not insecure), or a TLS file is unreadable.
     """
     base = config or ClientConfig(server_address=server_address)
     settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)
