@@ -83,6 +83,12 @@ def stage_deadline_s(config: ServerConfig, stage: Stage) -> float:
     return config.secure_aggregation.stage_timeout_s
 
 
+def _stage(task: Task) -> Stage:
+    """The stage of a task this attempt issued (the book hands an owner only its own)."""
+    assert isinstance(task, StageTask)
+    return task.stage
+
+
 def _reject(reason: RejectReason, message: str) -> MessageRejectedError:
     return MessageRejectedError(reason, message)
 
@@ -247,18 +253,18 @@ class SecureAttempt:
         self.drop(task.client_id, reason)
 
     def failed(self, task: Task, message: str) -> None:
-        stage = getattr(task, "stage", "?")
+        stage = _stage(task)
         log.warning("client %s failed secure stage %s: %s", task.client_id, stage, message)
         self.drop(task.client_id, f"client failure in {stage}")
 
     def end_reason(self, task: Task) -> str:
-        stage = getattr(task, "stage", "?")
+        stage = _stage(task)
         return (f"secure round {self.setup.round_id.server_round}: stage {stage} has closed "
                 "for this client")
 
     def needless(self, task: Task, header: ResultHeader) -> bool:
         # Unmask closes once every secret has t shares: later shares are not needed.
-        return getattr(task, "stage", None) is Stage.UNMASK and header.kind is TaskKind.SECAGG
+        return _stage(task) is Stage.UNMASK and header.kind is TaskKind.SECAGG
 
     async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
                    fingerprint: bytes) -> Upload | bool:
