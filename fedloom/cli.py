@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedloom import privacy_cli, security_cli
-from fedloom.config import ServerConfig, TransferConfig, from_mapping, load_toml
+from fedloom.config import RoundsConfig, ServerConfig, TransferConfig, from_mapping, load_toml
 from fedloom.errors import FedloomError
 from fedloom.logs import FORMATS, configure_logging
 from fedloom.secagg import SecAggConfig
@@ -69,6 +69,17 @@ def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
                            help=f"{field_help(field)} (default: {field.default})")
 
 
+def _add_rounds_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for the [rounds] table (docs/async.md)."""
+    group = parser.add_argument_group("rounds ([rounds] table: sync or async, FedBuff)")
+    kinds: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
+    for field in dataclasses.fields(RoundsConfig):
+        flag = "--rounds-mode" if field.name == "mode" else _flag(f"rounds_{field.name}")
+        group.add_argument(flag, dest=f"rounds_{field.name}", type=kinds[str(field.type)],
+                           default=None, metavar=str(field.type).upper(),
+                           help=f"{field_help(field)} (default: {field.default})")
+
+
 def _server_parser(sub: Any) -> None:
     from fedloom.strategies import describe_strategies  # numpy only; lists every setting
 
@@ -96,6 +107,7 @@ def _server_parser(sub: Any) -> None:
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
     _add_secagg_flags(p)
+    _add_rounds_flags(p)
     privacy_cli.add_server_flags(p)
     security_cli.add_server_flags(p)
 
@@ -122,6 +134,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             data.setdefault("transfer", {})[key[9:]] = value
         elif key.startswith("secagg_"):
             data.setdefault("secure_aggregation", {})[key[7:]] = value
+        elif key.startswith("rounds_"):
+            data.setdefault("rounds", {})[key[7:]] = value
         elif key.startswith("privacy_") and key != "privacy_command":
             data.setdefault("privacy", {})[key[8:]] = value
         elif key.startswith(("tls_", "auth_")):  # security_cli's flags: [tls] / [auth]

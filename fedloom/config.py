@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom._client_config import ClientConfig, TransferConfig
+from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
 from fedloom.privacy._config import PrivacyConfig
 from fedloom.secagg import SecAggConfig
@@ -36,6 +37,7 @@ from fedloom.settings import check, check_address, described, from_mapping
 __all__ = [
     "AuthConfig",
     "ClientConfig",
+    "RoundsConfig",
     "SelectionConfig",
     "ServerConfig",
     "StrategyConfig",
@@ -207,6 +209,7 @@ class ServerConfig:
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
+    rounds: RoundsConfig = dataclasses.field(default_factory=RoundsConfig)
 
     def __post_init__(self) -> None:
         check_address("address", self.address)
@@ -264,6 +267,8 @@ class ServerConfig:
                                              authenticated=self.mutual_tls)
         self.privacy.check_server(secure=self.secure_aggregation.enabled,
                                   over_selection=self.over_selection)
+        if self.rounds.asynchronous:
+            _check_async(self)
 
     @property
     def selection(self) -> SelectionConfig:
@@ -280,6 +285,31 @@ class ServerConfig:
     def mutual_tls(self) -> bool:
         """Clients hold certificates of ``tls.client_ca`` (their identity is proven)."""
         return bool(self.tls.client_ca) and not self.insecure
+
+
+def _check_async(config: ServerConfig) -> None:
+    """What buffered asynchronous rounds cannot be combined with, and why."""
+    check(
+        not config.secure_aggregation.enabled,
+        "rounds.mode",
+        '"async" cannot run under secure aggregation: SecAgg+ masks cancel only in the sum '
+        "of a fixed cohort that answers each stage together, while asynchronous updates "
+        'arrive one at a time on different models. Set rounds.mode = "sync" or '
+        "secure_aggregation.enabled = false",
+    )
+    check(
+        config.privacy.mode == "off",
+        "rounds.mode",
+        '"async" cannot run with differential privacy: the accountant assumes rounds that '
+        "sample a cohort from the connected clients, and asynchronous updates are taken "
+        'from whoever answers. Set rounds.mode = "sync" or privacy.mode = "off"',
+    )
+    check(
+        config.over_selection == 1.0,
+        "over_selection",
+        'has no use with rounds.mode = "async" (every update is taken as it arrives; '
+        "rounds.concurrency sets how many clients train): leave it at 1",
+    )
 
 
 def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:

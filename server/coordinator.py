@@ -61,7 +61,7 @@ class Coordinator:
         parts = RoundParts(config, self.run_id, strategy, self.fleet, self.book, self.model,
                            self._executor, persistence.state_dir / "spool" / self.run_id,
                            reporter)
-        self.driver = round_driver(parts)
+        self.driver = round_driver(parts, persistence)
         self.fleet.on_departure(self.book.client_gone)
         self.fleet.on_departure(self.driver.client_gone)
         self.rounds = RoundLoop(parts, self.driver, persistence, evaluate_fn)

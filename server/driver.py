@@ -4,9 +4,10 @@ The round loop (`fedloom.server.round_loop`) calls `RoundDriver.run_fit` once pe
 (a model version) and commits what it returns; a driver issues its tasks through the
 task book (`fedloom.server.tasks`), owns their results and uploads, and hears when a
 client goes. Drivers: `PlainRounds` (`fedloom.server.plain_round`) and `SecureRounds`
-(`fedloom.server.secure`). A new driver (buffered asynchronous rounds, say) implements
-this interface and is chosen in `fedloom.server.round_loop.round_driver`; the servicer,
-the task book, the fleet and the other drivers stay as they are.
+(`fedloom.server.secure`) and `AsyncRounds` (`fedloom.server.async_rounds`, FedBuff:
+its tasks outlive a round, and each ``run_fit`` returns at a buffer's step). A driver
+is chosen in `fedloom.server.round_loop.round_driver`; the servicer, the task book and
+the fleet are the same for every driver.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class RoundDriver(abc.ABC):
         Raises:
             PrivacyBudgetExhausted: before any task goes out (the run ends cleanly).
         """
+
+    def committed(self, server_round: int) -> None:
+        """Round ``server_round`` is durable (checkpoint and SQLite)."""
+        return None  # a driver that keeps state across rounds (async rounds) overrides it
+
+    def finish(self) -> None:
+        """The run's last round is committed (the run is over, not merely stopping)."""
+        return None
 
     def client_gone(self, client_id: str, reason: str) -> None:
         """A client left or went silent (its pending task has already been told)."""

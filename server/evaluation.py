@@ -46,7 +46,9 @@ class EvaluatePhase(PhaseOwner):
 async def federated_evaluate(parts: RoundParts, server_round: int) -> dict[str, Any]:
     """Run the round's federated evaluation; its aggregated metrics ({} if skipped)."""
     config = parts.config
-    eligible = [c for c in parts.fleet.registry.infos() if Capability.EVALUATE in c.capabilities]
+    # A client holding a task (asynchronous rounds keep clients training) is not asked.
+    eligible = [c for c in parts.fleet.registry.infos()
+                if Capability.EVALUATE in c.capabilities and not parts.book.busy(c.client_id)]
     plan = parts.strategy.configure_evaluate(server_round, parts.model.weights, eligible)
     if not plan.client_ids:
         return {}

@@ -19,10 +19,13 @@ class GlobalModel:
     def __init__(self, persistence: RunPersistence) -> None:
         self._persistence = persistence
         self.payload = memoryview(b"")
-        self.install(persistence.weights)
+        #: The round (model version) that produced these weights (0: the initial model).
+        self.version = persistence.completed_round
+        self.install(persistence.weights, self.version)
 
-    def install(self, weights: Weights) -> None:
-        """Make ``weights`` the global model (also what the next commit writes)."""
+    def install(self, weights: Weights, version: int) -> None:
+        """Make ``weights``, produced by round ``version``, the global model (also what
+        the next commit writes)."""
         # Nothing else runs on the loop until this returns: drop the old payload first.
         self.payload = memoryview(b"")
         self.weights = self._persistence.weights = weights
@@ -30,6 +33,7 @@ class GlobalModel:
         self.weights = deserialize(weights.specs(), payload)
         self.payload = payload
         self.info = PayloadInfo.describe(weights.specs(), payload)
+        self.version = version
         self._persistence.weights = self.weights  # not a second copy of the model
 
     @property

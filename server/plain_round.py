@@ -53,6 +53,39 @@ def check_num_examples(parts: RoundParts, n: int) -> None:
             RejectReason.INVALID, f"num_examples {n} is out of range (1..{limit})")
 
 
+def start_fit_upload(parts: RoundParts, task: Task, header: ResultHeader,
+                     fingerprint: bytes) -> Upload:
+    """Check a fit result's header against its task; the `Upload` its payload fills.
+
+    Raises:
+        MessageRejectedError: no update, a bad ``num_examples``, an update not based on
+            the task's model, too large, of another layout, or a second upload at once.
+    """
+    check_num_examples(parts, header.num_examples)
+    if header.update is None:
+        raise MessageRejectedError(RejectReason.INVALID, "a fit result carries an update")
+    if header.base_round != task.header.round - 1:
+        raise MessageRejectedError(
+            RejectReason.STALE,
+            f"update is based on round {header.base_round}; "
+            f"this task trains the model of round {task.header.round - 1}",
+        )
+    transfer = parts.config.transfer
+    if header.update.total_bytes > transfer.max_model_bytes:
+        raise MessageRejectedError(
+            RejectReason.TOO_LARGE, f"update of {header.update.total_bytes} bytes exceeds "
+            f"max_model_bytes ({transfer.max_model_bytes})")
+    problem = layout_mismatch(task.header.weights.specs, header.update.specs)
+    if problem:
+        raise MessageRejectedError(
+            RejectReason.INVALID, f"update does not fit the model: {problem}")
+    if task.in_flight:
+        raise MessageRejectedError(
+            RejectReason.CONFLICT, "an upload for this task is already in progress")
+    spool = Spool(parts.spool_dir, header.update, transfer.chunk_size)
+    return Upload(task, header, spool, fingerprint)
+
+
 class PhaseOwner:
     """The task owner of a plain phase: what is common to fit and evaluate results."""
 
@@ -92,29 +125,7 @@ class FitPhase(PhaseOwner):
 
     async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
                    fingerprint: bytes) -> Upload | bool:
-        check_num_examples(self.parts, header.num_examples)
-        if header.update is None:
-            raise MessageRejectedError(RejectReason.INVALID, "a fit result carries an update")
-        if header.base_round != task.header.round - 1:
-            raise MessageRejectedError(
-                RejectReason.STALE,
-                f"update is based on round {header.base_round}; "
-                f"this task trains the model of round {task.header.round - 1}",
-            )
-        transfer = self.parts.config.transfer
-        if header.update.total_bytes > transfer.max_model_bytes:
-            raise MessageRejectedError(
-                RejectReason.TOO_LARGE, f"update of {header.update.total_bytes} bytes exceeds "
-                f"max_model_bytes ({transfer.max_model_bytes})")
-        problem = layout_mismatch(task.header.weights.specs, header.update.specs)
-        if problem:
-            raise MessageRejectedError(
-                RejectReason.INVALID, f"update does not fit the model: {problem}")
-        if task.in_flight:
-            raise MessageRejectedError(
-                RejectReason.CONFLICT, "an upload for this task is already in progress")
-        spool = Spool(self.parts.spool_dir, header.update, transfer.chunk_size)
-        return Upload(task, header, spool, fingerprint)
+        return start_fit_upload(self.parts, task, header, fingerprint)
 
     async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
         task, header = upload.task, upload.header

@@ -2,8 +2,9 @@
 evaluated and committed.
 
 Each round: wait for ``min_clients``; the driver runs the fit (`fedloom.server.driver`);
-a new model is installed, evaluated (federated, then server-side) and the round is
-committed (checkpoint, then SQLite: `fedloom.server.persistence`). A failed round leaves
+a new model is installed, evaluated (federated, then server-side; every
+``rounds.evaluate_every`` rounds and the last) and the round is committed (checkpoint,
+then SQLite: `fedloom.server.persistence`). A failed round leaves
 the global model unchanged and the next round starts. A spent privacy budget ends the
 run before the round that would exceed it.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.records import RoundRecord
+from fedloom.server.async_rounds import AsyncRounds
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.evaluation import EvaluateFn, federated_evaluate, server_evaluate
 from fedloom.server.metrics import ServerMetrics
@@ -27,8 +29,10 @@ from fedloom.server.secure import SecureRounds
 log = logging.getLogger("fedloom.server")
 
 
-def round_driver(parts: RoundParts) -> RoundDriver:
+def round_driver(parts: RoundParts, persistence: RunPersistence) -> RoundDriver:
     """The driver the configuration asks for: the one place that chooses."""
+    if parts.config.rounds.asynchronous:
+        return AsyncRounds(parts, persistence)
     if parts.config.secure_aggregation.enabled:
         return SecureRounds(parts)
     return PlainRounds(parts)
@@ -55,7 +59,8 @@ class RoundLoop:
             if initial:
                 self.history.append(RoundRecord(0, server=initial))
                 parts.reporter.round_finished(self.history[-1])
-        for server_round in range(self.next_round, parts.config.num_rounds + 1):
+        last = parts.config.rounds.last_round(parts.config.num_rounds)
+        for server_round in range(self.next_round, last + 1):
             await parts.fleet.wait_for(parts.config.min_clients)
             started = time.time()
             try:
@@ -70,6 +75,7 @@ class RoundLoop:
             # Its aggregate is a model-sized array apart from the installed model (which
             # lives in the broadcast payload): not kept through the next round.
             del outcome
+        self.driver.finish()
         self.persistence.finish()
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
@@ -80,11 +86,15 @@ class RoundLoop:
             log.warning("round %d produced no model: %s", server_round, result.reason)
             sections["reason"] = result.reason
         if result is not None and result.weights is not None:
-            parts.model.install(result.weights)
+            parts.model.install(result.weights, server_round)
             sections["fit"] = dict(result.metrics)
-            sections["evaluate"] = await federated_evaluate(parts, server_round)
-            sections["server"] = await server_evaluate(parts, self.evaluate_fn, server_round,
-                                                       parts.model.weights)
+            last = parts.config.rounds.last_round(parts.config.num_rounds)
+            if parts.config.rounds.evaluates(server_round, last):
+                sections["evaluate"] = await federated_evaluate(parts, server_round)
+                sections["server"] = await server_evaluate(parts, self.evaluate_fn,
+                                                           server_round, parts.model.weights)
+        else:
+            parts.model.version = server_round  # the same weights, committed as this round
         record = RoundRecord(
             server_round, "ok" if sections.get("fit") is not None else "failed",
             num_sampled=outcome.num_sampled, num_updates=outcome.num_updates,
@@ -95,6 +105,7 @@ class RoundLoop:
         await loop.run_in_executor(
             parts.executor, self.persistence.commit, record, parts.model.weights,
             parts.strategy.state_dict(), started)
+        self.driver.committed(server_round)
         self.history.append(record)
         epsilon = record.fit.get("privacy_epsilon")
         ServerMetrics.round_done(record.status, record.duration_s, server_round,

@@ -38,6 +38,12 @@ class _Abort:
 _UpdateItem = ClientUpdate | _End | _Abort
 
 
+def end_stream(source: queue.Queue[_UpdateItem], abort_reason: str | None = None) -> None:
+    """End the update stream of ``source``: its reader returns, or raises
+    `RoundAbortedError` with ``abort_reason``."""
+    source.put(_End() if abort_reason is None else _Abort(abort_reason))
+
+
 def updates_from_queue(source: queue.Queue[_UpdateItem]) -> Iterator[ClientUpdate]:
     """Yield updates until the round closes; raise `RoundAbortedError` if it fails."""
     while True:

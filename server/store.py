@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,17 @@ CREATE TABLE IF NOT EXISTS rounds (
     started_at REAL NOT NULL,
     finished_at REAL NOT NULL,
     PRIMARY KEY (run_id, round)
+);
+CREATE TABLE IF NOT EXISTS buffered_updates (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    version INTEGER NOT NULL,
+    client_id TEXT NOT NULL,
+    base_round INTEGER NOT NULL,
+    num_examples INTEGER NOT NULL,
+    metrics TEXT NOT NULL,
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL
 );
 """
 
@@ -60,11 +72,31 @@ class RoundRow:
     finished_at: float
 
 
+@dataclasses.dataclass(frozen=True)
+class BufferedRow:
+    """An acknowledged asynchronous update waiting for its server step
+    (`fedloom.server.async_buffer`): ``path`` is relative to the state folder."""
+
+    version: int
+    client_id: str
+    base_round: int
+    num_examples: int
+    metrics: dict[str, Any]
+    path: str
+    sha256: str
+    seq: int = 0
+
+
 class RunStore:
-    """SQLite-backed record of runs and rounds (``<state_dir>/fedloom.db``)."""
+    """SQLite-backed record of runs and rounds (``<state_dir>/fedloom.db``).
+
+    One connection, shared by the event loop and the aggregation thread: every
+    transaction holds the store's lock.
+    """
 
     def __init__(self, path: Path, *, readonly: bool = False) -> None:
         self.path = path
+        self._lock = threading.RLock()
         if readonly:  # for readers beside a running server (`fedloom runs`): no writes
             uri = f"{path.resolve().as_uri()}?mode=ro"
             self._db = sqlite3.connect(uri, uri=True, isolation_level=None)
@@ -80,7 +112,7 @@ class RunStore:
 
     def create_run(self, run_id: str, num_rounds: int, config: dict[str, Any]) -> RunRecord:
         record = RunRecord(run_id, time.time(), "running", num_rounds, config)
-        with self._db:
+        with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.execute(
                 "INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
@@ -99,13 +131,13 @@ class RunStore:
         return [self._run(r) for r in rows]
 
     def finish_run(self, run_id: str) -> None:
-        with self._db:
+        with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.execute("UPDATE runs SET status = 'finished' WHERE run_id = ?", (run_id,))
 
     def commit_round(self, record: RoundRow) -> None:
         """Record a round whose checkpoint file is already durable (one transaction)."""
-        with self._db:
+        with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(
                 "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -123,11 +155,41 @@ class RunStore:
 
     def forget_rounds_after(self, run_id: str, server_round: int) -> None:
         """Drop round records after ``server_round`` (their checkpoints are unusable)."""
-        with self._db:
+        with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(
                 "DELETE FROM rounds WHERE run_id = ? AND round > ?", (run_id, server_round)
             )
+
+    def buffer_update(self, run_id: str, row: BufferedRow) -> int:
+        """Record an acknowledged asynchronous update (its file is already durable)."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cursor = self._db.execute(
+                "INSERT INTO buffered_updates (run_id, version, client_id, base_round, "
+                "num_examples, metrics, path, sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, row.version, row.client_id, row.base_round, row.num_examples,
+                 json.dumps(row.metrics), row.path, row.sha256),
+            )
+            return int(cursor.lastrowid or 0)
+
+    def buffered_updates(self, run_id: str) -> list[BufferedRow]:
+        """The run's recorded asynchronous updates, in the order they were acknowledged."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT version, client_id, base_round, num_examples, metrics, path, sha256, "
+                "seq FROM buffered_updates WHERE run_id = ? ORDER BY seq", (run_id,)
+            ).fetchall()
+        return [BufferedRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], r[7])
+                for r in rows]
+
+    def forget_buffered(self, run_id: str, through_version: int | None = None) -> None:
+        """Drop the recorded updates of versions up to ``through_version`` (all: None)."""
+        limit = through_version if through_version is not None else 2**62
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM buffered_updates WHERE run_id = ? AND version <= ?",
+                             (run_id, limit))
 
     def rounds(self, run_id: str) -> list[RoundRow]:
         rows = self._db.execute(

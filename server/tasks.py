@@ -154,6 +154,11 @@ class TaskBook:
             return None
         return task
 
+    def busy(self, client_id: str) -> bool:
+        """Whether the client holds a pending task (offered, or answered in part)."""
+        task = self._latest.get(client_id)
+        return task is not None and task.status is TaskStatus.PENDING
+
     def client_gone(self, client_id: str, reason: str) -> None:
         """A client left (or went silent): its pending task ends now, not at a deadline."""
         task = self.pending(client_id)

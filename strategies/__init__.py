@@ -48,6 +48,7 @@ from fedloom.strategies._secure_mean import (
     aggregate_secure_mean,
     check_secure_strategy,
 )
+from fedloom.strategies._staleness import StalenessWeighting, scale_delta, stale_update
 from fedloom.strategies._trimmed_mean import FedTrimmedAvg, TrimmedMeanAggregator
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "ServerOptimizer",
     "ServerSGD",
     "ServerYogi",
+    "StalenessWeighting",
     "StateDict",
     "Strategy",
     "TrimmedMeanAggregator",
@@ -93,6 +95,8 @@ __all__ = [
     "check_secure_strategy",
     "clip_update",
     "describe_strategies",
+    "scale_delta",
+    "stale_update",
     "strategy_settings",
     "update_norm",
 ]

@@ -1,0 +1,360 @@
+"""Buffered asynchronous rounds (FedBuff): clients train all the time, and the model
+takes a step every ``buffer_size`` updates.
+
+Nguyen et al., AISTATS 2022 ("Federated Learning with Buffered Asynchronous
+Aggregation"). ``rounds.concurrency`` clients hold a fit task at any time; each task
+trains the global model current when it was issued (its round is that version + 1, so
+the update's ``base_round`` names the version). A verified update is made durable
+(`fedloom.server.async_buffer`) and then acknowledged; it joins the open buffer, whose
+updates stream into the strategy's aggregation in the aggregation thread, each scaled by
+its staleness weight (`fedloom.strategies.StalenessWeighting`). When the buffer holds
+``buffer_size`` updates the strategy's server optimizer steps, and the round loop
+commits the result as a model version (a round: checkpoint, then SQLite). Updates that
+arrive meanwhile fill the next buffer, and whoever returned a task is free for the next
+one at once (the idle clients are sampled, seeded, when fewer than ``concurrency`` train).
+
+Staleness is counted in versions: an update trained on version ``tau`` that joins the
+buffer of version ``v`` (applied to version ``v - 1``) has staleness ``v - 1 - tau``;
+beyond ``rounds.max_staleness`` it is refused (STALE, the buffer untouched). A task with
+no result ``round_timeout_s`` after it was issued fails and frees its slot.
+
+Every mean-based strategy composes (FedAvg, FedAvgM, FedProx, the FedOpt family: the
+strategy's weighted mean of staleness-scaled deltas, then its optimizer); a robust rule
+holds the buffer's updates (its aggregator's ``holds_all_updates``), which the log says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import random
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
+from fedloom.messages import ResultHeader, TaskHeader
+from fedloom.server.async_buffer import BufferEntry, DurableBuffer, sync_file
+from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
+from fedloom.server.memory import release_free_heap
+from fedloom.server.metrics import ServerMetrics
+from fedloom.server.persistence import RunPersistence
+from fedloom.server.plain_round import start_fit_upload
+from fedloom.server.registry import ClientRecord
+from fedloom.server.rounds import end_stream, updates_from_queue
+from fedloom.server.tasks import Task, TaskStatus
+from fedloom.server.uploads import SpooledWeights, Upload
+from fedloom.strategies import StalenessWeighting, scale_delta
+from fedloom.types import AggregateResult, ClientUpdate, TaskKind
+
+log = logging.getLogger("fedloom.server")
+
+#: Seconds between checks for overdue tasks and idle clients while a buffer fills.
+POLL_S = 0.5
+
+
+class StepBuffer:
+    """The updates of one server step: round ``version`` is what their step produces."""
+
+    def __init__(self, version: int, size: int) -> None:
+        self.version = version
+        self.size = size
+        self.updates: queue.Queue[Any] = queue.Queue()  # to the aggregation thread
+        self.entries: list[BufferEntry] = []
+        self.tasks: list[Task] = []  # accepted into this buffer: closed at its commit
+        self.num_failures = 0
+        self.full = asyncio.Event()
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
+
+    def staleness(self, base_version: int) -> int:
+        """Versions between ``base_version`` and the model this buffer's step updates."""
+        return self.version - 1 - base_version
+
+
+def holds_updates(strategy: Any) -> bool:
+    """Whether the strategy's aggregator holds every update (a robust rule)."""
+    inner = getattr(strategy, "inner", strategy)
+    aggregator = getattr(inner, "aggregator", None)
+    return bool(getattr(aggregator, "holds_all_updates", False))
+
+
+class AsyncRounds(RoundDriver):
+    """Buffered asynchronous fit (see the module docstring); owns its fit tasks."""
+
+    def __init__(self, parts: RoundParts, persistence: RunPersistence) -> None:
+        super().__init__(parts)
+        self.settings = settings = parts.config.rounds
+        self.weighting = StalenessWeighting.from_config(settings)
+        self.last_version = settings.last_round(parts.config.num_rounds)
+        self.durable = DurableBuffer(persistence.store, persistence.state_dir, parts.run_id,
+                                     parts.model.weights.specs())
+        self._rng = random.Random(parts.config.seed)
+        self.owner = AsyncFitTasks(self)
+        self._running: dict[str, Task] = {}  # pending fit tasks by id
+        self._deadlines: dict[str, float] = {}  # task id -> loop time of its deadline
+        self._ended: list[Task] = []  # failed or refused: closed at the next commit
+        self._reasons: dict[str, str] = {}  # why an ended task ended
+        self._config_cache: tuple[int, Any] | None = None
+        self._buffers: dict[int, StepBuffer] = {}
+        #: The last step is full (or the run is over): no new tasks, no more results.
+        self.done = False
+        self.num_accepted = 0  # updates acknowledged by this server process
+        first = persistence.completed_round + 1
+        self._open = self._buffer(first)
+        for entry in self.durable.recover(persistence.completed_round):
+            self._enter(entry, None)
+        if holds_updates(parts.strategy):
+            log.info("async rounds: %s holds every update of a step in memory "
+                     "(buffer_size = %d)", type(parts.strategy).__name__, settings.buffer_size)
+
+    # -- the round loop's side ------------------------------------------------------
+    async def run_fit(self, server_round: int) -> FitOutcome:
+        parts = self.parts
+        buffer = self._buffer(server_round)
+        parts.reporter.round_started(server_round, self.last_version, self.settings.buffer_size)
+        current = parts.model.weights  # the version this step updates
+        self._top_up()
+        loop = asyncio.get_running_loop()
+        aggregate = loop.run_in_executor(
+            parts.executor, parts.strategy.aggregate_fit, server_round, current,
+            self._weighted(buffer))
+        try:
+            while not buffer.full.is_set():
+                self._expire_overdue(loop.time())
+                self._top_up()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await buffer.full.wait()
+        except BaseException:  # cancelled (server stopping): release the aggregation thread
+            end_stream(buffer.updates, "the server is stopping")
+            raise
+        release_free_heap()
+        result: AggregateResult | None
+        try:
+            result = await aggregate
+        except AggregationError as exc:
+            log.warning("version %d failed: %s; the global model is unchanged", server_round, exc)
+            result = None
+        return FitOutcome(result, num_sampled=buffer.count + buffer.num_failures,
+                          num_updates=buffer.count, num_failures=buffer.num_failures)
+
+    def committed(self, server_round: int) -> None:
+        """Version ``server_round`` is durable: forget its updates, close its tasks."""
+        buffer = self._buffers.pop(server_round, None)
+        self.durable.forget(server_round)
+        closing = list(buffer.tasks if buffer is not None else ()) + self._ended
+        self._ended = []
+        self.parts.book.close(closing)
+        for task in closing:
+            self._reasons.pop(task.task_id, None)
+        ServerMetrics.tasks_closed(str(TaskKind.FIT), _outcomes(closing))
+
+    def finish(self) -> None:
+        """The run is over: end the tasks in flight and drop the updates no step needs."""
+        self.done = True
+        for task in list(self._running.values()):
+            self.end(task, "the run has finished")
+        self.parts.book.close(self._ended)
+        self._ended = []
+        for buffer in self._buffers.values():
+            end_stream(buffer.updates, "the run has finished")
+        self._buffers.clear()
+        self.durable.forget()
+
+    def close(self) -> None:
+        self.done = True  # stopping: the durable buffer stays for a restart
+
+    # -- the fit tasks' results (through `AsyncFitTasks`, their task owner) ----------
+    async def take(self, task: Task, header: ResultHeader, fingerprint: bytes) -> Upload:
+        self._check_fresh(task, self._open)
+        return start_fit_upload(self.parts, task, header, fingerprint)
+
+    async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
+        task, header = upload.task, upload.header
+        try:
+            self._check_open(task)
+            # The bytes reach the disk before anything is acknowledged (off the loop).
+            await asyncio.to_thread(sync_file, upload.spool.path)
+            self._check_open(task)
+            buffer = self._open
+            staleness = self._check_fresh(task, buffer)
+            assert header.update is not None  # start_fit_upload checked it
+            metrics = {**header.metrics, "staleness": staleness}
+            entry = self.durable.keep(buffer.version, task.client_id, task.header.round - 1,
+                                      header.num_examples, metrics, upload.spool.path,
+                                      header.update)
+        except BaseException:
+            upload.spool.discard()
+            raise
+        task.settle(TaskStatus.ACCEPTED, upload.fingerprint)
+        self._running.pop(task.task_id, None)
+        self._deadlines.pop(task.task_id, None)
+        self.num_accepted += 1
+        self._enter(entry, task)
+        self._top_up()
+
+    def abandoned(self, upload: Upload) -> None:
+        task = upload.task
+        if task.client_id not in self.parts.fleet.registry:
+            self.end(task, "the client left while its upload was failing")
+
+    def failed(self, task: Task, message: str) -> None:
+        log.warning("client %s reported a failure: %s", task.client_id, message)
+        self.end(task, f"client failure: {message}")
+
+    def end_reason(self, task: Task) -> str:
+        return self._reasons.get(task.task_id, "the run has all the updates it needs")
+
+    # -- internals --------------------------------------------------------------------
+    def _buffer(self, version: int) -> StepBuffer:
+        buffer = self._buffers.get(version)
+        if buffer is None:
+            buffer = self._buffers[version] = StepBuffer(version, self.settings.buffer_size)
+        return buffer
+
+    def _enter(self, entry: BufferEntry, task: Task | None) -> None:
+        """Put a durable update into the open buffer; a full buffer opens the next."""
+        buffer = self._open
+        buffer.entries.append(entry)
+        if task is not None:
+            buffer.tasks.append(task)
+        buffer.updates.put(entry.update())
+        self.parts.reporter.progress(buffer.version, TaskKind.FIT, buffer.count, buffer.size)
+        if buffer.count < buffer.size:
+            return
+        end_stream(buffer.updates)
+        buffer.full.set()
+        if buffer.version >= self.last_version:
+            self.done = True  # the last step has its updates: no more tasks
+        else:
+            self._open = self._buffer(buffer.version + 1)
+
+    def _weighted(self, buffer: StepBuffer) -> Iterator[ClientUpdate]:
+        """The buffer's updates as the strategy reads them: each delta scaled by its
+        staleness weight (in the aggregation thread, one update at a time)."""
+        for update in updates_from_queue(buffer.updates):
+            staleness = int(update.metrics["staleness"])
+            factor = self.weighting(staleness)
+            yield ClientUpdate(update.client_id, scale_delta(update.delta, factor),
+                               update.num_examples, update.base_round,
+                               {**update.metrics, "staleness_weight": factor})
+
+    def _check_open(self, task: Task) -> None:
+        if task.status is not TaskStatus.PENDING or self.done:
+            raise MessageRejectedError(RejectReason.STALE, self.end_reason(task))
+
+    def _check_fresh(self, task: Task, buffer: StepBuffer) -> int:
+        """The staleness of ``task``'s update in ``buffer``; too stale ends the task."""
+        base = task.header.round - 1
+        staleness = buffer.staleness(base)
+        limit = self.settings.max_staleness
+        if staleness > limit:
+            reason = (f"update trained on version {base} is {staleness} versions old (the "
+                      f"next step updates version {buffer.version - 1}); rounds.max_staleness "
+                      f"is {limit}")
+            self.end(task, reason)
+            raise MessageRejectedError(RejectReason.STALE, reason)
+        return staleness
+
+    def end(self, task: Task, reason: str) -> None:
+        """A pending task failed (or was refused): its slot is free for another client."""
+        if task.status is not TaskStatus.PENDING:
+            return
+        task.settle(TaskStatus.FAILED)
+        self._reasons[task.task_id] = reason
+        self._running.pop(task.task_id, None)
+        self._deadlines.pop(task.task_id, None)
+        self._ended.append(task)
+        self._open.num_failures += 1
+
+    def _expire_overdue(self, now: float) -> None:
+        for task_id, deadline in list(self._deadlines.items()):
+            task = self._running.get(task_id)
+            if task is not None and deadline <= now and not task.in_flight:
+                self.end(task, "no result before the deadline (round_timeout_s)")
+
+    def _top_up(self) -> None:
+        """Issue fit tasks to idle clients until ``concurrency`` are training."""
+        if self.done:
+            return
+        need = self.settings.concurrency - len(self._running)
+        if need <= 0:
+            return
+        parts = self.parts
+        idle = sorted((info for info in parts.fleet.registry.infos()
+                       if not parts.book.busy(info.client_id)),
+                      key=lambda info: (info.name, info.client_id))
+        chosen = idle if len(idle) <= need else self._rng.sample(idle, need)
+        for info in chosen:
+            self._issue(info.client_id)
+
+    def _issue(self, client_id: str) -> None:
+        parts = self.parts
+        model = parts.model
+        server_round = model.version + 1
+        header = TaskHeader(
+            task_id=secrets.token_hex(16), run_id=parts.run_id, round=server_round,
+            kind=TaskKind.FIT, config=self._fit_config(server_round),
+            deadline_s=parts.config.round_timeout_s, weights=model.info)
+        task = Task(header, client_id, model.payload)
+        self._running[task.task_id] = task
+        loop = asyncio.get_running_loop()
+        self._deadlines[task.task_id] = loop.time() + parts.config.round_timeout_s
+        parts.book.issue(task, self.owner)
+
+    def _fit_config(self, server_round: int) -> Any:
+        """The strategy's fit config for tasks on the model of ``server_round - 1``
+        (asked once per version)."""
+        cached = self._config_cache
+        if cached is None or cached[0] != server_round:
+            parts = self.parts
+            plan = parts.strategy.configure_fit(server_round, parts.model.weights,
+                                                parts.fleet.registry.infos())
+            cached = self._config_cache = (server_round, plan.config)
+        return cached[1]
+
+
+class AsyncFitTasks:
+    """The task owner (`fedloom.server.tasks.TaskOwner`) of the asynchronous fit tasks."""
+
+    def __init__(self, driver: AsyncRounds) -> None:
+        self.driver = driver
+
+    @property
+    def accepting(self) -> bool:
+        return not self.driver.done
+
+    async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
+                   fingerprint: bytes) -> Upload | bool:
+        return await self.driver.take(task, header, fingerprint)
+
+    async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
+        await self.driver.fold(upload, payload)
+
+    def abandoned(self, upload: Upload) -> None:
+        self.driver.abandoned(upload)
+
+    def failed(self, task: Task, message: str) -> None:
+        self.driver.failed(task, message)
+
+    def client_gone(self, task: Task, reason: str) -> None:
+        self.driver.end(task, reason)
+
+    def end_reason(self, task: Task) -> str:
+        return self.driver.end_reason(task)
+
+    def needless(self, task: Task, header: ResultHeader) -> bool:
+        # After the last step the results still in flight are answered "not needed".
+        return self.driver.done
+
+
+def _outcomes(tasks: list[Task]) -> dict[str, int]:
+    counts = {status.value: 0 for status in TaskStatus}
+    for task in tasks:
+        counts[task.status.value] += 1
+    return counts

@@ -1,0 +1,81 @@
+"""Staleness weighting for buffered asynchronous aggregation (FedBuff).
+
+An update trained on model version ``tau`` and applied to version ``t`` has staleness
+``s = t - tau``. FedBuff (Nguyen et al., AISTATS 2022) scales each delta by ``w(s)``
+before averaging, so ``mean = sum(n_i * w(s_i) * delta_i) / sum(n_i)`` with the
+strategy's weights ``n_i`` (``num_examples``); with equal weights this is the paper's
+``(1/K) * sum(w(s_i) * delta_i)``. The weightings are those of FedAsync (Xie et al.,
+2019), which FedBuff uses: constant, polynomial ``(1 + s) ** -a`` (the paper's default,
+a = 0.5) and hinge (``1`` up to ``b``, then ``1 / (a * (s - b) + 1)``).
+
+Only floating-point tensors are scaled; integer tensors (counters such as
+``num_batches_tracked``) keep their delta, as clipping leaves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fedloom._rounds_config import RoundsConfig
+from fedloom.types import ClientUpdate
+from fedloom.weights import Weights
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessWeighting:
+    """``w(s)``: the factor a delta of staleness ``s`` is scaled by.
+
+    >>> StalenessWeighting("polynomial", exponent=0.5)(3)
+    0.5
+    >>> StalenessWeighting("hinge", slope=10.0, after=4)(5)
+    0.09090909090909091
+    """
+
+    kind: str = "polynomial"
+    exponent: float = 0.5
+    slope: float = 10.0
+    after: int = 4
+
+    @classmethod
+    def from_config(cls, rounds: RoundsConfig) -> StalenessWeighting:
+        return cls(rounds.staleness_weighting, rounds.staleness_exponent, rounds.hinge_slope,
+                   rounds.hinge_after)
+
+    def __call__(self, staleness: int) -> float:
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "polynomial":
+            return float((1.0 + staleness) ** -self.exponent)
+        if self.kind == "hinge":
+            if staleness <= self.after:
+                return 1.0
+            return 1.0 / (self.slope * (staleness - self.after) + 1.0)
+        raise ValueError(f"unknown staleness weighting {self.kind!r}")
+
+
+def scale_delta(delta: Weights, factor: float) -> Weights:
+    """``delta`` with its floating-point tensors multiplied by ``factor`` (in float64,
+    cast back); ``delta`` itself when ``factor`` is 1."""
+    if factor == 1.0:
+        return delta
+    scaled = []
+    for name, arr in delta.items():
+        value = np.asarray(arr)
+        if value.dtype.kind == "f":
+            value = (value.astype(np.float64) * factor).astype(value.dtype)
+        scaled.append((name, value))
+    return Weights(scaled)
+
+
+def stale_update(update: ClientUpdate, staleness: int,
+                 weighting: StalenessWeighting) -> ClientUpdate:
+    """``update`` with its delta scaled by ``weighting(staleness)``; the staleness and the
+    factor are added to its metrics (``staleness``, ``staleness_weight``)."""
+    factor = weighting(staleness)
+    metrics = {**update.metrics, "staleness": staleness, "staleness_weight": factor}
+    return ClientUpdate(update.client_id, scale_delta(update.delta, factor),
+                        update.num_examples, update.base_round, metrics)
