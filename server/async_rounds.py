@@ -31,7 +31,6 @@ import logging
 import queue
 import random
 import secrets
-from collections.abc import Iterator
 from typing import Any
 
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
@@ -46,8 +45,8 @@ from fedloom.server.registry import ClientRecord
 from fedloom.server.rounds import end_stream, updates_from_queue
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.server.uploads import SpooledWeights, Upload
-from fedloom.strategies import StalenessWeighting, scale_delta
-from fedloom.types import AggregateResult, ClientUpdate, TaskKind
+from fedloom.strategies import StalenessWeighting, weighted_updates
+from fedloom.types import AggregateResult, TaskKind
 
 log = logging.getLogger("fedloom.server")
 
@@ -122,7 +121,7 @@ class AsyncRounds(RoundDriver):
         loop = asyncio.get_running_loop()
         aggregate = loop.run_in_executor(
             parts.executor, parts.strategy.aggregate_fit, server_round, current,
-            self._weighted(buffer))
+            weighted_updates(updates_from_queue(buffer.updates), self.weighting))
         try:
             while not buffer.full.is_set():
                 self._expire_overdue(loop.time())
@@ -233,16 +232,6 @@ class AsyncRounds(RoundDriver):
             self.done = True  # the last step has its updates: no more tasks
         else:
             self._open = self._buffer(buffer.version + 1)
-
-    def _weighted(self, buffer: StepBuffer) -> Iterator[ClientUpdate]:
-        """The buffer's updates as the strategy reads them: each delta scaled by its
-        staleness weight (in the aggregation thread, one update at a time)."""
-        for update in updates_from_queue(buffer.updates):
-            staleness = int(update.metrics["staleness"])
-            factor = self.weighting(staleness)
-            yield ClientUpdate(update.client_id, scale_delta(update.delta, factor),
-                               update.num_examples, update.base_round,
-                               {**update.metrics, "staleness_weight": factor})
 
     def _check_open(self, task: Task) -> None:
         if task.status is not TaskStatus.PENDING or self.done:

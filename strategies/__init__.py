@@ -48,7 +48,12 @@ from fedloom.strategies._secure_mean import (
     aggregate_secure_mean,
     check_secure_strategy,
 )
-from fedloom.strategies._staleness import StalenessWeighting, scale_delta, stale_update
+from fedloom.strategies._staleness import (
+    StalenessWeighting,
+    scale_delta,
+    stale_update,
+    weighted_updates,
+)
 from fedloom.strategies._trimmed_mean import FedTrimmedAvg, TrimmedMeanAggregator
 
 __all__ = [
@@ -99,4 +104,5 @@ __all__ = [
     "stale_update",
     "strategy_settings",
     "update_norm",
+    "weighted_updates",
 ]

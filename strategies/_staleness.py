@@ -15,12 +15,16 @@ Only floating-point tensors are scaled; integer tensors (counters such as
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from fedloom._rounds_config import RoundsConfig
 from fedloom.types import ClientUpdate
 from fedloom.weights import Weights
+
+#: The metric an update in a buffer carries its staleness in.
+STALENESS = "staleness"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,16 @@ def stale_update(update: ClientUpdate, staleness: int,
     """``update`` with its delta scaled by ``weighting(staleness)``; the staleness and the
     factor are added to its metrics (``staleness``, ``staleness_weight``)."""
     factor = weighting(staleness)
-    metrics = {**update.metrics, "staleness": staleness, "staleness_weight": factor}
+    metrics = {**update.metrics, STALENESS: staleness, "staleness_weight": factor}
     return ClientUpdate(update.client_id, scale_delta(update.delta, factor),
                         update.num_examples, update.base_round, metrics)
+
+
+def weighted_updates(updates: Iterable[ClientUpdate],
+                     weighting: StalenessWeighting) -> Iterator[ClientUpdate]:
+    """A buffer's updates as a strategy aggregates them: each update's metrics carry its
+    ``staleness`` (set when it joined the buffer), and its delta is scaled by
+    ``weighting`` of it, lazily (one scaled update at a time). The gRPC server and the
+    simulation engines both feed ``Strategy.aggregate_fit`` through this."""
+    for update in updates:
+        yield stale_update(update, int(update.metrics[STALENESS]), weighting)
