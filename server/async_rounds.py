@@ -131,6 +131,7 @@ class AsyncRounds(RoundDriver):
                         await buffer.full.wait()
         except BaseException:  # cancelled (server stopping): release the aggregation thread
             end_stream(buffer.updates, "the server is stopping")
+            aggregate.add_done_callback(_consume)  # its RoundAbortedError is expected
             raise
         release_free_heap()
         result: AggregateResult | None
@@ -340,6 +341,11 @@ class AsyncFitTasks:
     def needless(self, task: Task, header: ResultHeader) -> bool:
         # After the last step the results still in flight are answered "not needed".
         return self.driver.done
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _outcomes(tasks: list[Task]) -> dict[str, int]:

@@ -1,0 +1,205 @@
+"""Asynchronous-rounds test helpers: the server's coordinator driven by hand, in process.
+
+`Harness` runs a real `Coordinator` (task book, async driver, round loop, persistence)
+on an event loop with clients joined through its front door; the test plays the clients:
+it reads each client's offered task and pushes a chosen delta through the same
+`accept_result` -> `Upload` path the gRPC servicer uses, so the order of arrivals is
+exactly the test's. `fedbuff_reference` is an independent numpy statement of FedBuff's
+rule (Nguyen et al., AISTATS 2022) with the strategy's example weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedloom import Weights
+from fedloom.config import RoundsConfig, ServerConfig, StrategyConfig
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.messages import PROTOCOL_VERSION, JoinRequest, ResultHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo, iter_chunks, serialize
+from fedloom.server.async_rounds import AsyncRounds
+from fedloom.server.coordinator import Coordinator
+from fedloom.server.persistence import RunPersistence
+from fedloom.server.registry import ClientRecord
+from fedloom.strategies import build_strategy
+from fedloom.types import TaskKind
+
+
+def initial_weights() -> Weights:
+    rng = np.random.default_rng(7)
+    return Weights({"w": rng.normal(size=(3, 4)).astype(np.float32),
+                    "b": np.zeros(4, np.float32)})
+
+
+def client_delta(seed: int, call: int, like: Weights) -> Weights:
+    """A client's seeded delta for its ``call``-th task."""
+    rng = np.random.default_rng([seed, call])
+    return Weights({n: rng.normal(size=a.shape).astype(a.dtype) for n, a in like.items()})
+
+
+def async_config(state_dir: Path, *, num_rounds: int = 3, strategy: str = "fedavg",
+                 strategy_params: dict[str, Any] | None = None, **rounds: Any) -> ServerConfig:
+    settings = dict(mode="async", concurrency=3, buffer_size=2, max_staleness=10)
+    settings.update(rounds)
+    return ServerConfig(
+        num_rounds=num_rounds, min_clients=1, min_fit_clients=1, state_dir=str(state_dir),
+        progress=False, insecure=True, keep_checkpoints=50, fraction_evaluate=0.0,
+        round_timeout_s=30.0, strategy=StrategyConfig(strategy, strategy_params or {}),
+        rounds=RoundsConfig(**settings))
+
+
+@dataclasses.dataclass
+class Arrival:
+    """An update the server accepted: who, on which version, what delta, its weight."""
+
+    client: int
+    base_version: int
+    delta: Weights
+    num_examples: int
+
+
+class Harness:
+    """A coordinator running async rounds; clients are played by the test."""
+
+    def __init__(self, config: ServerConfig, num_clients: int = 3,
+                 initial: Weights | None = None, evaluate_fn: Any = None) -> None:
+        self.config = config
+        self.initial = initial if initial is not None else initial_weights()
+        self.strategy = build_strategy(config.strategy, config.selection)
+        self.persistence = RunPersistence.open(config, self.initial, self.strategy)
+        self.coordinator = Coordinator(config, self.strategy, self.persistence,
+                                       evaluate_fn=evaluate_fn)
+        self.clients: list[ClientRecord] = []
+        for i in range(num_clients):
+            reply = self.coordinator.join(
+                JoinRequest(PROTOCOL_VERSION, frozenset({"fit", "evaluate"}), f"site-{i}"))
+            record = self.coordinator.registry.get(reply.session.client_id)
+            assert record is not None
+            self.clients.append(record)
+        self.calls = [0] * num_clients  # tasks each client has answered
+        self.run_task: asyncio.Task[None] | None = None
+
+    @property
+    def driver(self) -> AsyncRounds:
+        driver = self.coordinator.driver
+        assert isinstance(driver, AsyncRounds)
+        return driver
+
+    def start(self) -> None:
+        self.run_task = asyncio.get_running_loop().create_task(self.coordinator.run())
+
+    async def stop(self) -> None:
+        """Cancel the run (a stop, not the end of the run) and close the store."""
+        if self.run_task is not None and not self.run_task.done():
+            self.run_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.run_task
+        self.persistence.close()
+
+    async def task_of(self, client: int, timeout_s: float = 10.0) -> TaskHeader:
+        """The fit task offered to ``client`` (waits for one)."""
+        record = self.clients[client]
+        async with asyncio.timeout(timeout_s):
+            while True:
+                task = self.coordinator.book.offer(record.client_id)
+                if task is not None and task.header.kind is TaskKind.FIT:
+                    return task.header
+                await asyncio.sleep(0.005)
+
+    async def holder(self, timeout_s: float = 10.0) -> int:
+        """The index of a client that holds a task (waits for one)."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for i, record in enumerate(self.clients):
+                    if self.coordinator.book.busy(record.client_id):
+                        return i
+                await asyncio.sleep(0.005)
+
+    async def push(self, client: int, header: TaskHeader, delta: Weights, num_examples: int,
+                   *, base_round: int | None = None) -> bool | None:
+        """Send ``delta`` as the result of task ``header`` through the servicer's path.
+
+        Returns whether it was a duplicate (None: a fresh result, folded)."""
+        record = self.clients[client]
+        payload = serialize(delta)
+        result = ResultHeader(
+            Session(record.client_id, b"test"), header.task_id, header.round, TaskKind.FIT,
+            num_examples=num_examples,
+            base_round=header.round - 1 if base_round is None else base_round,
+            update=PayloadInfo.describe(delta.specs(), payload))
+        upload = await self.coordinator.accept_result(record, result)
+        if isinstance(upload, bool):
+            return upload
+        for offset, chunk in iter_chunks(payload, 1 << 16):
+            upload.feed(offset, chunk)
+        await upload.finish()
+        return None
+
+    async def answer(self, client: int, num_examples: int) -> Arrival:
+        """``client`` trains its offered task (a seeded delta) and pushes the result."""
+        header = await self.task_of(client)
+        delta = client_delta(client, self.calls[client], self.initial)
+        self.calls[client] += 1
+        await self.push(client, header, delta, num_examples)
+        return Arrival(client, header.round - 1, delta, num_examples)
+
+    async def committed(self, version: int, timeout_s: float = 20.0) -> None:
+        """Wait until round (version) ``version`` is committed."""
+        async with asyncio.timeout(timeout_s):
+            while self.persistence.completed_round < version:
+                await asyncio.sleep(0.005)
+
+
+async def refused(coro: Any) -> MessageRejectedError:
+    """The refusal ``coro`` raises (fails the test when it does not refuse)."""
+    try:
+        await coro
+    except MessageRejectedError as exc:
+        return exc
+    raise AssertionError("the result was accepted; a refusal was expected")
+
+
+def stale(exc: MessageRejectedError) -> bool:
+    return exc.reason is RejectReason.STALE
+
+
+def polynomial(staleness: int, exponent: float = 0.5) -> float:
+    return float((1.0 + staleness) ** -exponent)
+
+
+def fedbuff_reference(initial: Weights, arrivals: Sequence[Arrival], buffer_size: int,
+                      weight: Any = polynomial, momentum: float = 0.0,
+                      server_lr: float = 1.0) -> list[dict[str, np.ndarray]]:
+    """The model versions FedBuff produces from ``arrivals`` in order (float64).
+
+    Version v's step averages the buffer's deltas, each scaled by ``weight`` of its
+    staleness ``(v - 1) - base_version``, weighted by ``num_examples``; with
+    ``momentum`` the step is server momentum (FedAvgM): ``m = momentum * m + mean``,
+    ``w += server_lr * m``.
+    """
+    versions = [{n: np.asarray(a, np.float64) for n, a in initial.items()}]
+    moment = {n: np.zeros_like(a) for n, a in versions[0].items()}
+    buffer: list[Arrival] = []
+    for arrival in arrivals:
+        buffer.append(arrival)
+        if len(buffer) < buffer_size:
+            continue
+        version = len(versions)
+        total = float(sum(a.num_examples for a in buffer))
+        new = {}
+        for name, current in versions[-1].items():
+            mean = sum(a.num_examples * weight(version - 1 - a.base_version)
+                       * np.asarray(a.delta[name], np.float64) for a in buffer) / total
+            moment[name] = momentum * moment[name] + mean
+            # the server keeps float32 weights: round each version as it does
+            new[name] = (current + server_lr * moment[name]).astype(np.float32).astype(np.float64)
+        versions.append(new)
+        buffer = []
+    return versions

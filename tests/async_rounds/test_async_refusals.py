@@ -1,0 +1,182 @@
+"""What asynchronous rounds refuse, and what they keep, with the client as the adversary.
+
+An update older than ``max_staleness``, one that claims a version the task did not
+train (or that does not exist), a result from a client that holds no task, another
+client's task, a task past its deadline: each gets its own clear status and leaves the
+buffer (in memory and on disk) as it was. A retry of an accepted result is answered
+"duplicate" and counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+from async_support import Harness, async_config, client_delta, refused
+
+from fedloom.errors import RejectReason
+from fedloom.messages import TaskHeader
+
+
+def _buffered(harness: Harness) -> int:
+    """Acknowledged updates waiting on disk, as the store records them."""
+    return len(harness.persistence.store.buffered_updates(harness.persistence.run_id))
+
+
+def test_an_update_past_max_staleness_is_refused_and_the_buffer_untouched(
+        tmp_path: Path) -> None:
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", num_rounds=3, concurrency=2,
+                                       buffer_size=1, max_staleness=0), num_clients=2)
+        harness.start()
+        try:
+            slow = await harness.task_of(1)  # trains version 0
+            await harness.answer(0, 10)
+            await harness.committed(1)
+            delta = client_delta(1, 0, harness.initial)
+            exc = await refused(harness.push(1, slow, delta, 10))
+            assert exc.reason is RejectReason.STALE
+            assert "trained on version 0 is 1 versions old" in str(exc)
+            assert "rounds.max_staleness is 0" in str(exc)
+            assert harness.driver.num_accepted == 1
+            assert _buffered(harness) == 0 and harness.driver._open.count == 0
+            # The same result again: the same refusal, still nothing buffered.
+            again = await refused(harness.push(1, slow, delta, 10))
+            assert again.reason is RejectReason.STALE and "max_staleness" in str(again)
+            # The client is free again: its next task trains the current version.
+            fresh = await harness.task_of(1)
+            assert fresh.task_id != slow.task_id and fresh.round == 2
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+def test_an_update_for_a_version_the_task_did_not_train_is_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", buffer_size=2), num_clients=2)
+        harness.start()
+        try:
+            task = await harness.task_of(0)
+            delta = client_delta(0, 0, harness.initial)
+            for claimed in (task.round, task.round + 5):  # versions that do not exist yet
+                exc = await refused(harness.push(0, task, delta, 10, base_round=claimed))
+                assert exc.reason is RejectReason.STALE
+                assert f"update is based on round {claimed}" in str(exc)
+            assert harness.driver.num_accepted == 0 and _buffered(harness) == 0
+            # The task is still open: the honest result is taken.
+            assert await harness.push(0, task, delta, 10) is None
+            assert harness.driver.num_accepted == 1 and _buffered(harness) == 1
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+def test_results_for_tasks_a_client_does_not_hold_are_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", concurrency=1), num_clients=2)
+        harness.start()
+        try:
+            holder = await harness.holder()
+            idle = 1 - holder
+            task = await harness.task_of(holder)
+            delta = client_delta(holder, 0, harness.initial)
+            # Another client's task: forbidden.
+            exc = await refused(harness.push(idle, task, delta, 10))
+            assert exc.reason is RejectReason.FORBIDDEN
+            # A task id nobody was given: not open.
+            made_up = dataclasses.replace(task, task_id="f" * 32)
+            exc = await refused(harness.push(idle, made_up, delta, 10))
+            assert exc.reason is RejectReason.STALE and "is not open" in str(exc)
+            assert harness.driver.num_accepted == 0 and _buffered(harness) == 0
+            assert await harness.push(holder, task, delta, 10) is None
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+def test_a_retried_result_is_a_duplicate_counted_once(tmp_path: Path) -> None:
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", buffer_size=3), num_clients=2)
+        harness.start()
+        try:
+            task = await harness.task_of(0)
+            delta = client_delta(0, 0, harness.initial)
+            assert await harness.push(0, task, delta, 10) is None
+            assert await harness.push(0, task, delta, 10) is True  # lost ack: a retry
+            other = client_delta(0, 1, harness.initial)
+            exc = await refused(harness.push(0, task, other, 10))
+            assert exc.reason is RejectReason.CONFLICT
+            assert harness.driver.num_accepted == 1 and _buffered(harness) == 1
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+def test_a_task_past_its_deadline_frees_its_slot(tmp_path: Path) -> None:
+    async def main() -> None:
+        config = dataclasses.replace(
+            async_config(tmp_path / "s", concurrency=1), round_timeout_s=0.2)
+        harness = Harness(config, num_clients=1)
+        harness.start()
+        try:
+            late = await harness.task_of(0)
+            # The driver checks deadlines while the buffer fills: a new task follows.
+            fresh: TaskHeader | None = None
+            async with asyncio.timeout(5):
+                while fresh is None or fresh.task_id == late.task_id:
+                    fresh = await harness.task_of(0)
+                    await asyncio.sleep(0.05)
+            exc = await refused(harness.push(0, late, client_delta(0, 0, harness.initial), 10))
+            assert exc.reason is RejectReason.STALE and "deadline" in str(exc)
+            assert harness.driver.num_accepted == 0
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_frees_its_slot_for_another(tmp_path: Path) -> None:
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", concurrency=1), num_clients=2)
+        harness.start()
+        try:
+            holder = await harness.holder()
+            other = 1 - holder
+            harness.coordinator.leave(harness.clients[holder], "battery low")
+            task = await harness.task_of(other)
+            assert await harness.push(other, task, client_delta(other, 0, harness.initial),
+                                      10) is None
+            assert harness.driver.num_accepted == 1
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("max_staleness", [1, 3])
+def test_max_staleness_is_the_oldest_version_taken(tmp_path: Path, max_staleness: int) -> None:
+    """Updates exactly ``max_staleness`` versions old are taken; one more is refused."""
+
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", num_rounds=6, concurrency=2,
+                                       buffer_size=1, max_staleness=max_staleness),
+                          num_clients=2)
+        harness.start()
+        try:
+            slow = await harness.task_of(1)  # trains version 0
+            for version in range(1, max_staleness + 2):
+                await harness.answer(0, 10)
+                await harness.committed(version)
+            # The open buffer now updates version max_staleness + 1: too old by one.
+            exc = await refused(harness.push(1, slow, client_delta(1, 0, harness.initial), 10))
+            assert f"is {max_staleness + 1} versions old" in str(exc)
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
