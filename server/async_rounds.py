@@ -36,6 +36,7 @@ from typing import Any
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.server.async_buffer import BufferEntry, DurableBuffer, sync_file
+from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
@@ -191,6 +192,7 @@ class AsyncRounds(RoundDriver):
         except BaseException:
             upload.spool.discard()
             raise
+        crashpoint("async_update_kept")
         task.settle(TaskStatus.ACCEPTED, upload.fingerprint)
         self._running.pop(task.task_id, None)
         self._deadlines.pop(task.task_id, None)

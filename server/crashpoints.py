@@ -24,6 +24,9 @@ POINTS = (
     # Between two stages of a secure-aggregation round (one hit per stage closed). Named
     # here for the recovery tests; the secure round calls it once it is wired in.
     "mid_secure_aggregation",
+    # An asynchronous update is durable (file and row), not yet acknowledged (one hit
+    # per update taken).
+    "async_update_kept",
     "checkpoint_temp_written",  # the temp checkpoint is durable, not yet renamed
     "checkpoint_renamed",  # the checkpoint file is in place, the database not yet updated
     "round_committed",  # the database records the round

@@ -4,20 +4,17 @@
 on an event loop with clients joined through its front door; the test plays the clients:
 it reads each client's offered task and pushes a chosen delta through the same
 `accept_result` -> `Upload` path the gRPC servicer uses, so the order of arrivals is
-exactly the test's. `fedbuff_reference` is an independent numpy statement of FedBuff's
-rule (Nguyen et al., AISTATS 2022) with the strategy's example weights.
+exactly the test's (the numpy reference is `fedbuff.fedbuff_reference`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from fedbuff import Arrival, client_delta, initial_weights
 
 from fedloom import Weights
 from fedloom.config import RoundsConfig, ServerConfig, StrategyConfig
@@ -32,18 +29,6 @@ from fedloom.strategies import build_strategy
 from fedloom.types import TaskKind
 
 
-def initial_weights() -> Weights:
-    rng = np.random.default_rng(7)
-    return Weights({"w": rng.normal(size=(3, 4)).astype(np.float32),
-                    "b": np.zeros(4, np.float32)})
-
-
-def client_delta(seed: int, call: int, like: Weights) -> Weights:
-    """A client's seeded delta for its ``call``-th task."""
-    rng = np.random.default_rng([seed, call])
-    return Weights({n: rng.normal(size=a.shape).astype(a.dtype) for n, a in like.items()})
-
-
 def async_config(state_dir: Path, *, num_rounds: int = 3, strategy: str = "fedavg",
                  strategy_params: dict[str, Any] | None = None, **rounds: Any) -> ServerConfig:
     settings = dict(mode="async", concurrency=3, buffer_size=2, max_staleness=10)
@@ -53,16 +38,6 @@ def async_config(state_dir: Path, *, num_rounds: int = 3, strategy: str = "fedav
         progress=False, insecure=True, keep_checkpoints=50, fraction_evaluate=0.0,
         round_timeout_s=30.0, strategy=StrategyConfig(strategy, strategy_params or {}),
         rounds=RoundsConfig(**settings))
-
-
-@dataclasses.dataclass
-class Arrival:
-    """An update the server accepted: who, on which version, what delta, its weight."""
-
-    client: int
-    base_version: int
-    delta: Weights
-    num_examples: int
 
 
 class Harness:
@@ -168,38 +143,3 @@ async def refused(coro: Any) -> MessageRejectedError:
 
 def stale(exc: MessageRejectedError) -> bool:
     return exc.reason is RejectReason.STALE
-
-
-def polynomial(staleness: int, exponent: float = 0.5) -> float:
-    return float((1.0 + staleness) ** -exponent)
-
-
-def fedbuff_reference(initial: Weights, arrivals: Sequence[Arrival], buffer_size: int,
-                      weight: Any = polynomial, momentum: float = 0.0,
-                      server_lr: float = 1.0) -> list[dict[str, np.ndarray]]:
-    """The model versions FedBuff produces from ``arrivals`` in order (float64).
-
-    Version v's step averages the buffer's deltas, each scaled by ``weight`` of its
-    staleness ``(v - 1) - base_version``, weighted by ``num_examples``; with
-    ``momentum`` the step is server momentum (FedAvgM): ``m = momentum * m + mean``,
-    ``w += server_lr * m``.
-    """
-    versions = [{n: np.asarray(a, np.float64) for n, a in initial.items()}]
-    moment = {n: np.zeros_like(a) for n, a in versions[0].items()}
-    buffer: list[Arrival] = []
-    for arrival in arrivals:
-        buffer.append(arrival)
-        if len(buffer) < buffer_size:
-            continue
-        version = len(versions)
-        total = float(sum(a.num_examples for a in buffer))
-        new = {}
-        for name, current in versions[-1].items():
-            mean = sum(a.num_examples * weight(version - 1 - a.base_version)
-                       * np.asarray(a.delta[name], np.float64) for a in buffer) / total
-            moment[name] = momentum * moment[name] + mean
-            # the server keeps float32 weights: round each version as it does
-            new[name] = (current + server_lr * moment[name]).astype(np.float32).astype(np.float64)
-        versions.append(new)
-        buffer = []
-    return versions

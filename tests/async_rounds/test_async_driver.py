@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from async_support import Arrival, Harness, async_config, fedbuff_reference
+from async_support import Harness, async_config
+from fedbuff import Arrival, fedbuff_reference
 
 from fedloom.server.checkpoint import load_checkpoint
 from fedloom.server.store import RunStore

@@ -14,7 +14,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from async_support import Harness, async_config, client_delta, refused
+from async_support import Harness, async_config, refused
+from fedbuff import client_delta
 
 from fedloom.errors import RejectReason
 from fedloom.messages import TaskHeader

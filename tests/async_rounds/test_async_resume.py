@@ -15,15 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from async_support import (
-    Arrival,
-    Harness,
-    async_config,
-    client_delta,
-    fedbuff_reference,
-    initial_weights,
-    refused,
-)
+from async_support import Harness, async_config, refused
+from fedbuff import Arrival, client_delta, fedbuff_reference, initial_weights
 
 from fedloom.errors import RejectReason
 from fedloom.server.checkpoint import load_checkpoint

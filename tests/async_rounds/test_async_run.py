@@ -7,7 +7,8 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-from async_support import Harness, async_config, client_delta
+from async_support import Harness, async_config
+from fedbuff import client_delta
 
 from fedloom import Weights
 

@@ -31,8 +31,9 @@ MID_RUN = [
 
 def test_every_named_point_is_covered() -> None:
     covered = {parse(spec)[0] for spec, _ in MID_RUN}
-    # mid_secure_aggregation is reached only by secure rounds: test_secure_crash.py
-    assert covered | {"mid_secure_aggregation"} == set(POINTS)
+    # mid_secure_aggregation is reached only by secure rounds (test_secure_crash.py),
+    # async_update_kept only by asynchronous rounds (tests/recovery/test_async_crash.py)
+    assert covered | {"mid_secure_aggregation", "async_update_kept"} == set(POINTS)
 
 
 @pytest.fixture(scope="module")
