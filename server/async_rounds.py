@@ -11,7 +11,8 @@ its staleness weight (`fedloom.strategies.StalenessWeighting`). When the buffer 
 ``buffer_size`` updates the strategy's server optimizer steps, and the round loop
 commits the result as a model version (a round: checkpoint, then SQLite). Updates that
 arrive meanwhile fill the next buffer, and whoever returned a task is free for the next
-one at once (the idle clients are sampled, seeded, when fewer than ``concurrency`` train).
+one, on the newest model (while a step is being taken, new tasks wait for the model it
+produces; the idle clients are sampled, seeded, when fewer than ``concurrency`` train).
 
 Staleness is counted in versions: an update trained on version ``tau`` that joins the
 buffer of version ``v`` (applied to version ``v - 1``) has staleness ``v - 1 - tau``;
@@ -144,6 +145,10 @@ class AsyncRounds(RoundDriver):
         return FitOutcome(result, num_sampled=buffer.count + buffer.num_failures,
                           num_updates=buffer.count, num_failures=buffer.num_failures)
 
+    def model_ready(self, server_round: int) -> None:
+        """Round ``server_round``'s model is installed: the free clients train it."""
+        self._top_up()
+
     def committed(self, server_round: int) -> None:
         """Version ``server_round`` is durable: forget its updates, close its tasks."""
         buffer = self._buffers.pop(server_round, None)
@@ -160,7 +165,8 @@ class AsyncRounds(RoundDriver):
         self.done = True
         for task in list(self._running.values()):
             self.end(task, "the run has finished")
-        self.parts.book.close(self._ended)
+        closing = self._ended + [t for b in self._buffers.values() for t in b.tasks]
+        self.parts.book.close(closing)
         self._ended = []
         for buffer in self._buffers.values():
             end_stream(buffer.updates, "the run has finished")
@@ -233,8 +239,17 @@ class AsyncRounds(RoundDriver):
         buffer.full.set()
         if buffer.version >= self.last_version:
             self.done = True  # the last step has its updates: no more tasks
-        else:
-            self._open = self._buffer(buffer.version + 1)
+            return
+        self._open = self._buffer(buffer.version + 1)
+        # Tasks that can no longer be taken end now: their slots go to fresh work, and
+        # the model versions they hold in memory are let go (at most max_staleness + 2
+        # versions are ever held for tasks in flight).
+        for task in list(self._running.values()):
+            if not task.in_flight and self._open.staleness(
+                    task.header.round - 1) > self.settings.max_staleness:
+                self.end(task, f"its model (version {task.header.round - 1}) became more "
+                               f"than rounds.max_staleness = {self.settings.max_staleness} "
+                               "versions old before it answered")
 
     def _check_open(self, task: Task) -> None:
         if task.status is not TaskStatus.PENDING or self.done:
@@ -272,8 +287,8 @@ class AsyncRounds(RoundDriver):
 
     def _top_up(self) -> None:
         """Issue fit tasks to idle clients until ``concurrency`` are training."""
-        if self.done:
-            return
+        if self.done or self._open.version - 1 > self.parts.model.version:
+            return  # a step is pending: new tasks wait for the model it produces
         need = self.settings.concurrency - len(self._running)
         if need <= 0:
             return

@@ -71,6 +71,11 @@ class RoundDriver(abc.ABC):
             PrivacyBudgetExhausted: before any task goes out (the run ends cleanly).
         """
 
+    def model_ready(self, server_round: int) -> None:
+        """Round ``server_round``'s model is installed (or, after a failed round, the
+        previous one stands for it): the model new tasks train from now on."""
+        return None  # a driver that issues tasks between rounds (async rounds) overrides it
+
     def committed(self, server_round: int) -> None:
         """Round ``server_round`` is durable (checkpoint and SQLite)."""
         return None  # a driver that keeps state across rounds (async rounds) overrides it

@@ -87,6 +87,7 @@ class RoundLoop:
             sections["reason"] = result.reason
         if result is not None and result.weights is not None:
             parts.model.install(result.weights, server_round)
+            self.driver.model_ready(server_round)
             sections["fit"] = dict(result.metrics)
             last = parts.config.rounds.last_round(parts.config.num_rounds)
             if parts.config.rounds.evaluates(server_round, last):
@@ -95,6 +96,7 @@ class RoundLoop:
                                                            server_round, parts.model.weights)
         else:
             parts.model.version = server_round  # the same weights, committed as this round
+            self.driver.model_ready(server_round)
         record = RoundRecord(
             server_round, "ok" if sections.get("fit") is not None else "failed",
             num_sampled=outcome.num_sampled, num_updates=outcome.num_updates,

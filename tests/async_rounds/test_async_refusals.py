@@ -18,7 +18,9 @@ from async_support import Harness, async_config, refused
 from fedbuff import client_delta
 
 from fedloom.errors import RejectReason
-from fedloom.messages import TaskHeader
+from fedloom.messages import ResultHeader, Session, TaskHeader
+from fedloom.payload import PayloadInfo, iter_chunks, serialize
+from fedloom.types import TaskKind
 
 
 def _buffered(harness: Harness) -> int:
@@ -39,8 +41,8 @@ def test_an_update_past_max_staleness_is_refused_and_the_buffer_untouched(
             delta = client_delta(1, 0, harness.initial)
             exc = await refused(harness.push(1, slow, delta, 10))
             assert exc.reason is RejectReason.STALE
-            assert "trained on version 0 is 1 versions old" in str(exc)
-            assert "rounds.max_staleness is 0" in str(exc)
+            # Ended when the step made it too old to take: its slot went to fresh work.
+            assert "(version 0) became more than rounds.max_staleness = 0" in str(exc)
             assert harness.driver.num_accepted == 1
             assert _buffered(harness) == 0 and harness.driver._open.count == 0
             # The same result again: the same refusal, still nothing buffered.
@@ -161,9 +163,7 @@ def test_a_client_that_leaves_frees_its_slot_for_another(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("max_staleness", [1, 3])
-def test_max_staleness_is_the_oldest_version_taken(tmp_path: Path, max_staleness: int) -> None:
-    """Updates exactly ``max_staleness`` versions old are taken; one more is refused."""
-
+def test_an_update_exactly_max_staleness_old_is_taken(tmp_path: Path, max_staleness: int) -> None:
     async def main() -> None:
         harness = Harness(async_config(tmp_path / "s", num_rounds=6, concurrency=2,
                                        buffer_size=1, max_staleness=max_staleness),
@@ -171,12 +171,49 @@ def test_max_staleness_is_the_oldest_version_taken(tmp_path: Path, max_staleness
         harness.start()
         try:
             slow = await harness.task_of(1)  # trains version 0
-            for version in range(1, max_staleness + 2):
+            for version in range(1, max_staleness + 1):
                 await harness.answer(0, 10)
                 await harness.committed(version)
-            # The open buffer now updates version max_staleness + 1: too old by one.
-            exc = await refused(harness.push(1, slow, client_delta(1, 0, harness.initial), 10))
-            assert f"is {max_staleness + 1} versions old" in str(exc)
+            # The open buffer updates version max_staleness: the slow update is that old.
+            assert await harness.push(1, slow, client_delta(1, 0, harness.initial), 10) is None
+            await harness.committed(max_staleness + 1)
+            record = harness.coordinator.history[-1]
+            assert record.fit["staleness"] == max_staleness
+        finally:
+            await harness.stop()
+
+    asyncio.run(main())
+
+
+def test_an_upload_that_grows_too_stale_while_it_arrives_is_refused(tmp_path: Path) -> None:
+    """The check is made again when the upload is whole: steps may pass meanwhile."""
+
+    async def main() -> None:
+        harness = Harness(async_config(tmp_path / "s", num_rounds=4, concurrency=2,
+                                       buffer_size=1, max_staleness=1), num_clients=2)
+        harness.start()
+        try:
+            slow = await harness.task_of(1)
+            delta = client_delta(1, 0, harness.initial)
+            payload = serialize(delta)
+            header = ResultHeader(
+                Session(harness.clients[1].client_id, b"t"), slow.task_id, slow.round,
+                TaskKind.FIT, num_examples=10, base_round=slow.round - 1,
+                update=PayloadInfo.describe(delta.specs(), payload))
+            upload = await harness.coordinator.accept_result(harness.clients[1], header)
+            assert not isinstance(upload, bool)
+            upload.feed(0, bytes(payload[:16]))  # the upload is under way
+            for version in (1, 2):  # two steps pass while it arrives
+                await harness.answer(0, 10)
+                await harness.committed(version)
+            for offset, chunk in iter_chunks(payload[16:], 1 << 16):
+                upload.feed(16 + offset, chunk)
+            exc = await refused(upload.finish())
+            assert exc.reason is RejectReason.STALE
+            assert "trained on version 0 is 2 versions old" in str(exc)
+            assert "rounds.max_staleness is 1" in str(exc)
+            assert harness.driver.num_accepted == 2 and _buffered(harness) == 0
+            assert not list((tmp_path / "s" / "spool").rglob("upload-*.bin"))  # discarded
         finally:
             await harness.stop()
 
