@@ -48,16 +48,22 @@ def polynomial(staleness: int, exponent: float = 0.5) -> float:
 
 def fedbuff_reference(initial: Weights, arrivals: Sequence[Arrival], buffer_size: int,
                       weight: Any = polynomial, momentum: float = 0.0,
-                      server_lr: float = 1.0) -> list[dict[str, np.ndarray]]:
+                      server_lr: float = 1.0,
+                      adam: tuple[float, float, float, float] | None = None,
+                      ) -> list[dict[str, np.ndarray]]:
     """The model versions FedBuff produces from ``arrivals`` in order (float64).
 
     Version v's step averages the buffer's deltas, each scaled by ``weight`` of its
-    staleness ``(v - 1) - base_version``, weighted by ``num_examples``; with
-    ``momentum`` the step is server momentum (FedAvgM): ``m = momentum * m + mean``,
-    ``w += server_lr * m``.
+    staleness ``(v - 1) - base_version``, weighted by ``num_examples``, then steps the
+    server optimizer with that mean: SGD (``w += server_lr * mean``); with ``momentum``
+    FedAvgM (``m = momentum * m + mean``, ``w += server_lr * m``); with ``adam`` =
+    (eta, beta_1, beta_2, tau) FedAdam without bias correction (Reddi et al.:
+    ``m = b1 m + (1 - b1) mean``, ``v = b2 v + (1 - b2) mean**2``,
+    ``w += eta m / (sqrt(v) + tau)``). Moments carry from version to version.
     """
     versions = [{n: np.asarray(a, np.float64) for n, a in initial.items()}]
-    moment = {n: np.zeros_like(a) for n, a in versions[0].items()}
+    first = {n: np.zeros_like(a) for n, a in versions[0].items()}
+    second = {n: np.zeros_like(a) for n, a in versions[0].items()}
     buffer: list[Arrival] = []
     for arrival in arrivals:
         buffer.append(arrival)
@@ -69,9 +75,16 @@ def fedbuff_reference(initial: Weights, arrivals: Sequence[Arrival], buffer_size
         for name, current in versions[-1].items():
             mean = sum(a.num_examples * weight(version - 1 - a.base_version)
                        * np.asarray(a.delta[name], np.float64) for a in buffer) / total
-            moment[name] = momentum * moment[name] + mean
+            if adam is not None:
+                eta, beta_1, beta_2, tau = adam
+                first[name] = beta_1 * first[name] + (1 - beta_1) * mean
+                second[name] = beta_2 * second[name] + (1 - beta_2) * mean**2
+                step = eta * first[name] / (np.sqrt(second[name]) + tau)
+            else:
+                first[name] = momentum * first[name] + mean
+                step = server_lr * first[name]
             # the server keeps float32 weights: round each version as it does
-            new[name] = (current + server_lr * moment[name]).astype(np.float32).astype(np.float64)
+            new[name] = (current + step).astype(np.float32).astype(np.float64)
         versions.append(new)
         buffer = []
     return versions

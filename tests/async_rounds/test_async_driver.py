@@ -35,13 +35,16 @@ def _checkpoint(harness: Harness, version: int) -> dict[str, np.ndarray]:
 ORDER = [(0, 10), (1, 30), (2, 20), (0, 10), (1, 30), (2, 20), (2, 20), (0, 10)]
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedavgm"])
+PARAMS = {"fedavg": {}, "fedavgm": {"server_momentum": 0.9},
+          "fedadam": {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}}
+
+
+@pytest.mark.parametrize("strategy", sorted(PARAMS))
 def test_versions_equal_numpy_fedbuff_over_scripted_arrivals(tmp_path: Path,
                                                               strategy: str) -> None:
     async def main() -> tuple[Harness, list[Arrival]]:
-        params = {"server_momentum": 0.9} if strategy == "fedavgm" else {}
         harness = Harness(async_config(tmp_path / "state", num_rounds=4, strategy=strategy,
-                                       strategy_params=params))
+                                       strategy_params=PARAMS[strategy]))
         harness.start()
         arrivals: list[Arrival] = []
         try:
@@ -60,8 +63,11 @@ def test_versions_equal_numpy_fedbuff_over_scripted_arrivals(tmp_path: Path,
     # 0, and later ones fell behind the steps taken meanwhile (staleness happened).
     assert [a.base_version for a in arrivals[:3]] == [0, 0, 0]
     assert sum(1 for i, a in enumerate(arrivals) if i // 2 > a.base_version) >= 3
-    momentum = 0.9 if strategy == "fedavgm" else 0.0
-    want = fedbuff_reference(harness.initial, arrivals, buffer_size=2, momentum=momentum)
+    params = PARAMS[strategy]
+    adam = ((params["eta"], params["beta_1"], params["beta_2"], params["tau"])
+            if strategy == "fedadam" else None)
+    want = fedbuff_reference(harness.initial, arrivals, buffer_size=2,
+                             momentum=params.get("server_momentum", 0.0), adam=adam)
     history = harness.coordinator.history
     assert [r.num_updates for r in history] == [2, 2, 2, 2]
     for version in range(1, 5):

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 from async_support import Harness, async_config
 from fedbuff import client_delta
 
@@ -113,3 +114,28 @@ def test_federated_evaluation_asks_only_clients_that_are_not_training(tmp_path: 
             await harness.stop()
 
     asyncio.run(main())
+
+
+def test_a_norm_bound_clips_each_buffered_update(tmp_path: Path) -> None:
+    async def main() -> Harness:
+        harness = Harness(async_config(tmp_path / "s", num_rounds=1, buffer_size=2,
+                                       strategy_params={"max_update_norm": 1.0}))
+        harness.start()
+        try:
+            for client in (0, 1):
+                task = await harness.task_of(client)
+                huge = Weights({n: np.full(a.shape, 50.0 * (client + 1), a.dtype)
+                                for n, a in harness.initial.items()})
+                await harness.push(client, task, huge, 10)
+            assert harness.run_task is not None
+            await asyncio.wait_for(harness.run_task, 20)
+        finally:
+            await harness.stop()
+        return harness
+
+    harness = asyncio.run(main())
+    got = harness.coordinator.global_weights
+    step = np.sqrt(sum(float(np.sum((got[n].astype(np.float64) - a) ** 2))
+                       for n, a in harness.initial.items()))
+    assert step == pytest.approx(1.0, rel=1e-5)  # both clipped to 1, same direction
+    assert harness.coordinator.history[-1].fit["num_clipped"] == 2
