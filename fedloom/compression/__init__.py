@@ -11,7 +11,8 @@ codec      what is sent                                 bytes per float32      u
 =========  ===========================================  =====================  =========
 
 Each codec turns a tensor into fixed-layout parts (`Codec`, `encode`, `decode`,
-`encoded_layout`), so an encoded update is an ordinary `Weights`. `ErrorFeedback`
+`encoded_layout`), so an encoded update is an ordinary `Weights`; `DecodedWeights`
+decodes one tensor per access, so a receiver never holds a whole decoded update. `ErrorFeedback`
 carries what a lossy codec drops into the next update (for top-k). `make_codec` builds
 one by name::
 
@@ -27,6 +28,7 @@ from typing import Any
 from fedloom.compression._base import (
     Codec,
     CompressionError,
+    DecodedWeights,
     decode,
     encode,
     encoded_bytes,
@@ -73,6 +75,7 @@ __all__ = [
     "Bf16Codec",
     "Codec",
     "CompressionError",
+    "DecodedWeights",
     "ErrorFeedback",
     "Fp16Codec",
     "QuantizeCodec",

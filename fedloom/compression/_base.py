@@ -15,7 +15,7 @@ rather than producing a tensor.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -130,3 +130,40 @@ def _part(encoded: Mapping[str, np.ndarray], spec: TensorSpec) -> np.ndarray:
             f"part {spec.name!r} is {array.dtype}{list(array.shape)}, expected "
             f"{spec.dtype}{list(spec.shape)}")
     return array.reshape(-1)
+
+
+class DecodedWeights(Weights):
+    """Read-only `Weights` over an encoded payload that decodes one tensor per access.
+
+    What a receiver folds: an aggregator that reads an update tensor by tensor holds one
+    decoded tensor at a time, never a whole decoded update. Each access decodes (and
+    checks) again; nothing is cached.
+    """
+
+    __slots__ = ("_codec", "_encoded", "_specs")
+
+    def __init__(self, codec: Codec, specs: Sequence[TensorSpec],
+                 encoded: Mapping[str, np.ndarray]) -> None:
+        super().__init__()
+        self._codec = codec
+        self._specs = {spec.name: spec for spec in specs}
+        self._encoded = encoded
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        spec = self._specs[name]
+        if self._codec.applies(spec):
+            parts = [_part(self._encoded, p) for p in self._codec.part_specs(spec)]
+            array = self._codec.decode_tensor(parts, spec).reshape(spec.shape)
+        else:  # a view of the payload's own tensor
+            array = _part(self._encoded, spec).reshape(spec.shape)
+        array.flags.writeable = False
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return tuple(self._specs.values())

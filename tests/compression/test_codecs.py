@@ -204,3 +204,25 @@ def test_a_name_that_clashes_with_a_part_is_refused() -> None:
     weights = Weights({"w": np.ones(4, np.float32), "w|f16": np.ones(4, np.float16)})
     with pytest.raises(CompressionError, match=r"names 'w\|f16' twice"):
         encoded_layout(make_codec("fp16"), weights.specs())
+
+
+def test_decoded_weights_decode_each_tensor_on_access() -> None:
+    from fedloom.compression import DecodedWeights
+
+    weights = Weights({"a": np.linspace(-1, 1, 30, dtype=np.float32).reshape(5, 6),
+                       "b": np.arange(4, dtype=np.int32),
+                       "c": np.full(7, 0.25, np.float32)})
+    codec = make_codec("q8", block=4)
+    encoded = encode(codec, weights, np.random.default_rng(3))
+    lazy = DecodedWeights(codec, weights.specs(), encoded)
+    eager = decode(codec, weights.specs(), encoded)
+    assert list(lazy) == ["a", "b", "c"] and lazy.specs() == weights.specs()
+    for name in weights:
+        np.testing.assert_array_equal(lazy[name], eager[name])
+        assert not lazy[name].flags.writeable
+    broken = {n: np.array(a) for n, a in encoded.items()}
+    broken["c|scale"] = -broken["c|scale"] - 1
+    lazy = DecodedWeights(codec, weights.specs(), broken)
+    np.testing.assert_array_equal(lazy["a"], eager["a"])  # each tensor checked on its own
+    with pytest.raises(CompressionError, match="finite and >= 0"):
+        lazy["c"]
