@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from fedloom.payload import PayloadInfo
+from fedloom.server.checkpoint import fsync_dir
 from fedloom.server.store import BufferedRow, RunStore
 from fedloom.server.uploads import SpooledWeights
 from fedloom.types import ClientUpdate, Metrics
@@ -38,13 +39,9 @@ class BufferEntry:
                             self.row.base_round, self.row.metrics)
 
 
-def sync_file(path: Path) -> None:
-    """Flush ``path``'s bytes to disk (blocking: run it off the event loop)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+#: Flush a file's bytes to disk (blocking: run it off the event loop); fsync works on a
+#: file's descriptor as on a folder's.
+sync_file = fsync_dir
 
 
 def _file_problem(path: Path, sha256: str) -> str:
@@ -77,7 +74,7 @@ class DurableBuffer:
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.folder / f"v{version:06d}-{spool_path.name}"
         os.replace(spool_path, target)
-        _sync_folder(self.folder)
+        fsync_dir(self.folder)
         row = BufferedRow(version, client_id, base_round, num_examples, dict(metrics),
                           str(target.relative_to(self.state_dir)), info.sha256.hex())
         try:
@@ -125,11 +122,3 @@ class DurableBuffer:
                 continue
             if through_version is None or version <= through_version:
                 path.unlink(missing_ok=True)
-
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

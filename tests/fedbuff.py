@@ -9,9 +9,10 @@ server is the test's script.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,30 @@ class GatedClient(Client):
     def evaluate(self, weights, config):  # type: ignore[no-untyped-def]
         return EvaluateOutput(0.0, self.num_examples, {})
 
+    def release_all(self) -> None:
+        """Let every fit still waiting (or about to) return: the end of a test."""
+        for _ in range(3):
+            self.gate.release()
+
     def arrival(self, call: int, index: int) -> Arrival:
         server_round, received, new = self.calls[call]
         delta = Weights({n: new[n].astype(np.float64) - received[n] for n in new})
         return Arrival(index, server_round - 1, delta, self.num_examples)
+
+
+@contextlib.contextmanager
+def gated_clients(address: str, clients: Sequence[GatedClient]) -> Iterator[None]:
+    """Run ``clients`` (SDK client loops in threads) against ``address``; on the way out
+    stop them and release whatever fit they wait in."""
+    from helpers import run_clients
+
+    stop = threading.Event()
+    threads = run_clients(address, list(clients), stop=stop)
+    try:
+        yield
+    finally:
+        stop.set()
+        for client in clients:
+            client.release_all()
+        for t in threads:
+            t.join(10)

@@ -67,6 +67,13 @@ class Harness:
         assert isinstance(driver, AsyncRounds)
         return driver
 
+    async def __aenter__(self) -> Harness:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     def start(self) -> None:
         self.run_task = asyncio.get_running_loop().create_task(self.coordinator.run())
 

@@ -8,14 +8,12 @@ tests/recovery/test_async_crash.py).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from fedbuff import Arrival, GatedClient, fedbuff_reference, initial_weights
-from helpers import run_clients
+from fedbuff import Arrival, GatedClient, fedbuff_reference, gated_clients, initial_weights
 
 from fedloom import Weights
 from fedloom.config import RoundsConfig
@@ -57,13 +55,11 @@ def test_real_clients_over_grpc_give_numpy_fedbuff_versions(server_config) -> No
         rounds=RoundsConfig(mode="async", concurrency=3, buffer_size=2, max_staleness=10))
     handle = Server(config, initial_weights=initial_weights()).start()
     clients = [GatedClient(seed=i, num_examples=10 * (i + 1)) for i in range(3)]
-    stop = threading.Event()
-    threads = run_clients(handle.address, clients, stop=stop)
     coordinator = handle.server.coordinator
     assert coordinator is not None
     arrivals: list[Arrival] = []
     answered = [0, 0, 0]
-    try:
+    with gated_clients(handle.address, clients):
         for i, index in enumerate([0, 1, 2, 0, 2, 1]):
             client = clients[index]
             assert client.waiting.acquire(timeout=20), f"client {index} got no task"
@@ -77,13 +73,6 @@ def test_real_clients_over_grpc_give_numpy_fedbuff_versions(server_config) -> No
                 _until(lambda v=version: coordinator.persistence.completed_round >= v,  # type: ignore[misc]
                        f"version {version}")
         history = handle.wait(30)
-    finally:
-        stop.set()
-        for client in clients:
-            for _ in range(3):
-                client.gate.release()
-        for t in threads:
-            t.join(10)
     assert [r.num_updates for r in history] == [2, 2, 2]
     want = fedbuff_reference(initial_weights(), arrivals, buffer_size=2)
     # Every task carried the version it claimed: what a client received is that version.

@@ -31,10 +31,8 @@ def _buffered(harness: Harness) -> int:
 def test_an_update_past_max_staleness_is_refused_and_the_buffer_untouched(
         tmp_path: Path) -> None:
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", num_rounds=3, concurrency=2,
-                                       buffer_size=1, max_staleness=0), num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", num_rounds=3, concurrency=2,
+                           buffer_size=1, max_staleness=0), num_clients=2) as harness:
             slow = await harness.task_of(1)  # trains version 0
             await harness.answer(0, 10)
             await harness.committed(1)
@@ -51,17 +49,13 @@ def test_an_update_past_max_staleness_is_refused_and_the_buffer_untouched(
             # The client is free again: its next task trains the current version.
             fresh = await harness.task_of(1)
             assert fresh.task_id != slow.task_id and fresh.round == 2
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
 
 def test_an_update_for_a_version_the_task_did_not_train_is_refused(tmp_path: Path) -> None:
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", buffer_size=2), num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", buffer_size=2), num_clients=2) as harness:
             task = await harness.task_of(0)
             delta = client_delta(0, 0, harness.initial)
             for claimed in (task.round, task.round + 5):  # versions that do not exist yet
@@ -72,17 +66,13 @@ def test_an_update_for_a_version_the_task_did_not_train_is_refused(tmp_path: Pat
             # The task is still open: the honest result is taken.
             assert await harness.push(0, task, delta, 10) is None
             assert harness.driver.num_accepted == 1 and _buffered(harness) == 1
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
 
 def test_results_for_tasks_a_client_does_not_hold_are_refused(tmp_path: Path) -> None:
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", concurrency=1), num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", concurrency=1), num_clients=2) as harness:
             holder = await harness.holder()
             idle = 1 - holder
             task = await harness.task_of(holder)
@@ -96,17 +86,13 @@ def test_results_for_tasks_a_client_does_not_hold_are_refused(tmp_path: Path) ->
             assert exc.reason is RejectReason.STALE and "is not open" in str(exc)
             assert harness.driver.num_accepted == 0 and _buffered(harness) == 0
             assert await harness.push(holder, task, delta, 10) is None
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
 
 def test_a_retried_result_is_a_duplicate_counted_once(tmp_path: Path) -> None:
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", buffer_size=3), num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", buffer_size=3), num_clients=2) as harness:
             task = await harness.task_of(0)
             delta = client_delta(0, 0, harness.initial)
             assert await harness.push(0, task, delta, 10) is None
@@ -115,8 +101,6 @@ def test_a_retried_result_is_a_duplicate_counted_once(tmp_path: Path) -> None:
             exc = await refused(harness.push(0, task, other, 10))
             assert exc.reason is RejectReason.CONFLICT
             assert harness.driver.num_accepted == 1 and _buffered(harness) == 1
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
@@ -125,9 +109,7 @@ def test_a_task_past_its_deadline_frees_its_slot(tmp_path: Path) -> None:
     async def main() -> None:
         config = dataclasses.replace(
             async_config(tmp_path / "s", concurrency=1), round_timeout_s=0.2)
-        harness = Harness(config, num_clients=1)
-        harness.start()
-        try:
+        async with Harness(config, num_clients=1) as harness:
             late = await harness.task_of(0)
             # The driver checks deadlines while the buffer fills: a new task follows.
             fresh: TaskHeader | None = None
@@ -138,17 +120,13 @@ def test_a_task_past_its_deadline_frees_its_slot(tmp_path: Path) -> None:
             exc = await refused(harness.push(0, late, client_delta(0, 0, harness.initial), 10))
             assert exc.reason is RejectReason.STALE and "deadline" in str(exc)
             assert harness.driver.num_accepted == 0
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
 
 def test_a_client_that_leaves_frees_its_slot_for_another(tmp_path: Path) -> None:
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", concurrency=1), num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", concurrency=1), num_clients=2) as harness:
             holder = await harness.holder()
             other = 1 - holder
             harness.coordinator.leave(harness.clients[holder], "battery low")
@@ -156,8 +134,6 @@ def test_a_client_that_leaves_frees_its_slot_for_another(tmp_path: Path) -> None
             assert await harness.push(other, task, client_delta(other, 0, harness.initial),
                                       10) is None
             assert harness.driver.num_accepted == 1
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
@@ -165,11 +141,9 @@ def test_a_client_that_leaves_frees_its_slot_for_another(tmp_path: Path) -> None
 @pytest.mark.parametrize("max_staleness", [1, 3])
 def test_an_update_exactly_max_staleness_old_is_taken(tmp_path: Path, max_staleness: int) -> None:
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", num_rounds=6, concurrency=2,
-                                       buffer_size=1, max_staleness=max_staleness),
-                          num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", num_rounds=6, concurrency=2,
+                           buffer_size=1, max_staleness=max_staleness),
+                           num_clients=2) as harness:
             slow = await harness.task_of(1)  # trains version 0
             for version in range(1, max_staleness + 1):
                 await harness.answer(0, 10)
@@ -179,8 +153,6 @@ def test_an_update_exactly_max_staleness_old_is_taken(tmp_path: Path, max_stalen
             await harness.committed(max_staleness + 1)
             record = harness.coordinator.history[-1]
             assert record.fit["staleness"] == max_staleness
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
@@ -189,10 +161,8 @@ def test_an_upload_that_grows_too_stale_while_it_arrives_is_refused(tmp_path: Pa
     """The check is made again when the upload is whole: steps may pass meanwhile."""
 
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", num_rounds=4, concurrency=2,
-                                       buffer_size=1, max_staleness=1), num_clients=2)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", num_rounds=4, concurrency=2,
+                           buffer_size=1, max_staleness=1), num_clients=2) as harness:
             slow = await harness.task_of(1)
             delta = client_delta(1, 0, harness.initial)
             payload = serialize(delta)
@@ -214,7 +184,5 @@ def test_an_upload_that_grows_too_stale_while_it_arrives_is_refused(tmp_path: Pa
             assert "rounds.max_staleness is 1" in str(exc)
             assert harness.driver.num_accepted == 2 and _buffered(harness) == 0
             assert not list((tmp_path / "s" / "spool").rglob("upload-*.bin"))  # discarded
-        finally:
-            await harness.stop()
 
     asyncio.run(main())

@@ -52,9 +52,7 @@ def test_acknowledged_updates_survive_a_restart_mid_buffer(tmp_path: Path) -> No
     arrivals, old_task = asyncio.run(before())
 
     async def after() -> list[Arrival]:
-        harness = Harness(config)  # resume = true: the same run
-        harness.start()
-        try:
+        async with Harness(config) as harness:  # resume = true: the same run
             assert harness.driver._open.count == 2  # both acknowledged updates are back
             # The task from before the restart is unknown to this server: refused.
             exc = await refused(harness.push(2, old_task, client_delta(2, 0, harness.initial),
@@ -68,8 +66,6 @@ def test_acknowledged_updates_survive_a_restart_mid_buffer(tmp_path: Path) -> No
             await asyncio.wait_for(harness.run_task, 20)
             history = harness.coordinator.history
             assert [r.num_updates for r in history] == [3, 3]
-        finally:
-            await harness.stop()
         return more
 
     arrivals += asyncio.run(after())
@@ -93,13 +89,9 @@ def test_a_buffered_update_that_fails_its_digest_is_dropped_with_an_error(
     config = async_config(state, num_rounds=1, buffer_size=3)
 
     async def before() -> None:
-        harness = Harness(config)
-        harness.start()
-        try:
+        async with Harness(config) as harness:
             await harness.answer(0, 10)
             await harness.answer(1, 30)
-        finally:
-            await harness.stop()
 
     asyncio.run(before())
     files = sorted((state / "buffer").rglob("*.bin"))

@@ -16,18 +16,14 @@ from fedloom import Weights
 
 def test_total_updates_ends_the_run_at_the_step_that_reaches_it(tmp_path: Path) -> None:
     async def main() -> Harness:
-        harness = Harness(async_config(tmp_path / "s", num_rounds=50, buffer_size=2,
-                                       total_updates=5))
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", num_rounds=50, buffer_size=2,
+                           total_updates=5)) as harness:
             for i in range(6):
                 await harness.answer(i % 3, 10)
                 if i % 2 == 1:
                     await harness.committed((i + 1) // 2)
             assert harness.run_task is not None
             await asyncio.wait_for(harness.run_task, 20)
-        finally:
-            await harness.stop()
         return harness
 
     harness = asyncio.run(main())
@@ -47,17 +43,13 @@ def test_server_evaluation_every_n_versions_and_the_last(tmp_path: Path) -> None
         return float(version), {}
 
     async def main() -> None:
-        harness = Harness(async_config(tmp_path / "s", num_rounds=5, buffer_size=1,
-                                       evaluate_every=2), evaluate_fn=evaluate_fn)
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", num_rounds=5, buffer_size=1,
+                           evaluate_every=2), evaluate_fn=evaluate_fn) as harness:
             for version in range(1, 6):
                 await harness.answer(version % 3, 10)
                 await harness.committed(version)
             assert harness.run_task is not None
             await asyncio.wait_for(harness.run_task, 20)
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
     assert seen == [0, 2, 4, 5]
@@ -94,9 +86,7 @@ def test_federated_evaluation_asks_only_clients_that_are_not_training(tmp_path: 
         config = dataclasses.replace(
             async_config(tmp_path / "s", num_rounds=2, concurrency=1, buffer_size=1),
             fraction_evaluate=1.0, evaluate_timeout_s=30.0)
-        harness = Harness(config, num_clients=2)
-        harness.start()
-        try:
+        async with Harness(config, num_clients=2) as harness:
             holder = await harness.holder()
             task = await harness.task_of(holder)
             await harness.push(holder, task, client_delta(holder, 0, harness.initial), 10)
@@ -110,18 +100,14 @@ def test_federated_evaluation_asks_only_clients_that_are_not_training(tmp_path: 
                     if kinds == ["evaluate", "fit"]:
                         break
                     await asyncio.sleep(0.005)
-        finally:
-            await harness.stop()
 
     asyncio.run(main())
 
 
 def test_a_norm_bound_clips_each_buffered_update(tmp_path: Path) -> None:
     async def main() -> Harness:
-        harness = Harness(async_config(tmp_path / "s", num_rounds=1, buffer_size=2,
-                                       strategy_params={"max_update_norm": 1.0}))
-        harness.start()
-        try:
+        async with Harness(async_config(tmp_path / "s", num_rounds=1, buffer_size=2,
+                           strategy_params={"max_update_norm": 1.0})) as harness:
             for client in (0, 1):
                 task = await harness.task_of(client)
                 huge = Weights({n: np.full(a.shape, 50.0 * (client + 1), a.dtype)
@@ -129,8 +115,6 @@ def test_a_norm_bound_clips_each_buffered_update(tmp_path: Path) -> None:
                 await harness.push(client, task, huge, 10)
             assert harness.run_task is not None
             await asyncio.wait_for(harness.run_task, 20)
-        finally:
-            await harness.stop()
         return harness
 
     harness = asyncio.run(main())

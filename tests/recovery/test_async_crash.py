@@ -5,12 +5,10 @@ nothing is counted twice."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
-from fedbuff import GatedClient, fedbuff_reference, initial_weights
-from helpers import run_clients
+from fedbuff import GatedClient, fedbuff_reference, gated_clients, initial_weights
 from recovery_support import CRASH_EXIT, ServerProcess, free_port, run_settings
 
 from fedloom.server import save_weights
@@ -29,9 +27,7 @@ def test_killed_after_keeping_an_update_the_restarted_server_steps_with_it(
     server = ServerProcess(tmp_path, settings)
     save_weights(server.weights_path, initial_weights())
     clients = [GatedClient(seed=i, num_examples=10 * (i + 1)) for i in range(3)]
-    stop = threading.Event()
-    threads = run_clients(f"127.0.0.1:{port}", clients, stop=stop)
-    try:
+    with gated_clients(f"127.0.0.1:{port}", clients):
         proc = server.start("async_update_kept:2")
         for client in clients:  # all three train version 0
             assert client.waiting.acquire(timeout=30), server.log_tail()
@@ -48,13 +44,6 @@ def test_killed_after_keeping_an_update_the_restarted_server_steps_with_it(
         assert clients[2].waiting.acquire(timeout=30), server.log_tail()
         clients[2].gate.release()
         assert server.wait(proc, 30) == 0, server.log_tail()
-    finally:
-        stop.set()
-        for client in clients:
-            for _ in range(3):
-                client.gate.release()
-        for t in threads:
-            t.join(10)
     assert "recovered 2 acknowledged updates" in server.log_path.read_text()
     arrivals = [clients[0].arrival(0, 0), clients[1].arrival(0, 1), clients[2].arrival(1, 2)]
     assert all(a.base_version == 0 for a in arrivals)
