@@ -5,6 +5,8 @@
 - models (torch): `make_mlp`, `make_torch_client`;
 - runs: a `Scenario` (TOML: `load_scenario`) run by `run_scenario` on the local engine
   (`run_local`: one process) or Flower's (`run_flower`: Ray), giving a `History`;
+- time: client speeds (`SpeedModel`) on a virtual clock (`SyncClock` for synchronous
+  rounds), and buffered asynchronous aggregation, FedBuff (`run_local_async`);
 - bridges (flwr): `FlowerStrategy` puts a fedloom strategy in a Flower ``ServerApp``;
   `to_client_app` puts a fedloom client in a Flower ``ClientApp``;
 - determinism: `fit_seed`, `client_info`, `client_fit_config` are the rules every engine
@@ -18,12 +20,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.datasets import DataSplit, load_digits, synthetic
 from fedloom.simulations.history import History, RoundRecord
+from fedloom.simulations.local_async import run_local_async
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.partition import dirichlet_partition, iid_partition, shard_partition
 from fedloom.simulations.plan import client_fit_config, client_info, fit_seed
 from fedloom.simulations.scenario import Scenario, load_scenario
+from fedloom.simulations.speed import SpeedModel
 
 if TYPE_CHECKING:
     from fedloom.simulations.flower_client import to_client_app
@@ -47,6 +52,8 @@ __all__ = [
     "History",
     "RoundRecord",
     "Scenario",
+    "SpeedModel",
+    "SyncClock",
     "client_fit_config",
     "client_info",
     "dirichlet_partition",
@@ -58,6 +65,7 @@ __all__ = [
     "make_torch_client",
     "run_flower",
     "run_local",
+    "run_local_async",
     "run_scenario",
     "shard_partition",
     "synthetic",

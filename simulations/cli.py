@@ -8,8 +8,10 @@
 
 ``--set KEY=VALUE`` overrides any scenario setting (dotted for tables; the value is
 read as TOML, so ``--set client.lr=0.1`` is a float and ``--set engine=flower`` may go
-unquoted). Exit status: 0 on success, 2 for a bad scenario or argument, 1 for another
-fedloom error (e.g. the results cannot be written).
+unquoted). ``--set rounds.mode=async`` works on a file that says ``rounds = N``: the
+count moves to ``num_rounds``, beside the ``[rounds]`` table (see
+`fedloom.simulations.scenario`). Exit status: 0 on success, 2 for a bad scenario or
+argument, 1 for another fedloom error (e.g. the results cannot be written).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def _apply(data: dict[str, Any], assignment: str) -> None:
     if not sep or not key.strip():
         raise ConfigError("--set", f"{assignment!r} is not KEY=VALUE")
     *tables, leaf = key.strip().split(".")
+    if tables[:1] == ["rounds"] and "rounds" in data and not isinstance(data["rounds"], dict):
+        data["num_rounds"] = data.pop("rounds")  # the count beside a [rounds] table
+    if key.strip() == "rounds" and _server_form(data):
+        leaf = "num_rounds"
     node = data
     for table in tables:
         child = node.setdefault(table, {})
@@ -60,6 +66,11 @@ def _apply(data: dict[str, Any], assignment: str) -> None:
             raise ConfigError(f"--set {key}", f"{table!r} is not a table")
         node = child
     node[leaf] = _parse_value(value.strip())
+
+
+def _server_form(data: dict[str, Any]) -> bool:
+    """Whether the scenario counts its rounds in ``num_rounds`` (beside a [rounds] table)."""
+    return "num_rounds" in data or isinstance(data.get("rounds"), dict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _apply(data, assignment)
         for key in ("engine", "rounds", "seed"):
             if getattr(args, key) is not None:
-                data[key] = getattr(args, key)
+                server = key == "rounds" and _server_form(data)
+                data["num_rounds" if server else key] = getattr(args, key)
         if args.no_progress:
             data["progress"] = False
         scenario = scenario_from_mapping(data)
@@ -91,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     accuracy = history.final("test_accuracy")
     summary = f"test accuracy {accuracy:.4f}" if accuracy is not None else "done"
-    print(f"{scenario.name}: {scenario.rounds} rounds on {history.engine} in "
+    unit = "versions" if scenario.rounds_config.asynchronous else "rounds"
+    print(f"{scenario.name}: {len(history.rounds) - 1} {unit} on {history.engine} in "
           f"{history.wall_s:.1f} s, {summary}; results in {out_dir}/")
     return 0
 

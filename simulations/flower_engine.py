@@ -34,10 +34,11 @@ from flwr.simulation import run_simulation
 from flwr.supercore.run import Run
 
 from fedloom.simulations._records import arrays_to_weights, metrics_to_record, weights_to_arrays
+from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.flower_strategy import FlowerStrategy
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.strategies import Strategy
-from fedloom.types import Metrics, Scalar
+from fedloom.types import AggregateResult, Metrics, Scalar
 from fedloom.weights import Weights
 
 EvaluateFn = Callable[[int, Weights], Metrics | None]
@@ -57,6 +58,8 @@ def run_flower(
     backend_config: Mapping[str, Any] | None = None,
     timeout_s: float = 3600.0,
     verbose: bool = False,
+    clock: SyncClock | None = None,
+    evaluate_every: int = 1,
 ) -> History:
     """Run ``num_rounds`` rounds on ``num_clients`` virtual SuperNodes.
 
@@ -67,24 +70,43 @@ def run_flower(
             ``init_args`` for ``ray.init``...).
         timeout_s: how long a round waits for replies.
         verbose: Flower's DEBUG logging.
+        clock: time the rounds on a virtual clock (`run_local`'s; the bridge sends
+            train messages only to the clients it keeps).
+        evaluate_every: rounds between evaluations (the last round is always evaluated).
     """
+    if evaluate_every < 1:
+        raise ValueError("evaluate_every must be at least 1")
     started = time.perf_counter()
     recorder = RoundRecorder(on_round)
+
+    def on_fit_round(_round: int, result: AggregateResult, failures: int) -> None:
+        timing = clock.last if clock is not None else None
+        if timing is None:
+            recorder.fit(result, failures)
+        else:
+            recorder.fit(result, failures, num_sampled=timing.num_sampled,
+                         num_cancelled=timing.num_cancelled)
+
     bridge = FlowerStrategy(
         strategy,
         base_seed=base_seed,
         fit_defaults=fit_defaults,
         min_available_nodes=num_clients,
-        on_fit_round=lambda _r, result, failures: recorder.fit(result, failures),
+        on_fit_round=on_fit_round,
         on_evaluate_round=lambda _r, metrics: recorder.evaluate(metrics),
+        clock=clock,
+        evaluate_every=evaluate_every,
+        num_rounds=num_rounds,
     )
     final: dict[str, Weights] = {"weights": initial}
 
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         weights = arrays_to_weights(arrays)
         final["weights"] = weights
-        metrics = evaluate_fn(server_round, weights) if evaluate_fn else None
-        recorder.finish(server_round, metrics)
+        metrics = None
+        if evaluate_fn is not None and (server_round == 0 or bridge.evaluates(server_round)):
+            metrics = evaluate_fn(server_round, weights)
+        recorder.finish(server_round, metrics, clock.now if clock is not None else None)
         return metrics_to_record(metrics) if metrics else None
 
     server_app = ServerApp()

@@ -14,7 +14,11 @@ What it adds to Flower's behaviour, by design:
   arrival order, so float sums do not depend on scheduling;
 - **deltas**: replies carry new weights (Flower's convention); the bridge turns each
   into the delta from the round's global model, which is what fedloom strategies take.
-  A failed, malformed or non-finite reply is skipped and counted in ``num-failures``.
+  A failed, malformed or non-finite reply is skipped and counted in ``num-failures``;
+- **a virtual clock** (optional, `fedloom.simulations.clock.SyncClock`): each round is
+  timed from the clients' speeds, and under over-selection only the clients that would
+  answer first are sent a train message, as on the local engine;
+- **evaluate_every**: federated evaluation every that many rounds and in the last.
 
 Example — a ``ServerApp`` running fedloom's FedAvg over any ClientApp::
 
@@ -60,6 +64,7 @@ from fedloom.simulations._records import (
     record_to_config,
     weights_to_arrays,
 )
+from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.plan import client_fit_config, client_info, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import (
@@ -92,6 +97,11 @@ class FlowerStrategy(FlowerBaseStrategy):
             aggregation (progress displays, history, checkpoints).
         on_evaluate_round: called as ``(server_round, metrics)`` after each federated
             evaluation that had results.
+        clock: times the rounds on a virtual clock and picks who trains under
+            over-selection (its ``last`` is the round's timing once configured); its
+            speed model is indexed by partition id, so every node must say its own.
+        evaluate_every: rounds between federated evaluations (and the last round).
+        num_rounds: the run's rounds (for ``evaluate_every``'s last round).
     """
 
     def __init__(
@@ -104,6 +114,9 @@ class FlowerStrategy(FlowerBaseStrategy):
         identify_timeout: float = 60.0,
         on_fit_round: FitCallback | None = None,
         on_evaluate_round: EvaluateCallback | None = None,
+        clock: SyncClock | None = None,
+        evaluate_every: int = 1,
+        num_rounds: int = 0,
     ) -> None:
         self.strategy = strategy
         self.base_seed = base_seed
@@ -112,6 +125,9 @@ class FlowerStrategy(FlowerBaseStrategy):
         self.identify_timeout = identify_timeout
         self.on_fit_round = on_fit_round
         self.on_evaluate_round = on_evaluate_round
+        self.clock = clock
+        self.evaluate_every = evaluate_every
+        self.num_rounds = num_rounds
         self.current: Weights | None = None
         self.stopped_reason = ""  # set when the privacy budget ended the run early
         self._client_of_node: dict[int, ClientInfo] = {}
@@ -176,17 +192,22 @@ class FlowerStrategy(FlowerBaseStrategy):
         self.current = current
         if self.stopped_reason:
             return []
+        clients = self._clients(grid)
         try:
-            plan = self.strategy.configure_fit(server_round, current, self._clients(grid))
+            plan = self.strategy.configure_fit(server_round, current, clients)
         except PrivacyBudgetExhausted as exc:
             # Flower's loop runs its num_rounds; from here on no round is sent out.
             logger.warning("run ends before round %d: %s", server_round, exc)
             self.stopped_reason = str(exc)
             return []
-        self._plan_order = list(plan.client_ids)
+        training = plan.client_ids
+        if self.clock is not None:  # over-selection: only the updates that count train
+            training = self.clock.round(server_round, plan.client_ids, clients,
+                                        index_of=self._seed_index.__getitem__).client_ids
+        self._plan_order = list(training)
         defaults = {**self.fit_defaults, **record_to_config(config)}
         messages = []
-        for cid in plan.client_ids:
+        for cid in training:
             fit_config = client_fit_config(
                 plan.config,
                 base_seed=self.base_seed,
@@ -245,6 +266,8 @@ class FlowerStrategy(FlowerBaseStrategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        if not self.evaluates(server_round):
+            return []
         current = arrays_to_weights(arrays)
         plan = self.strategy.configure_evaluate(server_round, current, self._clients(grid))
         record = config_to_record({**record_to_config(config), **plan.config})
@@ -254,6 +277,10 @@ class FlowerStrategy(FlowerBaseStrategy):
                     message_type=MessageType.EVALUATE)
             for cid in plan.client_ids
         ]
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether round ``server_round`` is evaluated (``evaluate_every``, and the last)."""
+        return server_round % self.evaluate_every == 0 or server_round == self.num_rounds
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

@@ -6,11 +6,16 @@ for every engine: the strategy's fit metrics (``train_loss``, ``num_updates``,
 ``num_examples``...), ``num_failures``, federated evaluation as ``federated_<key>``,
 central evaluation (``test_loss``, ``test_accuracy``) and ``seconds`` (wall time of
 the round; the only key that is not deterministic). Round 0 holds the evaluation of
-the initial model.
+the initial model. A run on a virtual clock (`fedloom.simulations.speed`: every
+`run_scenario` run) adds ``virtual_time_s``, the virtual time at which the round (an
+asynchronous run's model version) ended, to the record's ``server`` section: what the
+server's own clock would read, so the flat metrics, the CSV and `History.over_time`
+carry it. Round 0 is at 0.
 
 `History.write` produces, in ``out_dir``: ``history.json`` (scenario, engine, rounds),
 ``history.csv`` (one row per round), ``history.png`` (test accuracy and loss per
-round) and ``final.safetensors`` (the final global weights, written atomically with
+round, and accuracy against virtual time when the run has a clock) and
+``final.safetensors`` (the final global weights, written atomically with
 `fedloom.server.save_weights`, so a server can start from it).
 """
 
@@ -33,6 +38,9 @@ from fedloom.weights import Weights
 
 __all__ = ["History", "RoundRecord", "RoundRecorder"]
 
+#: The metric holding the virtual time at which a round ended (see the module docstring).
+VIRTUAL_TIME = "virtual_time_s"
+
 
 @dataclasses.dataclass
 class History:
@@ -52,6 +60,12 @@ class History:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 out.append((r.round, float(value)))
         return out
+
+    def over_time(self, key: str) -> list[tuple[float, float]]:
+        """``(virtual_time_s, value)`` for every round that has both (see the module
+        docstring); empty for a run without a virtual clock."""
+        times = dict(self.series(VIRTUAL_TIME))
+        return [(times[r], value) for r, value in self.series(key) if r in times]
 
     def final(self, key: str) -> float | None:
         points = self.series(key)
@@ -101,22 +115,31 @@ class History:
         _fsync_replace(tmp, Path(path))
 
     def figure(self) -> Any:
-        """The matplotlib ``Figure`` that `plot` writes: test accuracy and loss per round."""
+        """The matplotlib ``Figure`` that `plot` writes: test accuracy and loss per round,
+        and test accuracy against virtual time when the rounds carry it."""
         import matplotlib
 
         matplotlib.use("Agg", force=True)
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
 
-        fig = Figure(figsize=(9, 3.5))
+        timed = self.over_time("test_accuracy")
+        fig = Figure(figsize=(13.5 if timed else 9, 3.5))
         title = (self.scenario or {}).get("name", "run")
-        for axis, key in zip(fig.subplots(1, 2), ("test_accuracy", "test_loss"), strict=True):
+        axes = fig.subplots(1, 3 if timed else 2)
+        for axis, key in zip(axes, ("test_accuracy", "test_loss"), strict=False):
             points = self.series(key) or self.series(f"federated_{key.removeprefix('test_')}")
             if points:
                 axis.plot([p[0] for p in points], [p[1] for p in points], marker=".")
             axis.set_xlabel("round")
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 2.5
             axis.set_ylabel(key)
+            axis.grid(alpha=0.3)
+        if timed:
+            axis = axes[2]
+            axis.plot([p[0] for p in timed], [p[1] for p in timed], marker=".")
+            axis.set_xlabel("virtual time (s)")
+            axis.set_ylabel("test_accuracy")
             axis.grid(alpha=0.3)
         fig.suptitle(f"{title} ({self.engine})")
         fig.tight_layout()
@@ -170,23 +193,31 @@ class RoundRecorder:
         self._started = time.perf_counter()
 
     def fit(self, result: AggregateResult, num_failures: int,
-            num_sampled: int | None = None) -> None:
+            num_sampled: int | None = None, num_cancelled: int = 0) -> None:
         """The round's fit: the strategy's result, the clients whose update did not count,
-        and how many were sampled (default: updates + failures)."""
+        how many were sampled (default: updates + failures) and how many of those were
+        cancelled when the round closed (over-selection)."""
         updates = result.metrics.get("num_updates", 0)
         num_updates = int(updates) if isinstance(updates, int | float) else 0
         self._pending.update(
             fit=dict(result.metrics), num_failures=num_failures, num_updates=num_updates,
             num_sampled=num_updates + num_failures if num_sampled is None else num_sampled,
+            num_cancelled=num_cancelled,
             status="ok" if result.weights is not None else "failed",
             reason=result.reason if result.weights is None else "")
 
     def evaluate(self, metrics: Metrics) -> None:
         self._pending["evaluate"] = dict(metrics)
 
-    def finish(self, server_round: int, central: Metrics | None) -> RoundRecord:
+    def finish(self, server_round: int, central: Metrics | None,
+               virtual_time_s: float | None = None) -> RoundRecord:
+        """Close the round with the central metrics and, on a virtual clock, the virtual
+        time at which it ended."""
         now = time.perf_counter()
-        record = RoundRecord(server_round, server=dict(central or {}),
+        server = dict(central or {})
+        if virtual_time_s is not None:
+            server[VIRTUAL_TIME] = virtual_time_s
+        record = RoundRecord(server_round, server=server,
                              duration_s=now - self._started, **self._pending)
         self._started = now
         self.records.append(record)

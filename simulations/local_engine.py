@@ -13,6 +13,12 @@ Same calls in the same order with the same configs give the same model as the Fl
 engine, round for round (tests/simulations check it). A client that raises, or returns
 unusable weights, is counted in ``num_failures`` and left out of the round.
 
+With a ``clock`` (`fedloom.simulations.clock.SyncClock`) each round is timed on the
+virtual clock: only the clients whose updates count (all sampled ones, or the first to
+finish under over-selection) train, and each record carries ``virtual_time_s``. With
+``evaluate_every`` > 1 the evaluations (federated and central) run every that many
+rounds and in the last, as the server's ``rounds.evaluate_every``.
+
 With ``secure_aggregation`` (a `fedloom.simulations.local_secure.LocalSecureAggregation`)
 each fit round runs under SecAgg+ instead: the sampled clients train as above, then
 the real SecAgg+ state machines run in-process and the strategy gets only the secure
@@ -32,15 +38,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fedloom.client_sdk._client import Client
 from fedloom.errors import PrivacyBudgetExhausted
+from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.strategies import Strategy
-from fedloom.types import ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
+from fedloom.types import ClientInfo, ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
 from fedloom.weights import Weights
 
 if TYPE_CHECKING:
@@ -64,6 +71,8 @@ def run_local(
     evaluate_fn: EvaluateFn | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     secure_aggregation: LocalSecureAggregation | None = None,
+    clock: SyncClock | None = None,
+    evaluate_every: int = 1,
 ) -> History:
     """Run ``num_rounds`` rounds of ``strategy`` over clients ``0 .. num_clients - 1``.
 
@@ -78,20 +87,23 @@ def run_local(
         evaluate_fn: central evaluation, ``(round, weights) -> metrics``.
         on_round: called with each finished `RoundRecord` (progress displays).
         secure_aggregation: run the fit rounds under SecAgg+ (see the module docstring).
+        clock: time the rounds on a virtual clock (see the module docstring).
+        evaluate_every: rounds between evaluations (the last round is always evaluated).
 
     Returns:
         The `History`: round 0 (initial evaluation) and one record per round, and the
         final weights.
     """
-    if num_clients < 1 or num_rounds < 1:
-        raise ValueError("num_clients and num_rounds must be at least 1")
+    if num_clients < 1 or num_rounds < 1 or evaluate_every < 1:
+        raise ValueError("num_clients, num_rounds and evaluate_every must be at least 1")
     if secure_aggregation is not None:
         secure_aggregation.check(strategy)
     started = time.perf_counter()
     infos = client_infos(num_clients)
     recorder = RoundRecorder(on_round)
     current = initial
-    recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None)
+    recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None,
+                    0.0 if clock is not None else None)
     for server_round in range(1, num_rounds + 1):
         try:
             plan = strategy.configure_fit(server_round, current, infos)
@@ -100,6 +112,11 @@ def run_local(
             break
         if secure_aggregation is not None:
             plan = secure_aggregation.limit(plan)
+        num_sampled, num_cancelled = len(plan.client_ids), 0
+        if clock is not None:  # over-selection: only the updates that count are trained
+            timing = clock.round(server_round, plan.client_ids, infos)
+            plan = FitPlan(timing.client_ids, plan.config)
+            num_sampled, num_cancelled = timing.num_sampled, timing.num_cancelled
         failures: list[str] = []
         updates = _fit_updates(
             client_fn, plan, current, server_round, base_seed, fit_defaults, failures
@@ -109,26 +126,38 @@ def run_local(
         else:
             result = secure_aggregation.aggregate_fit(
                 strategy, server_round, current, plan, updates, failures)
-        recorder.fit(result, len(failures), num_sampled=len(plan.client_ids))
+        recorder.fit(result, len(failures), num_sampled=num_sampled,
+                     num_cancelled=num_cancelled)
         if result.weights is not None:
             current = result.weights
         else:
             logger.warning("round %d produced no model: %s", server_round, result.reason)
 
-        eval_plan = strategy.configure_evaluate(server_round, current, infos)
-        if eval_plan.client_ids:
-            results = []
-            for cid in eval_plan.client_ids:
-                try:
-                    out_e = client_fn(int(cid)).evaluate(current, eval_plan.config)
-                    results.append(EvaluateResult(cid, out_e.num_examples, out_e.loss,
-                                                  out_e.metrics))
-                except Exception as exc:
-                    logger.warning("client %s failed to evaluate: %s", cid, exc)
-            if results:
-                recorder.evaluate(strategy.aggregate_evaluate(server_round, results))
-        recorder.finish(server_round, evaluate_fn(server_round, current) if evaluate_fn else None)
+        central = None
+        if server_round % evaluate_every == 0 or server_round == num_rounds:
+            federated = federated_evaluate(strategy, client_fn, server_round, current, infos)
+            if federated is not None:
+                recorder.evaluate(federated)
+            central = evaluate_fn(server_round, current) if evaluate_fn else None
+        recorder.finish(server_round, central, clock.now if clock is not None else None)
     return History("local", recorder.records, current, time.perf_counter() - started)
+
+
+def federated_evaluate(
+    strategy: Strategy, client_fn: ClientFactory, server_round: int, current: Weights,
+    clients: Sequence[ClientInfo],
+) -> Metrics | None:
+    """The strategy's federated evaluation over ``clients``; None when it asks no one or
+    every client it asked failed."""
+    eval_plan = strategy.configure_evaluate(server_round, current, clients)
+    results = []
+    for cid in eval_plan.client_ids:
+        try:
+            out = client_fn(int(cid)).evaluate(current, eval_plan.config)
+            results.append(EvaluateResult(cid, out.num_examples, out.loss, out.metrics))
+        except Exception as exc:
+            logger.warning("client %s failed to evaluate: %s", cid, exc)
+    return strategy.aggregate_evaluate(server_round, results) if results else None
 
 
 def _fit_updates(

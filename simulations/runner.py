@@ -7,7 +7,9 @@
 [0, 1]
 
 With ``out_dir`` set it writes ``history.json``, ``history.csv``, ``history.png`` and
-``final.safetensors`` there (see `fedloom.simulations.history`).
+``final.safetensors`` there (see `fedloom.simulations.history`). Every run is timed on
+the scenario's virtual clock (``[speed]``, ``over_selection``); ``[rounds] mode =
+"async"`` runs FedBuff (`fedloom.simulations.local_async`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from rich.progress import (
 )
 
 from fedloom.client_sdk.torch_trainer import TorchClient
+from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.history import History, RoundRecord
 from fedloom.simulations.job import Job
+from fedloom.simulations.local_async import run_local_async
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.scenario import Scenario
 from fedloom.strategies import Strategy
@@ -43,9 +47,11 @@ if TYPE_CHECKING:  # flwr is optional (fedloom[flower]); the local engine runs w
     from flwr.clientapp import ClientApp
 
 
-def run_scenario(scenario: Scenario, out_dir: str | Path | None) -> History:
+def run_scenario(scenario: Scenario, out_dir: str | Path | None,
+                 on_round: Callable[[RoundRecord], None] | None = None) -> History:
     """Run ``scenario`` on ``scenario.engine`` and, when ``out_dir`` is given, write
-    history.json, history.csv, history.png and final.safetensors there.
+    history.json, history.csv, history.png and final.safetensors there. ``on_round``
+    is called with each finished round's record (after the progress display).
 
     Raises:
         ConfigError: when the scenario cannot be built (unknown strategy setting, a
@@ -58,11 +64,16 @@ def run_scenario(scenario: Scenario, out_dir: str | Path | None) -> History:
     def evaluate(_round: int, weights: Weights) -> Metrics:
         return job.central_evaluate(weights)
 
-    with _progress(scenario) as on_round:
+    with _progress(scenario) as show:
+        def each_round(record: RoundRecord) -> None:
+            show(record)
+            if on_round is not None:
+                on_round(record)
+
         if scenario.engine == "local":
-            history = _run_local(job, strategy, initial, evaluate, on_round)
+            history = _run_local(job, strategy, initial, evaluate, each_round)
         else:
-            history = _run_flower(job, strategy, initial, evaluate, on_round)
+            history = _run_flower(job, strategy, initial, evaluate, each_round)
     history.scenario = scenario.to_dict()
     if out_dir is not None:
         history.write(out_dir)
@@ -91,14 +102,29 @@ def _run_local(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as Ray's actors run (OMP_NUM_THREADS=1): same kernels
     try:
+        if scenario.rounds_config.asynchronous:
+            return run_local_async(
+                strategy, client_fn, initial,
+                num_clients=scenario.num_clients, num_rounds=scenario.rounds,
+                rounds=scenario.rounds_config, speed=scenario.speed_model(),
+                base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
+                evaluate_fn=evaluate, on_round=on_round,
+            )
         return run_local(
             strategy, client_fn, initial,
             num_clients=scenario.num_clients, num_rounds=scenario.rounds,
             base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
             evaluate_fn=evaluate, on_round=on_round, secure_aggregation=secure,
+            clock=sync_clock(scenario), evaluate_every=scenario.rounds_config.evaluate_every,
         )
     finally:
         torch.set_num_threads(threads)
+
+
+def sync_clock(scenario: Scenario) -> SyncClock:
+    """The virtual clock of the scenario's synchronous rounds (either engine)."""
+    return SyncClock(scenario.speed_model(), over_selection=scenario.over_selection,
+                     seed=scenario.seed)
 
 
 def job_client_app(job: Job) -> ClientApp:
@@ -136,7 +162,8 @@ def _run_flower(
             base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
             evaluate_fn=evaluate, on_round=on_round,
             backend_config=flower.backend_config(), timeout_s=flower.timeout_s,
-            verbose=flower.verbose,
+            verbose=flower.verbose, clock=sync_clock(scenario),
+            evaluate_every=scenario.rounds_config.evaluate_every,
         )
     finally:
         flwr_logger.setLevel(level)
@@ -145,7 +172,8 @@ def _run_flower(
 def _describe(record: RoundRecord) -> str:
     parts = [f"round {record.round}"]
     for key, label in (("test_accuracy", "acc"), ("test_loss", "loss"),
-                       ("train_loss", "train"), ("num_failures", "failed")):
+                       ("train_loss", "train"), ("num_failures", "failed"),
+                       ("virtual_time_s", "virtual s")):
         value = record.get(key)
         if isinstance(value, float):
             parts.append(f"{label} {value:.4f}")
@@ -170,7 +198,7 @@ def _progress(scenario: Scenario) -> Iterator[Callable[[RoundRecord], None]]:
         console=Console(stderr=True),
     )
     with progress:
-        task = progress.add_task("starting", total=scenario.rounds)
+        task = progress.add_task("starting", total=scenario.last_round)
 
         def on_round(record: RoundRecord) -> None:
             progress.update(task, completed=record.round, description=_describe(record))

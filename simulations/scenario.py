@@ -10,6 +10,7 @@
     rounds = 20
     local_epochs = 1
     evaluate_clients_per_round = 0   # federated evaluation (0: central test set only)
+    over_selection = 1.0        # the server's: 1.3 issues ceil(1.3 m) tasks, keeps the first m
 
     [dataset]
     name = "digits"             # or "synthetic" (FedProx's Synthetic(alpha, beta))
@@ -52,15 +53,30 @@
     num_gpus = 0.0
     ray_address = ""            # "" starts a local Ray; "auto" or "ray://host:10001" joins one
 
+    [speed]                     # fit durations on the virtual clock (simulations.speed)
+    distribution = "constant"   # or "lognormal" (sigma); jitter, straggler_fraction/factor
+    mean_s = 1.0
+
+With a ``[rounds]`` table (the server's: ``mode``, ``concurrency``, ``buffer_size``,
+``max_staleness``, the staleness weighting, ``total_updates``, ``evaluate_every``; see
+`fedloom.config.RoundsConfig`) the number of rounds is written ``num_rounds = N``, as
+in the server's configuration, since TOML cannot hold ``rounds = N`` beside the table;
+``rounds = N`` alone still works. ``mode = "async"`` runs FedBuff on the local engine
+(`fedloom.simulations.local_async`); ``num_rounds`` then counts model versions. It is
+refused with the Flower engine, secure aggregation, privacy and over-selection.
+Every run is timed on a virtual clock from ``[speed]`` (`fedloom.simulations.clock`);
+its records carry ``virtual_time_s``.
+
 Unknown keys and values of the wrong type are refused with a `ConfigError` naming the
 setting (``partition.alpha``...). ``[strategy]`` plus the run's client selection
 (`Scenario.selection`: ``clients_per_round`` and ``evaluate_clients_per_round`` as
 fractions and minimums, ``seed``) build the strategy through
 `fedloom.strategies.build_strategy`. Client settings a strategy sends in its fit
 config win over the scenario's: FedOpt's ``eta_l`` replaces ``client.lr``, FedProx
-adds ``proximal_mu``. Evaluation: every round on the central test set (digits' test
-split; for synthetic, the union of the clients' test splits), and federated
-evaluation on ``evaluate_clients_per_round`` clients' local data when > 0.
+adds ``proximal_mu``. Evaluation: every round (or every ``rounds.evaluate_every``, and
+the last) on the central test set (digits' test split; for synthetic, the union of the
+clients' test splits), and federated evaluation on ``evaluate_clients_per_round``
+clients' local data when > 0.
 """
 
 from __future__ import annotations
@@ -71,11 +87,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedloom.config import SelectionConfig, StrategyConfig, from_mapping, load_toml
+from fedloom.config import (
+    RoundsConfig,
+    SelectionConfig,
+    StrategyConfig,
+    from_mapping,
+    load_toml,
+)
+from fedloom.errors import ConfigError
 from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import check as _check
 from fedloom.simulations.secure_dropout import SecureDropout
+from fedloom.simulations.speed import SpeedModel, SpeedSpec
 
 DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
@@ -200,6 +224,9 @@ class Scenario:
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
     secure_dropout: SecureDropout = dataclasses.field(default_factory=SecureDropout)
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
+    over_selection: float = 1.0  # the server's: sample ceil(m * it), keep the first m
+    speed: SpeedSpec = dataclasses.field(default_factory=SpeedSpec)
+    rounds_config: RoundsConfig = dataclasses.field(default_factory=RoundsConfig)  # [rounds]
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "name", "must be a plain file name")
@@ -226,7 +253,17 @@ class Scenario:
                    "clients_per_round", f"must be in threshold + 1 .. max_participants "
                    f"({secure.threshold + 1}..{secure.max_participants}) under secure "
                    "aggregation: every survivor needs threshold surviving neighbours")
-        self.privacy.check_server(secure=self.secure_aggregation.enabled, over_selection=1.0)
+        _check(math.isfinite(self.over_selection) and self.over_selection >= 1.0,
+               "over_selection", "must be a number >= 1 (1.3 samples 30% more clients and "
+               "closes each round at the first clients_per_round updates; 1: off)")
+        if self.secure_aggregation.enabled:
+            _check(self.over_selection == 1.0, "over_selection",
+                   "must be 1 with secure aggregation: a secure round cannot cancel the "
+                   "slow clients once keys are shared (it tolerates dropouts instead)")
+        self.privacy.check_server(secure=self.secure_aggregation.enabled,
+                                  over_selection=self.over_selection)
+        if self.rounds_config.asynchronous:
+            self._check_async()
         synthetic = self.dataset.name == "synthetic"
         if synthetic:
             _check(self.partition.name in ("auto", "natural"), "partition.name",
@@ -234,6 +271,34 @@ class Scenario:
         else:
             _check(self.partition.name != "natural", "partition.name",
                    f"{self.dataset.name} has no natural clients; use iid, dirichlet or shards")
+
+    def _check_async(self) -> None:
+        """What FedBuff on a simulation cannot be combined with (the server refuses the
+        same, for the same reasons, in `fedloom.config`)."""
+        _check(self.engine == "local", "engine",
+               'rounds.mode = "async" runs on the local engine only (Flower\'s simulation '
+               'loop runs rounds of a sampled cohort): set engine = "local"')
+        _check(not self.secure_aggregation.enabled, "rounds.mode",
+               '"async" cannot run under secure aggregation: SecAgg+ masks cancel only in '
+               "the sum of a fixed cohort, while asynchronous updates arrive one at a time "
+               'on different models. Set rounds.mode = "sync" or '
+               "secure_aggregation.enabled = false")
+        _check(not self.privacy.enabled, "rounds.mode",
+               '"async" cannot run with differential privacy: the accountant assumes '
+               "rounds that sample a cohort, and asynchronous updates come from whoever "
+               'answers. Set rounds.mode = "sync" or privacy.mode = "off"')
+        _check(self.over_selection == 1.0, "over_selection",
+               'has no use with rounds.mode = "async" (every update is taken as it '
+               "arrives; rounds.concurrency sets how many clients train): leave it at 1")
+
+    @property
+    def last_round(self) -> int:
+        """The run's last round (async: version), ``rounds`` or fewer (total_updates)."""
+        return self.rounds_config.last_round(self.rounds)
+
+    def speed_model(self) -> SpeedModel:
+        """The clients' fit durations, drawn from ``[speed]`` and the seed."""
+        return SpeedModel.from_spec(self.speed, self.num_clients, self.seed)
 
     @property
     def partition_name(self) -> str:
@@ -265,7 +330,21 @@ class Scenario:
 
 
 def scenario_from_mapping(data: Mapping[str, Any]) -> Scenario:
-    """Build a `Scenario` from a parsed TOML mapping."""
+    """Build a `Scenario` from a parsed TOML mapping (``rounds = N``, or the server's
+    ``num_rounds = N`` with a ``[rounds]`` table: see the module docstring)."""
+    data = dict(data)
+    if "num_rounds" in data:
+        if "rounds" in data and not isinstance(data["rounds"], Mapping):
+            raise ConfigError("num_rounds", "is the same setting as rounds = N: give one")
+        table = data.pop("rounds", None)
+        data["rounds"] = data.pop("num_rounds")
+        if table is not None:
+            data["rounds_config"] = table
+    elif isinstance(data.get("rounds"), Mapping):
+        data["rounds_config"] = data.pop("rounds")  # the count keeps its default
+    if isinstance(data.get("rounds_config"), Mapping):  # errors name it [rounds], as in TOML
+        data["rounds_config"] = from_mapping(RoundsConfig, data["rounds_config"],
+                                             where="rounds.")
     return from_mapping(Scenario, data)
 
 

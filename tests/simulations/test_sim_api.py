@@ -10,11 +10,11 @@ import fedloom.simulations as sim
 
 def test_exported_names_are_pinned() -> None:
     assert sorted(sim.__all__) == [
-        "DataSplit", "FlowerStrategy", "History", "RoundRecord", "Scenario",
-        "client_fit_config", "client_info", "dirichlet_partition", "fit_seed",
+        "DataSplit", "FlowerStrategy", "History", "RoundRecord", "Scenario", "SpeedModel",
+        "SyncClock", "client_fit_config", "client_info", "dirichlet_partition", "fit_seed",
         "iid_partition", "load_digits", "load_scenario", "make_mlp", "make_torch_client",
-        "run_flower", "run_local", "run_scenario", "shard_partition", "synthetic",
-        "to_client_app",
+        "run_flower", "run_local", "run_local_async", "run_scenario", "shard_partition",
+        "synthetic", "to_client_app",
     ]
     for name in sim.__all__:
         assert getattr(sim, name) is not None

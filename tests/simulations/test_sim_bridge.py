@@ -17,12 +17,14 @@ from test_sim_local import ShiftClient
 from fedloom.client_sdk import FitOutput
 from fedloom.config import SelectionConfig
 from fedloom.simulations._records import arrays_to_weights, weights_to_arrays
+from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.flower_client import partition_id, to_client_app
 from fedloom.simulations.flower_strategy import FlowerStrategy
 from fedloom.simulations.job import Job
 from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.runner import job_client_app
 from fedloom.simulations.scenario import Scenario
+from fedloom.simulations.speed import SpeedModel
 from fedloom.strategies import FedAvg
 from fedloom.types import Config
 from fedloom.weights import Weights
@@ -171,3 +173,31 @@ def test_documented_examples_run_in_both_directions(server: str, client: str) ->
     # the bridge then falls back to node ids.)
     train = [r for r in grid.replies if r.metadata.message_type == "train"]
     assert len(train) == 6 and not any(r.has_error() for r in train)
+
+
+def test_the_bridge_times_rounds_and_over_selects_as_the_local_engine() -> None:
+    """Under a virtual clock with over-selection the bridge sends train messages only to
+    the clients that would answer first, and keeps the local engine's clock and model."""
+    durations = [3.0, 1.0, 4.5, 2.0, 6.0, 0.5, 5.0, 2.5]
+
+    def strategy() -> FedAvg:
+        return FedAvg(selection=SelectionConfig(fraction_fit=0.5, min_fit_clients=4,
+                                                fraction_evaluate=0.0, seed=2))
+
+    def clock() -> SyncClock:
+        return SyncClock(SpeedModel(durations), over_selection=1.5, seed=9)
+
+    initial = Weights({"w": np.linspace(0, 1, 4)})
+    flower_clock, seen = clock(), []
+    bridge = FlowerStrategy(
+        strategy(), min_available_nodes=8, clock=flower_clock,
+        on_fit_round=lambda r, res, f: seen.append((flower_clock.now, res.num_updates)))
+    grid = FakeGrid(shift_app(), 8)
+    result = bridge.start(grid, weights_to_arrays(initial), num_rounds=3)
+    local = run_local(strategy(), [FixedShiftClient(i) for i in range(8)].__getitem__,
+                      initial, num_clients=8, num_rounds=3, clock=clock())
+    assert local.weights is not None
+    assert arrays_to_weights(result.arrays).allclose(local.weights, rtol=0, atol=0)
+    assert seen == [(r.get("virtual_time_s"), 4) for r in local.rounds[1:]]
+    assert [r.num_cancelled for r in local.rounds[1:]] == [2, 2, 2]
+    assert [m.metadata.message_type for m in grid.sent].count("train") == 12  # 4 a round

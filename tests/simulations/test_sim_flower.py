@@ -23,6 +23,7 @@ from fedloom import Weights
 from fedloom.simulations.flower_engine import run_flower
 from fedloom.simulations.runner import run_scenario
 from fedloom.simulations.scenario import FlowerSpec, PartitionSpec, Scenario
+from fedloom.simulations.speed import SpeedSpec
 from fedloom.strategies import FedAvg
 
 pytestmark = pytest.mark.flower
@@ -31,11 +32,14 @@ TOLERANCE = 1e-6
 
 
 def test_flower_engine_equals_local_engine() -> None:
+    # Heterogeneous speeds and over-selection (5 tasks, the 3 first kept): both engines
+    # time the rounds on the same virtual clock and train the same clients.
     scenario = Scenario(
         name="engines", num_clients=6, clients_per_round=3, rounds=2, seed=7,
         evaluate_clients_per_round=2, progress=False,
         partition=PartitionSpec(name="dirichlet", alpha=1.0),
-        flower=FlowerSpec(num_cpus=1.0),
+        flower=FlowerSpec(num_cpus=1.0), over_selection=1.5,
+        speed=SpeedSpec(distribution="lognormal", jitter=0.2, straggler_fraction=0.3),
     )
     local = run_scenario(scenario, None)
     flower = _run_flower_scenario(scenario.replace(engine="flower"))
@@ -53,6 +57,8 @@ def test_flower_engine_equals_local_engine() -> None:
                 assert a == b, (ours.round, key)
     assert local.rounds[2].get("num_updates") == 3
     assert local.rounds[2].get("federated_num_examples") is not None
+    assert local.rounds[2].get("virtual_time_s") > local.rounds[1].get("virtual_time_s") > 0
+    assert [r.num_cancelled for r in flower.rounds[1:]] == [2, 2]
 
 
 def _run_flower_scenario(scenario: Scenario):  # type: ignore[no-untyped-def]
