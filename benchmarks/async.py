@@ -54,19 +54,52 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _async_report import plot, summarize, table, targets
-from _async_sim import Setup, run_sim
+from _async_sim import LABELS, Settings, Setup, run_sim
 from _report import print_targets
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+#: The settings the simulation side chose (tuned on its seeds), by method: the gRPC side
+#: runs these when both sides run; alone, it runs `TUNED` (the last published tuning).
+CHOSEN: dict[str, dict[str, Any]] = {}
+TUNED: dict[str, dict[str, Any]] = {
+    "sync": {"eta": 3.0},
+    "sync-overselect": {"eta": 3.0, "over_selection": 1.3},
+    "fedbuff": {"eta": 2.0, "concurrency": 30, "weighting": "polynomial", "exponent": 0.5},
+    "fedbuff-budget": {"eta": 4.0, "concurrency": 20, "weighting": "polynomial",
+                       "exponent": 0.5},
+}
+
+
 def _sim_side(args: argparse.Namespace, setup: Setup) -> dict[str, Any]:
-    return run_sim(setup, args.tuning_seeds, args.report_seeds, args.full)
+    side = run_sim(setup, args.tuning_seeds, args.report_seeds, args.full)
+    CHOSEN.update({m["name"]: m["settings"] for m in side["methods"]})
+    return side
+
+
+def _grpc_side(args: argparse.Namespace, setup: Setup) -> dict[str, Any]:
+    """Each method once over real gRPC (`_grpc_async`), on the first report seed."""
+    from _grpc_async import run_grpc
+
+    seed = args.report_seeds[0]
+    methods = []
+    for name, settings in (CHOSEN or TUNED).items():
+        chosen = Settings(**settings)
+        print(f"gRPC: {LABELS[name]}: {chosen.describe()} on seed {seed}, fit times x"
+              f"{args.grpc_time_scale:g}", flush=True)
+        result = run_grpc(setup, chosen, seed, time_scale=args.grpc_time_scale,
+                          max_steps=args.grpc_max_steps)
+        result.update(seed=seed)
+        methods.append({"name": name, "label": LABELS[name], "settings": settings,
+                        "describe": chosen.describe(), "runs": [result]})
+    return {"methods": methods, "time_scale": args.grpc_time_scale}
 
 
 #: Each side: ``(args, setup) -> {"methods": [...], ...}``; its times label the table.
 SIDES: dict[str, tuple[Callable[[argparse.Namespace, Setup], dict[str, Any]], str]] = {
     "sim": (_sim_side, "virtual"),
+    "grpc": (_grpc_side, "scaled wall"),
 }
 
 
@@ -86,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--straggler-factor", type=float, default=10.0)
     parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--report-seeds", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--grpc-time-scale", type=float, default=0.25,
+                        help="gRPC side: real fit time = this x the virtual one")
+    parser.add_argument("--grpc-max-steps", type=int, default=150,
+                        help="gRPC side: most rounds (versions) of a run")
     parser.add_argument("--out", type=Path, default=RESULTS / "async.json")
     return parser
 
