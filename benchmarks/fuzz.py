@@ -141,7 +141,7 @@ def server_targets(state: Path) -> tuple[list[Target], Callable[[], dict[str, An
             runner.close()
 
     def cancelled(_: Any) -> None:
-        cancelled_upload(handle.address)
+        cancelled_upload(handle)
 
     targets = [
         Target("server raw bytes", raw_calls(), lambda c: run_raw_call(raw, *c)),

@@ -1,23 +1,30 @@
 """Shared fixtures: server configurations for loopback tests; Hypothesis profiles.
 
-``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) derandomizes every property test, so a
-CI run checks the same examples each time; locally the default profile explores new
-ones on every run (and keeps failures in ``.hypothesis/``).
+Profiles (``HYPOTHESIS_PROFILE``; the budgets are in ``tests/property_budget.py``):
+
+- ``default``: each test's own budget of examples, new ones on every local run
+  (failures are kept in ``.hypothesis/`` and replayed first);
+- ``ci`` (set by ``.ci/run``): the same budget, derandomized, so a CI run checks the
+  same examples each time;
+- ``explore``: 20 times the budget, random, to search harder before a change lands:
+  ``HYPOTHESIS_PROFILE=explore .venv/bin/python -m pytest -q tests/strategies``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from property_budget import EXPLORE_FACTOR, PROFILE
 
 from fedloom import ServerConfig
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# Tests that state no budget get Hypothesis's 100 examples, times the factor here too.
+settings.register_profile("explore", max_examples=100 * EXPLORE_FACTOR, print_blob=True)
+settings.load_profile(PROFILE)
 
 
 @pytest.fixture

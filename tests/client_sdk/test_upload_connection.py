@@ -17,6 +17,7 @@ import psutil
 import pytest
 from helpers import fake_fleet
 
+from fedloom.client_sdk import connection as connection_module
 from fedloom.client_sdk.connection import (
     SEPARATE_UPLOAD_MIN_BYTES,
     Connection,
@@ -191,15 +192,29 @@ def test_a_large_task_opens_the_upload_connection_before_the_push(recorder) -> N
     assert _wait_for(lambda: _connections_to(address) == 0)
 
 
-def test_an_evaluation_task_opens_no_upload_connection(recorder) -> None:  # type: ignore[no-untyped-def]
-    """An evaluation is answered without an update, so a large model alone opens none."""
+@pytest.mark.parametrize(("kind", "channels"), [(TaskKind.FIT, 2), (TaskKind.EVALUATE, 1)])
+def test_only_a_task_answered_with_an_update_opens_an_upload_connection(
+    recorder: tuple[PeerRecorder, str], monkeypatch: pytest.MonkeyPatch, kind: TaskKind,
+    channels: int,
+) -> None:
+    """The upload channel is opened (or not) before `pull` returns the task: counting
+    the channels the connection opened then needs no wait. An evaluation is answered
+    without an update, so a large model alone opens none."""
     servicer, address = recorder
-    servicer.kind = TaskKind.EVALUATE
+    servicer.kind = kind
+    opened: list[str] = []
+    real = connection_module.open_channel
+
+    def counting(config: ClientConfig, options: Any) -> grpc.Channel:
+        opened.append(config.server_address)
+        return real(config, options)
+
+    monkeypatch.setattr(connection_module, "open_channel", counting)
     connection = _connect(address)
     try:
+        assert opened == [address]  # the long-lived channel
         assert isinstance(connection.pull(), tuple)
-        time.sleep(0.3)  # a connection being opened would be up by now (see above)
-        assert _connections_to(address) == 1
+        assert opened == [address] * channels
     finally:
         connection.close()
 

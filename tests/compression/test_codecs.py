@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from property_budget import examples
 
 from fedloom import Weights
 from fedloom.compression import (
@@ -47,14 +48,14 @@ def _roundtrip(codec_name: str, values: np.ndarray, seed: int = 0, **settings_: 
     return np.asarray(decode(codec, weights.specs(), encoded)["w"])
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(_vector())
 def test_fp16_equals_torch_half(values: np.ndarray) -> None:
     want = torch.from_numpy(values).half().float().numpy()
     np.testing.assert_array_equal(_roundtrip("fp16", values), want)
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(_vector())
 def test_bf16_equals_torch_bfloat16(values: np.ndarray) -> None:
     want = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
@@ -75,7 +76,7 @@ def test_fp16_refuses_values_it_cannot_carry() -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(values=_vector(), block=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
 def test_quantization_stays_within_one_level_of_its_block(
         bits: int, values: np.ndarray, block: int, seed: int) -> None:
@@ -111,7 +112,7 @@ def test_values_on_the_grid_are_exact() -> None:
     assert codec.part_specs(Weights({"w": values}).specs()[0])[1].shape == (4,)  # 2 per byte
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(values=_vector(), fraction=st.floats(0.001, 1.0))
 def test_topk_keeps_exactly_the_largest_magnitudes(values: np.ndarray, fraction: float) -> None:
     codec = TopKCodec(fraction)

@@ -17,10 +17,12 @@ hang), and never stop the server from running its rounds:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,6 +36,7 @@ from fedloom.messages import PROTOCOL_VERSION, JoinRequest, ResultHeader, TaskHe
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
+from fedloom.server import ServerHandle
 
 CALL_TIMEOUT_S = 8.0
 MAX_MESSAGE_BYTES = 1024 + 16 * 1024
@@ -148,6 +151,10 @@ class SessionRunner:
         self.statuses: dict[str, int] = {}
 
     def close(self) -> None:
+        """Leave (so that no round waits for this client), then close the channel."""
+        with contextlib.suppress(grpc.RpcError):  # the fuzzing may have ended the session
+            self.client.stub.Leave(pb.LeaveRequest(session=self.client.session_proto),
+                                   timeout=CALL_TIMEOUT_S)
         self.client.close()
 
     def _note(self, code: grpc.StatusCode) -> None:
@@ -270,18 +277,30 @@ def _edit_stream(header: pb.PushRequest, pieces: list[tuple[int, bytes]], edit: 
 
 
 # ---- streams cut short by the client --------------------------------------------------
-def cancelled_upload(address: str) -> None:
+#: What `cancelled_upload` saw after its cancel: the task's upload was released (a new
+#: upload of it was accepted), or the round closed meanwhile (a clear refusal).
+RELEASED, ROUND_CLOSED = "released", "round closed"
+
+
+def cancelled_upload(server: ServerHandle, task_timeout_s: float = 20.0) -> str:
     """Start an upload, cancel it mid-stream; the same task's upload must then work
-    (the server released it), or be answered with a clear status (round closed)."""
-    runner = SessionRunner(address)
+    (the server released it and removed what had arrived), or be answered with a clear
+    status (the round closed). Returns `RELEASED` or `ROUND_CLOSED`.
+
+    Raises `AssertionError` when it cannot do its job: no task arrives within
+    ``task_timeout_s``, or the server never starts spooling the upload.
+    """
+    coordinator = server.server.coordinator
+    assert coordinator is not None
+    spool = coordinator.persistence.state_dir / "spool" / coordinator.run_id
+    runner = SessionRunner(server.address)
     try:
-        runner._pull(None)
-        if runner.task is None:
-            return
+        runner.task = runner.client.pull_task(task_timeout_s)
         header, payload = runner._fit_header(
             Weights({n: np.zeros_like(a) for n, a in fuzz_weights().items()})
         )
         pieces = chunked(payload, 16)
+        before = set(spool.glob("upload-*")) if spool.exists() else set()
         release = threading.Event()
 
         def stalled() -> Iterator[pb.PushRequest]:
@@ -290,19 +309,37 @@ def cancelled_upload(address: str) -> None:
             release.wait(CALL_TIMEOUT_S)
 
         future = runner.client.stub.Push.future(stalled(), timeout=CALL_TIMEOUT_S)
-        time.sleep(0.2)
-        future.cancel()
-        release.set()
-        deadline = time.monotonic() + 3.0
+        try:
+            # Mid-stream for the server too: its spool file holds the two chunks.
+            partial = _wait_for_spool(spool, before, 2 * 16, CALL_TIMEOUT_S)
+        finally:
+            future.cancel()
+            release.set()
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         while True:  # the server notices the cancel asynchronously
             code, details = status_of(runner.client.push, codec.result_to_proto(header), pieces)
             if code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() > deadline:
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         check_status(code, details, "push after a cancelled upload")
         assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION), (code, details)
+        assert not partial.exists(), "the cancelled upload's spool file was kept"
+        return RELEASED if code == grpc.StatusCode.OK else ROUND_CLOSED
     finally:
         runner.close()
+
+
+def _wait_for_spool(folder: Path, before: set[Path], size: int, timeout_s: float) -> Path:
+    """The new upload file in ``folder`` once it holds ``size`` bytes (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in set(folder.glob("upload-*")) - before if folder.exists() else ():
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_size >= size:
+                    return path
+        time.sleep(0.01)
+    raise AssertionError(f"the server did not spool the upload's first chunks within "
+                         f"{timeout_s} s")
 
 
 def join_request(name: str) -> pb.JoinRequest:

@@ -14,6 +14,7 @@ import pytest
 from helpers import fake_fleet, fake_fleet_connection
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from fedloom import Weights
 from fedloom.client_sdk.connection import Connection, ResultRefusedError
@@ -161,7 +162,7 @@ def _big_task() -> pb.PullResponse:
     return message
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=examples(25), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(st.lists(st.binary(max_size=60), max_size=6))
 def test_random_task_streams_never_crash_the_client(hostile, blobs) -> None:  # type: ignore[no-untyped-def]

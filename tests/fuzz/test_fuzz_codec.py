@@ -1,8 +1,10 @@
 """Hypothesis over the codec and the payload receiver: hostile messages are refused with
 `MessageRejectedError`, never crash a decoder, and what is accepted is well formed.
 
-Bounded for CI (``FEDLOOM_FUZZ_EXAMPLES``, default 40 per target); ``benchmarks/fuzz.py``
-runs the same targets far longer.
+Bounded for CI (``FEDLOOM_FUZZ_EXAMPLES``, default 40 per target, times the profile's
+factor: ``tests/property_budget.py``); new inputs on every local run, the same ones in
+CI (``HYPOTHESIS_PROFILE=ci`` derandomizes); ``benchmarks/fuzz.py`` runs the same targets
+far longer.
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ from fuzz_codec_targets import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from fedloom import Weights
 from fedloom.payload import PayloadInfo, iter_chunks, serialize
 from fedloom.protos import codec
 
-EXAMPLES = int(os.environ.get("FEDLOOM_FUZZ_EXAMPLES", "40"))
+EXAMPLES = examples(int(os.environ.get("FEDLOOM_FUZZ_EXAMPLES", "40")))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=True,  # the same inputs on every CI run; benchmarks/fuzz.py explores
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 IDS = [cls.__name__ for cls, _, _ in DECODERS]

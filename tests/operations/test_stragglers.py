@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 import time
+from fractions import Fraction
 
 import pytest
 from helpers import ScriptedClient, run_clients, small_weights
@@ -36,6 +38,21 @@ def test_over_select_adds_the_ceiling_of_the_factor_from_outside_the_plan() -> N
     assert len(s.client_ids) == 5  # ceil(3 * 1.5)
     assert len(set(s.client_ids)) == 5
     assert set(s.client_ids) <= {c.client_id for c in clients}
+
+
+@pytest.mark.parametrize(
+    ("target", "factor"),
+    # target * factor is an integer, but the float product lands just above it
+    # (10 * 1.1 = 11.000000000000002): a bare ceil would add one client too many
+    [(10, 1.1), (100, 1.1), (1000, 1.1), (20, 1.15), (7, 1.3), (5, 1.2), (3, 1.5)],
+)
+def test_over_select_rounds_the_decimal_factor_up_not_the_float_error(target: int,
+                                                                     factor: float) -> None:
+    clients = _infos(2 * target + 5)
+    planned = tuple(c.client_id for c in clients[:target])
+    wanted = math.ceil(Fraction(str(factor)) * target)  # exact decimal arithmetic
+    s = over_select(planned, clients, factor, seed=0, server_round=1)
+    assert len(s.client_ids) == wanted and s.target == target
 
 
 def test_over_select_is_capped_by_the_connected_clients_and_off_at_one() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from fedloom.privacy._hadamard import padded_length, rotate, rotation_signs, unrotate
 
@@ -61,7 +62,7 @@ def test_rotation_keeps_the_norm(d: int) -> None:
     assert abs(np.linalg.norm(y) - np.linalg.norm(x)) <= 1e-12 * np.linalg.norm(x)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(d=st.integers(1, 3000), seed=st.binary(min_size=0, max_size=40),
        data_seed=st.integers(0, 2**32 - 1))
 def test_round_trip_and_norm_for_any_size_and_seed(d: int, seed: bytes, data_seed: int) -> None:

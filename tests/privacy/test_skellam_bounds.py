@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 from skellam_support import clipped
 
 from fedloom.errors import ConfigError, SecureAggregationError
@@ -49,7 +50,7 @@ def test_without_beta_the_bound_is_the_plain_rounding_bound() -> None:
     assert params.l2_bound == pytest.approx(10.0 + math.sqrt(128))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     d=st.integers(1, 700),
     norm_ratio=st.floats(0.01, 10.0),

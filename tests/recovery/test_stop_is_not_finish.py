@@ -10,9 +10,10 @@ good; the restarted server then waited forever for ``min_clients``.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
+from outage import RefusingListener
 from recovery_support import DeterministicClient, free_port, initial_weights
 
 from fedloom import ServerConfig
@@ -54,19 +55,30 @@ def test_a_client_long_polling_through_a_stop_reconnects_and_finishes(tmp_path: 
     def run() -> None:
         outcome["stats"] = start_client(first.address, client, config=config, handle_signals=False)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     coordinator = first.server.coordinator
     assert coordinator is not None
-    deadline = time.monotonic() + 10
-    while not len(coordinator.registry) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # the client is inside a long-poll now
-    first.stop()
+    polling = threading.Event()
+    real_pull = coordinator.pull
+
+    async def pull(*args: Any, **kwargs: Any) -> Any:
+        polling.set()  # set on the server's loop; the stop below runs there after it
+        return await real_pull(*args, **kwargs)
+
+    coordinator.pull = pull  # type: ignore[method-assign]
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert polling.wait(10), "the client never long-polled"
+    first.stop()  # the client is inside its long-poll
     first.wait(10)
     assert not coordinator.finished.is_set()
-    thread.join(1.0)
-    assert thread.is_alive(), f"the client left a run that is not finished: {outcome}"
+    # A client told the run is over leaves (one Leave, then no more calls); one that
+    # was not keeps trying to join again: its attempts reach the stand-in on the port.
+    down = RefusingListener(port)
+    try:
+        joins = down.wait_for(3, timeout_s=10)
+    finally:
+        down.close()
+    assert joins and thread.is_alive(), f"the client left a run that is not finished: {outcome}"
     # Restarted with one client enough, the run goes on and really finishes.
     second = Server(_config(tmp_path, port, min_clients=1), initial_weights=initial_weights())
     history = second.start().wait(30)

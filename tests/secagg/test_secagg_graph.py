@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 from secagg_driver import make_setup
 
 from fedloom.secagg import (
@@ -112,7 +113,7 @@ def test_the_seed_depends_on_every_members_keys_and_on_the_attempt() -> None:
     assert graph_seed(other_model, roster) != seed
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(n=st.integers(3, 200), half_k=st.integers(1, 15), seed=st.binary(min_size=32,
                                                                           max_size=32))
 def test_every_graph_is_connected_regular_and_symmetric(n: int, half_k: int,
@@ -121,7 +122,7 @@ def test_every_graph_is_connected_regular_and_symmetric(n: int, half_k: int,
     _check_graph(neighbour_graph(members, 2 * half_k, seed), members, 2 * half_k)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(n=st.integers(4, 400), half_k=st.integers(1, 15), seed=st.binary(min_size=32,
                                                                           max_size=32))
 def test_ring_offsets_are_distinct_below_n_over_2_and_coprime_with_n(

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from fedloom import Weights
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg import dequantize, expand_mask, flatten, quantize, unflatten
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     n=st.integers(1, 16),
     bits=st.integers(8, 24),

@@ -4,26 +4,32 @@ unauthenticated attempts)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pytest
-from secagg_driver import Hook, ids_of, make_inputs, run, setup_round
+from secagg_driver import Hook, Round, ids_of, make_inputs, run, setup_round
 
-from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.errors import MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.secagg import (
     AdvertisedKeys,
     KeyOffer,
     MaskedInputReply,
     RoundId,
     SecAggConfig,
+    SecAggStatus,
     ShareKeysReply,
     Stage,
     UnmaskReply,
+    is_connected,
 )
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
                       max_weight=100.0, max_participants=64)
+
+Graph = Mapping[str, frozenset[str]]
 
 BOTH_MODES = pytest.mark.parametrize("authenticated", [True, False],
                                      ids=["authenticated", "unauthenticated"])
@@ -184,3 +190,100 @@ def test_a_key_offer_of_small_order_is_refused_and_not_kept(bad: bytes) -> None:
     with pytest.raises(MessageRejectedError, match="small order"):
         rnd.server.receive(ids[0], spoiled)
     assert ids[0] not in rnd.server.new_offers
+
+
+# -- a secret too few holders survive to rebuild ----------------------------------------
+
+
+def _holders(graph: Graph, owner: str, alive: set[str]) -> int:
+    return len(graph[owner] & alive)
+
+
+Plan = tuple[str, tuple[str, ...], tuple[str, ...]]
+
+
+def _round_with_plan(secret: str, authenticated: bool) -> tuple[Round, Plan]:
+    """A round of 20 clients open at masked_input, and a `_plan` on its graph. The graph
+    comes from the clients' fresh keys; on some graphs (a circulant graph looks the same
+    from every client) no plan exists, and a new round draws another (bounded)."""
+    for _ in range(30):
+        rnd = run(setup_round(CONFIG, make_inputs(ids_of(20), 8), authenticated=authenticated),
+                  stop_at=Stage.MASKED_INPUT)
+        plan = _plan(rnd.server.graph, secret)
+        if plan is not None:
+            return rnd, plan
+    raise AssertionError(f"no graph in 30 rounds lets only one {secret} fall short")
+
+
+def _plan(graph: Graph, secret: str) -> Plan | None:
+    """(owner, vanish_before, vanish_after): clients that vanish before their masked
+    input and right after it, so that ``owner``'s ``secret`` keeps exactly t - 1 holders
+    (t with one vanished client fewer) while every other secret keeps at least t, and
+    the survivors stay connected and above the floor. A deterministic search."""
+    t, everyone = CONFIG.threshold, set(graph)
+    for owner in sorted(graph):
+        for cut in itertools.combinations(sorted(graph[owner]), CONFIG.neighbours - t + 1):
+            plans: list[tuple[tuple[str, ...], tuple[str, ...]]]
+            if secret == "self-mask seed":  # the owner survives; some neighbours vanish
+                plans = [(cut, ()), (cut[:-1], ())]
+            else:  # the owner vanishes; neighbours vanish right after their input
+                plans = [((owner,), cut), ((owner,), cut[:-1])]
+            if all(_fits(graph, owner, set(b), set(a), t, everyone) for b, a in plans):
+                return owner, plans[0][0], plans[0][1]
+    return None
+
+
+def _fits(graph: Graph, owner: str, before: set[str], after: set[str], t: int,
+          everyone: set[str]) -> bool:
+    survivors = everyone - before
+    alive = survivors - after
+    short = {v for v in survivors | (before if alive else set())
+             if graph[v] & alive and _holders(graph, v, alive) < t}
+    return (len(survivors) >= CONFIG.threshold + 1 and is_connected(graph, survivors)
+            and short <= {owner})
+
+
+def _close_masked_input(rnd: Round, before: tuple[str, ...], after: tuple[str, ...]) -> None:
+    server = rnd.server
+    for cid in sorted(server.pending()):
+        if cid in before:
+            server.drop(cid)
+            continue
+        vector, n = rnd.inputs[cid]
+        server.receive(cid, rnd.clients[cid].handle(server.request_for(cid), vector=vector,
+                                                    num_examples=n))
+    for cid in after:
+        server.drop(cid)  # its masked input is in the sum; it cannot reveal shares
+    server.advance()
+
+
+@BOTH_MODES
+@pytest.mark.parametrize("secret", ["self-mask seed", "mask key"])
+def test_an_attempt_whose_secret_cannot_be_rebuilt_fails_before_any_share_is_revealed(
+        secret: str, authenticated: bool) -> None:
+    """A survivor's self-mask seed, or a dropped client's mask key, with t - 1 holders
+    left: the server gives up at the close of masked_input, before it asks anyone to
+    reveal a share (its unmask could not succeed); with t holders it goes on."""
+    rnd, (owner, before, after) = _round_with_plan(secret, authenticated)
+    t = CONFIG.threshold
+    with pytest.raises(SecureAggregationError) as failed:
+        _close_masked_input(rnd, before, after)
+    why = (f"the {secret} of {owner!r} cannot be recovered: {t - 1} of its neighbours "
+           f"survive, the threshold is {t}")
+    assert str(failed.value).endswith(why) and rnd.server.failure == why
+    assert rnd.server.status is SecAggStatus.FAILED
+    assert rnd.server.stage is Stage.MASKED_INPUT and not rnd.server.pending()
+
+
+@BOTH_MODES
+@pytest.mark.parametrize("secret", ["self-mask seed", "mask key"])
+def test_an_attempt_whose_secrets_keep_t_holders_goes_on(secret: str,
+                                                         authenticated: bool) -> None:
+    rnd, (_, before, after) = _round_with_plan(secret, authenticated)
+    if secret == "self-mask seed":
+        before = before[:-1]  # one vanished client fewer
+    else:
+        after = after[:-1]
+    _close_masked_input(rnd, before, after)
+    assert rnd.server.status is SecAggStatus.RUNNING
+    assert rnd.server.stage is (Stage.CONSISTENCY if authenticated else Stage.UNMASK)

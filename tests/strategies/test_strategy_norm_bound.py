@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from fedloom import ClientInfo, ClientUpdate, ConfigError, StrategyConfig, Weights
 from fedloom.config import SelectionConfig
@@ -35,7 +36,7 @@ def reference_norm(d: Weights) -> float:
     return float(np.sqrt(np.sum(flat**2)))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), scale=st.floats(0.01, 10.0), bound=st.floats(0.1, 20.0))
 def test_clip_update_matches_numpy(seed: int, scale: float, bound: float) -> None:
     d = delta(np.random.default_rng(seed), scale)

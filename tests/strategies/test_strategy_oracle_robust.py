@@ -9,20 +9,25 @@ Where ours default to the papers, Flower's behaviour is selected by an option an
 oracle runs with it (``enforce_preconditions = false``, MultiKrum
 ``weighted_by_examples = true``, Bulyan ``selection_rule = "multikrum"``); where the two
 coincide (a precondition that holds, Krum's single pick) the defaults are run against
-Flower too, and a failed precondition must raise. For Krum-style selection the inputs
-are required (``assume``) to have a clear gap in Krum score at the selection boundary,
-so float ties do not decide.
+Flower too, and a failed precondition must raise. For Krum-style selection each round
+must have a clear gap in Krum score at the selection boundary, so float ties do not
+decide: the strategies below draw such rounds directly (`admissible_rounds` redraws a
+round's deltas from the example's seed until it has one), so every example is run.
+The Bulyan oracle runs f = 0 .. 3, each with client counts from its own n = 4f + 3 on
+(and some below, where it must refuse).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 pytest.importorskip("flwr")
 
@@ -69,23 +74,54 @@ def clear_gap(scores: np.ndarray, m: int) -> bool:
     return bool(s[m] - s[m - 1] > 1e-3 * max(s[m], 1e-12))
 
 
-def play(
-    ours: Any, theirs: Any, seed: int, num_clients: int, shapes: Shapes,
-    num_rounds: int, admissible: Callable[[Round], bool] = lambda rnd: True,
-    expect_error: bool = False,
-) -> None:
-    """Run both for ``num_rounds`` rounds on the same random deltas and compare each round.
+Admissible = Callable[[Round], bool]
+#: Redraws of one round's deltas before `admissible_rounds` gives up (a failed test).
+MAX_REDRAWS = 200
 
-    ``admissible`` rejects (hypothesis ``assume``) rounds whose outcome a float tie could
-    decide; with ``expect_error`` ours must refuse every round (a failed precondition)
-    while Flower aggregates anyway.
-    """
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A model and its rounds of deltas, each round admissible."""
+
+    initial: Weights
+    rounds: list[Round]
+    num_clients: int
+
+
+def admissible_rounds(seed: int, num_clients: int, shapes: Shapes, num_rounds: int,
+                      admissible: Admissible = lambda rnd: True) -> Scenario:
+    """Rounds drawn from ``seed``; a round a float tie could decide is drawn again
+    (deterministically, from the same generator), so the scenario is always usable."""
     rng = np.random.default_rng(seed)
-    current = initial_weights(rng, shapes)
+    initial = initial_weights(rng, shapes)
+    rounds = []
+    for _ in range(num_rounds):
+        for _ in range(MAX_REDRAWS):
+            rnd = random_round(rng, shapes, num_clients)
+            if admissible(rnd):
+                break
+        else:
+            raise AssertionError(f"no admissible round in {MAX_REDRAWS} draws")
+        rounds.append(rnd)
+    return Scenario(initial, rounds, num_clients)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, num_clients: st.SearchStrategy[int],
+              admissible: Admissible = lambda rnd: True) -> Scenario:
+    return admissible_rounds(draw(st.integers(0, 2**32 - 1)), draw(num_clients),
+                             draw(shapes_st), draw(rounds_st), admissible)
+
+
+def play(ours: Any, theirs: Any, scenario: Scenario, expect_error: bool = False) -> None:
+    """Run both on the scenario's rounds and compare each round.
+
+    With ``expect_error`` ours must refuse every round (a failed precondition) while
+    Flower aggregates anyway.
+    """
+    current = scenario.initial
     flower_current = {k: v.copy() for k, v in current.items()}
-    for server_round in range(1, num_rounds + 1):
-        rnd = random_round(rng, shapes, num_clients)
-        assume(admissible(rnd))
+    for server_round, rnd in enumerate(scenario.rounds, start=1):
         record, _ = theirs.aggregate_train(
             server_round, replies(client_weights(flower_current, rnd), rnd.num_examples))
         if expect_error:
@@ -101,52 +137,69 @@ def play(
         current, flower_current = result.weights, flower_next
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(1, 9), shapes=shapes_st,
-       num_rounds=rounds_st)
-def test_fedmedian_equals_flower(seed: int, num_clients: int, shapes: Shapes,
-                                 num_rounds: int) -> None:
-    play(FedMedian(), flower.FedMedian(), seed, num_clients, shapes, num_rounds)
+@settings(max_examples=examples(30), deadline=None)
+@given(scenario=scenarios(st.integers(1, 9)))
+def test_fedmedian_equals_flower(scenario: Scenario) -> None:
+    play(FedMedian(), flower.FedMedian(), scenario)
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(1, 12), shapes=shapes_st,
-       beta=st.sampled_from([0.0, 0.1, 0.2, 0.3, 0.45]), num_rounds=rounds_st,
+@settings(max_examples=examples(30), deadline=None)
+@given(scenario=scenarios(st.integers(1, 12)), beta=st.sampled_from([0.0, 0.1, 0.2, 0.3, 0.45]),
        paper=st.booleans())
-def test_fedtrimmedavg_equals_flower(seed: int, num_clients: int, shapes: Shapes, beta: float,
-                                     num_rounds: int, paper: bool) -> None:
+def test_fedtrimmedavg_equals_flower(scenario: Scenario, beta: float, paper: bool) -> None:
     """Flower trims ``int(beta * n)`` at each end; ours too, and by default refuses a
     round where that is 0 although ``beta > 0`` (nothing would be trimmed)."""
     ours = FedTrimmedAvg(beta=beta, enforce_preconditions=paper)
-    refused = paper and beta > 0 and int(beta * num_clients) == 0
-    play(ours, flower.FedTrimmedAvg(beta=beta), seed, num_clients, shapes, num_rounds,
-         expect_error=refused)
+    refused = paper and beta > 0 and int(beta * scenario.num_clients) == 0
+    play(ours, flower.FedTrimmedAvg(beta=beta), scenario, expect_error=refused)
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(2, 9), shapes=shapes_st,
-       f=st.integers(0, 3), num_rounds=rounds_st, paper=st.booleans())
-def test_krum_equals_flower(seed: int, num_clients: int, shapes: Shapes, f: int, num_rounds: int,
-                            paper: bool) -> None:
+def _krum_admissible(f: int, m: int) -> Admissible:
+    return lambda rnd: clear_gap(reference_scores(rnd.deltas, f), m)
+
+
+@st.composite
+def krum_cases(draw: st.DrawFn, max_selected: int = 1) -> tuple[int, int, Scenario]:
+    """(f, m, scenario): f malicious, m selected, rounds with a clear gap at m.
+
+    With one neighbour in a score (``n - f - 2 <= 1``) the two clients nearest each
+    other always tie for the lowest score, so m = 1 then starts at n = f + 4 (a tie is
+    no test of either side; the refusal below n = 2f + 3 is tested on its own).
+    """
+    f = draw(st.integers(0, 3))
+    m = draw(st.integers(1, max_selected))
+    clients = st.integers(f + 4 if m == 1 else 2, 9)
+    return f, m, draw(scenarios(clients, _krum_admissible(f, m)))
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(case=krum_cases(), paper=st.booleans())
+def test_krum_equals_flower(case: tuple[int, int, Scenario], paper: bool) -> None:
     """Unchecked (Flower's behaviour) for any n; by default, equal where n > 2f + 2
     (``n - f - 2`` neighbours either way) and a named refusal below it."""
+    f, _, scenario = case
     ours = Krum(num_malicious_nodes=f, enforce_preconditions=paper)
-    refused = paper and not num_clients > 2 * f + 2
-    play(ours, flower.Krum(num_malicious_nodes=f), seed, num_clients, shapes, num_rounds,
-         admissible=lambda rnd: clear_gap(reference_scores(rnd.deltas, f), 1),
-         expect_error=refused)
+    refused = paper and not scenario.num_clients > 2 * f + 2
+    play(ours, flower.Krum(num_malicious_nodes=f), scenario, expect_error=refused)
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(2, 9), shapes=shapes_st,
-       f=st.integers(0, 3), m=st.integers(1, 9), num_rounds=rounds_st)
-def test_multikrum_equals_flower(seed: int, num_clients: int, shapes: Shapes, f: int, m: int,
-                                 num_rounds: int) -> None:
+@settings(max_examples=examples(10), deadline=None)
+@given(data=st.data())
+def test_krum_refuses_rounds_below_its_precondition(data: st.DataObject) -> None:
+    f = data.draw(st.integers(0, 3))
+    scenario = data.draw(scenarios(st.integers(2, 2 * f + 2)))
+    play(Krum(num_malicious_nodes=f), flower.Krum(num_malicious_nodes=f), scenario,
+         expect_error=True)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(case=krum_cases(max_selected=9))
+def test_multikrum_equals_flower(case: tuple[int, int, Scenario]) -> None:
+    f, m, scenario = case
     ours = MultiKrum(num_malicious_nodes=f, num_nodes_to_select=m, weighted_by_examples=True,
                      enforce_preconditions=False)
     theirs = flower.MultiKrum(num_malicious_nodes=f, num_nodes_to_select=m)
-    play(ours, theirs, seed, num_clients, shapes, num_rounds,
-         admissible=lambda rnd: clear_gap(reference_scores(rnd.deltas, f), m))
+    play(ours, theirs, scenario)
 
 
 def _median_gap_ok(deltas: list[Weights], chosen: list[int], beta: int) -> bool:
@@ -161,7 +214,7 @@ def _median_gap_ok(deltas: list[Weights], chosen: list[int], beta: int) -> bool:
     return True
 
 
-def _bulyan_admissible(f: int) -> Callable[[Round], bool]:
+def _bulyan_admissible(f: int) -> Admissible:
     def admissible(rnd: Round) -> bool:
         n = len(rnd.deltas)
         if n < 4 * f + 3:
@@ -176,15 +229,25 @@ def _bulyan_admissible(f: int) -> Callable[[Round], bool]:
     return admissible
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_clients=st.integers(3, 12), shapes=shapes_st,
-       f=st.integers(0, 2), num_rounds=rounds_st, enforce=st.booleans())
-def test_bulyan_equals_flower(seed: int, num_clients: int, shapes: Shapes, f: int, num_rounds: int,
-                              enforce: bool) -> None:
+def _bulyan_clients(f: int) -> st.SearchStrategy[int]:
+    """Mostly n >= 4f + 3 (Bulyan aggregates), sometimes fewer (it must refuse)."""
+    floor = 4 * f + 3
+    if f == 0:
+        return st.integers(floor, floor + 4)
+    return st.one_of(st.integers(floor, floor + 4), st.integers(floor - 3, floor - 1))
+
+
+@pytest.mark.parametrize("f", [0, 1, 2, 3])
+def test_bulyan_equals_flower(f: int) -> None:
     """Flower's selection rule (one Multi-Krum pass); below n = 4f + 3 Flower returns
     None, ours yields no model with the reason, or raises by default."""
-    ours = Bulyan(num_malicious_nodes=f, selection_rule="multikrum",
-                  enforce_preconditions=enforce)
-    refused = enforce and num_clients < 4 * f + 3
-    play(ours, flower.Bulyan(num_malicious_nodes=f), seed, num_clients, shapes, num_rounds,
-         admissible=_bulyan_admissible(f), expect_error=refused)
+
+    @settings(max_examples=examples(20), deadline=None)
+    @given(scenario=scenarios(_bulyan_clients(f), _bulyan_admissible(f)), enforce=st.booleans())
+    def check(scenario: Scenario, enforce: bool) -> None:
+        ours = Bulyan(num_malicious_nodes=f, selection_rule="multikrum",
+                      enforce_preconditions=enforce)
+        refused = enforce and scenario.num_clients < 4 * f + 3
+        play(ours, flower.Bulyan(num_malicious_nodes=f), scenario, expect_error=refused)
+
+    check()

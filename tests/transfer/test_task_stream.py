@@ -223,11 +223,22 @@ def test_a_waiting_stream_keeps_no_model_alive(serve) -> None:  # type: ignore[n
     stream per client would otherwise keep each round's model alive into the next round
     (found by benchmarks/transfer.py: one model more at the server's peak)."""
     handle = serve(num_rounds=1)
+    coordinator = handle.server.coordinator
+    assert coordinator is not None
+    waiting = threading.Event()
+    real_pull = coordinator.pull
+
+    async def pull(record: Any, sent: str | None = None) -> Any:
+        if sent is not None:  # the stream asks for the task after the one it sent
+            waiting.set()
+        return await real_pull(record, sent)
+
+    coordinator.pull = pull  # type: ignore[method-assign]
     client = StreamClient(handle.address)
     try:
         client.open_stream()
         client.next_task()  # sent; the stream now waits for the next one
-        time.sleep(0.2)
+        assert waiting.wait(10), "the stream did not go on to wait for a next task"
         payload = handle.server.coordinator.model.payload  # the model the stream wrote
         assert len(payload) > 0
         assert _coroutines_holding(payload) == []
