@@ -243,6 +243,8 @@ class SecAggClient(ClientAttempts):
         attempt.graph_seed = graph_seed(setup, request.roster)
         attempt.graph = neighbour_graph(attempt.roster, setup.neighbours, attempt.graph_seed)
         attempt.neighbours = attempt.graph[self.client_id]
+        # The graph gives every member min(k, n - 1) >= t neighbours once the roster has
+        # passed `_take_roster`; this refusal keeps the client safe should that change.
         if len(attempt.neighbours) < threshold:
             self._refuse(f"only {len(attempt.neighbours)} neighbours advertised keys; at least "
                          f"the threshold ({threshold}) is needed to share secrets")
