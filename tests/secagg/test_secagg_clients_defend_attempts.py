@@ -126,6 +126,9 @@ def test_policy_mismatch_is_refused(authenticated: bool) -> None:
     with pytest.raises(SecureAggregationError, match="max_participants"):
         make_client(cid, authenticated=authenticated, policy=smaller).handle(
             AdvertiseKeysRequest(setup))
+    exactly = dataclasses.replace(CONFIG, max_participants=8)  # the bound itself is allowed
+    assert isinstance(make_client(cid, authenticated=authenticated, policy=exactly).handle(
+        AdvertiseKeysRequest(setup)), AdvertisedKeys)
     assert isinstance(make_client(cid, authenticated=authenticated, policy=CONFIG).handle(
         AdvertiseKeysRequest(setup)), AdvertisedKeys)
 
