@@ -144,10 +144,11 @@ def test_exported_names_are_pinned() -> None:
         "FedAdam", "FedAvg", "FedAvgM", "FedMedian", "FedProx", "FedTrimmedAvg", "FedYogi",
         "HoldingAggregator", "Krum", "KrumAggregator", "MeanUpdate", "MultiKrum",
         "NormBoundedStrategy", "SelectionConfig", "ServerAdagrad", "ServerAdam", "ServerMomentum",
-        "ServerOptimizer", "ServerSGD", "ServerYogi", "StateDict", "Strategy",
-        "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta", "apply_privacy",
-        "aggregate_secure_mean", "build_strategy", "check_secure_strategy", "clip_update",
-        "describe_strategies", "strategy_settings", "update_norm",
+        "ServerOptimizer", "ServerSGD", "ServerYogi", "StalenessWeighting", "StateDict",
+        "Strategy", "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta",
+        "apply_privacy", "aggregate_secure_mean", "build_strategy", "check_secure_strategy",
+        "clip_update", "describe_strategies", "scale_delta", "stale_update", "strategy_settings",
+        "update_norm", "weighted_updates",
     ])
     for name in strategies_pkg.__all__:
         assert hasattr(strategies_pkg, name), name
