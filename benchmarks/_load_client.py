@@ -133,6 +133,7 @@ class LoadClient:
         self.session = grant.session
         self._long_poll_s = grant.long_poll_s
         self._heartbeat_s = grant.heartbeat_interval_s
+        self._chunk_size = grant.chunk_size  # a payload of several chunks: all full-size
         return True
 
     async def _heartbeats(self, stub: Any) -> None:
@@ -255,7 +256,7 @@ class LoadClient:
         def messages() -> Any:
             yield codec.result_to_proto(header)
             if payload is not None:
-                yield from codec.chunks_for_push(iter_chunks(payload, 256 * 1024))
+                yield from codec.chunks_for_push(iter_chunks(payload, self._chunk_size))
 
         started = time.perf_counter()
         try:

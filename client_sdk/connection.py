@@ -164,16 +164,21 @@ class Connection:
         except grpc.RpcError as exc:
             raise translate(exc, "heartbeat") from exc
 
-    def leave(self, reason: str) -> None:
-        if self.session is None:
+    def leave(self, reason: str, session: Session | None = None) -> None:
+        """End this connection's session, or ``session`` (an earlier one of this client,
+        which its secret proves; the server ends no session because of a name)."""
+        ending = session or self.session
+        if ending is None:
             return
         try:
             self._stub.Leave(
-                pb.LeaveRequest(session=self._session_proto(), reason=reason), timeout=5.0
+                pb.LeaveRequest(session=codec.session_to_proto(ending), reason=reason),
+                timeout=5.0,
             )
         except grpc.RpcError as exc:
             log.debug("leave failed: %s", exc)
-        self.session = None
+        if session is None:
+            self.session = None
 
     # -- tasks ----------------------------------------------------------------------
     def pull(self) -> tuple[TaskHeader, Weights] | NoTask:

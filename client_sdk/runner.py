@@ -155,6 +155,7 @@ class ClientRunner:
     def run(self) -> ClientStats:
         backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
         failures_in_a_row = 0
+        previous: Session | None = None  # the session a re-join replaces
         while not self.stop.is_set():
             connection = Connection(self.config)
             self._connection = connection
@@ -169,6 +170,11 @@ class ClientRunner:
                 )
                 backoff.reset()
                 failures_in_a_row = 0
+                if previous is not None:
+                    # The server may still hold it (a blink, not a restart): without a
+                    # proven identity it cannot tell that this join replaces it.
+                    connection.leave("joined again", previous)
+                previous = grant.session
                 heartbeat = _Heartbeat(connection, grant.heartbeat_interval_s, self.stop)
                 if self._serve(connection, grant.session):
                     connection.leave("run finished")

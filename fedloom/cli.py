@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -25,6 +26,15 @@ from fedloom.errors import FedloomError
 from fedloom.logs import FORMATS, configure_logging
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import field_help
+
+#: Exit statuses of ``fedloom server``, for supervisors (docs/operations.md, "Exit
+#: status"): only a finished run exits 0, so ``Restart=on-failure`` (systemd) or a
+#: Kubernetes Job restarts a server that still has rounds to run, and never one whose
+#: run is over.
+EXIT_FINISHED = 0  # the run is over: do not restart
+EXIT_FAILED = 1  # an unexpected error; started again, the server resumes the run
+EXIT_REFUSED = 2  # a setting, file or state folder needs fixing: a restart cannot help
+EXIT_STOPPED = 75  # SIGTERM/SIGINT with rounds to go (EX_TEMPFAIL); a restart resumes
 
 
 def _flag(name: str) -> str:
@@ -46,6 +56,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: st
         # Tables have flags of their own; --insecure is security_cli's.
         if field.default is dataclasses.MISSING or field.name == "insecure":
             continue
+        # A true/false setting may stand alone (--new-run) or take its value (--resume false).
+        switch: dict[str, Any] = {"nargs": "?", "const": True} if str(field.type) == "bool" else {}
         parser.add_argument(
             _flag(field.name),
             dest=dest_prefix + field.name,
@@ -53,6 +65,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type[Any], dest_prefix: st
             default=None,
             metavar=str(field.type).upper(),
             help=f"{field_help(field)} (default: {field.default})",
+            **switch,
         )
 
 
@@ -163,8 +176,9 @@ def _run_server(args: argparse.Namespace) -> int:
     config = server_config_from_args(args)
     weights = load_weights(args.initial_weights) if args.initial_weights else None
     evaluate_fn = _load_attr(args.evaluate_fn, "--evaluate-fn") if args.evaluate_fn else None
-    Server(config, initial_weights=weights, evaluate_fn=evaluate_fn).run()
-    return 0
+    server = Server(config, initial_weights=weights, evaluate_fn=evaluate_fn)
+    server.run()
+    return EXIT_FINISHED if server.run_finished else EXIT_STOPPED
 
 
 def _run_client(args: argparse.Namespace) -> int:
@@ -266,7 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo_main(args)
     except FedloomError as exc:
         print(f"fedloom {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
+    except Exception:
+        if args.command != "server":
+            raise
+        # A supervisor restarts on this status; the run resumes from its last commit.
+        logging.getLogger("fedloom.server").exception("the server failed")
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -180,6 +180,14 @@ class ServerConfig:
     state_dir: str = described("fedloom-state", "folder for the run database, checkpoints "
                                                 "and upload spool")
     resume: bool = described(True, "resume the latest unfinished run in state_dir")
+    new_run: bool = described(
+        False, "start a new run even though the last run in state_dir finished (without "
+               "it the server tells that run's clients it is over and exits); pass it once, "
+               "not in a supervisor's restart command")
+    finished_grace_s: float = described(
+        60.0, "seconds a server started on a run that is over (a restart after its last "
+              "commit, or of a finished run) answers 'run finished' to the clients that "
+              "come back (0: exit at once)")
     keep_checkpoints: int = described(3, "checkpoints kept per run (the newest)")
     max_num_examples: int = described(10_000_000, "largest num_examples a client may claim")
     long_poll_s: float = described(20.0, "seconds a Pull waits for a task before answering "
@@ -192,6 +200,13 @@ class ServerConfig:
                                                "stream, in seconds")
     chunk_timeout_s: float = described(30.0, "seconds a model stream holding a transfer "
                                              "turn may go without moving a chunk")
+    min_transfer_rate: int = described(
+        65536, "bytes per second a model stream holding a transfer turn must keep up, with "
+               "transfer_window_s of slack (a turn is held at most transfer_window_s + "
+               "size / rate); slower streams are cut and count as strikes (0: no minimum)")
+    transfer_window_s: float = described(
+        10.0, "seconds a model stream holding a transfer turn may fall behind "
+              "min_transfer_rate")
     quarantine_after: int = described(10, "refused messages within quarantine_s that "
                                           "quarantine a client (0: never)")
     quarantine_s: float = described(60.0, "seconds a quarantined client is refused (and "
@@ -236,6 +251,7 @@ class ServerConfig:
             "client_timeout_s",
             "stream_timeout_s",
             "chunk_timeout_s",
+            "transfer_window_s",
             "quarantine_s",
         ):
             value = getattr(self, name)
@@ -254,6 +270,17 @@ class ServerConfig:
             math.isfinite(self.over_selection) and self.over_selection >= 1.0,
             "over_selection",
             "must be a number >= 1 (1.3 issues 30% more fit tasks than the round needs)",
+        )
+        check(
+            math.isfinite(self.finished_grace_s) and self.finished_grace_s >= 0,
+            "finished_grace_s",
+            "must be a number of seconds >= 0 (keep it above the clients' reconnect_max_s "
+            "so that every client hears that the run is over)",
+        )
+        check(
+            self.min_transfer_rate >= 0,
+            "min_transfer_rate",
+            "must be a number of bytes per second >= 0 (0: no minimum)",
         )
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")

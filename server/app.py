@@ -142,7 +142,10 @@ class Server:
         )
         try:
             await coordinator.run()
-            await self._let_clients_leave(coordinator)
+            if coordinator.found_over:
+                log.info("run %s is over; telling its clients for up to %g s",
+                         coordinator.run_id, self.config.finished_grace_s)
+            await coordinator.linger()
         finally:
             reporter.close()
             await probes.shutting_down()
@@ -152,12 +155,11 @@ class Server:
             persistence.close()
         return coordinator.history
 
-    async def _let_clients_leave(self, coordinator: Coordinator) -> None:
-        """After the last round, give connected clients a moment to hear it and leave."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(5.0, self.config.long_poll_s)
-        while len(coordinator.registry) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+    @property
+    def run_finished(self) -> bool:
+        """Whether the run is over (all its rounds, or a spent privacy budget), as
+        opposed to a server stopped (signal, `ServerHandle.stop`) with rounds to go."""
+        return self.coordinator is not None and self.coordinator.finished.is_set()
 
     def run(self) -> list[RoundRecord]:
         """Serve in this thread until the run ends; SIGINT/SIGTERM stop it cleanly."""
@@ -173,7 +175,11 @@ class Server:
         try:
             return asyncio.run(main())
         except asyncio.CancelledError:
-            log.info("server stopped by signal; the run resumes from its last committed round")
+            if self.run_finished:
+                log.info("server stopped by signal; the run had finished")
+            else:
+                log.info("server stopped by signal before the run finished; started "
+                         "again, it resumes from the last committed round")
             return self.coordinator.history if self.coordinator else []
 
     def start(self, timeout_s: float = 30.0) -> ServerHandle:

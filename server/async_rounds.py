@@ -44,7 +44,7 @@ from fedloom.server.metrics import ServerMetrics
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.plain_round import start_fit_upload
 from fedloom.server.registry import ClientRecord
-from fedloom.server.rounds import end_stream, updates_from_queue
+from fedloom.server.rounds import Aggregation, end_stream, updates_from_queue
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.server.uploads import SpooledWeights, Upload
 from fedloom.strategies import StalenessWeighting, weighted_updates
@@ -121,7 +121,7 @@ class AsyncRounds(RoundDriver):
         current = parts.model.weights  # the version this step updates
         self._top_up()
         loop = asyncio.get_running_loop()
-        aggregate = loop.run_in_executor(
+        aggregation = Aggregation(
             parts.executor, parts.strategy.aggregate_fit, server_round, current,
             weighted_updates(updates_from_queue(buffer.updates), self.weighting))
         try:
@@ -133,12 +133,12 @@ class AsyncRounds(RoundDriver):
                         await buffer.full.wait()
         except BaseException:  # cancelled (server stopping): release the aggregation thread
             end_stream(buffer.updates, "the server is stopping")
-            aggregate.add_done_callback(_consume)  # its RoundAbortedError is expected
+            aggregation.abandon()
             raise
         release_free_heap()
         result: AggregateResult | None
         try:
-            result = await aggregate
+            result = await aggregation.result
         except AggregationError as exc:
             log.warning("version %d failed: %s; the global model is unchanged", server_round, exc)
             result = None
@@ -358,11 +358,6 @@ class AsyncFitTasks:
     def needless(self, task: Task, header: ResultHeader) -> bool:
         # After the last step the results still in flight are answered "not needed".
         return self.driver.done
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _outcomes(tasks: list[Task]) -> dict[str, int]:

@@ -9,13 +9,15 @@ Knows nothing of gRPC.
 
 The servicer calls `join`, `heartbeat`, `leave`, `stream_closed`, `pull` and
 `accept_result` (then feeds the returned `Upload`); each validates its input and raises
-`MessageRejectedError` with a reason.
+`MessageRejectedError` with a reason. The server calls `run`, then `linger`: a run that
+is over stays answerable ("run finished") a while, so that its clients learn it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 
 from fedloom.config import ServerConfig
 from fedloom.errors import MessageRejectedError, RejectReason
@@ -67,6 +69,12 @@ class Coordinator:
         self.rounds = RoundLoop(parts, self.driver, persistence, evaluate_fn)
         self.finished = asyncio.Event()  # set only once the run is over and recorded
         self.stopping = False  # run() has ended, finished or not (e.g. the server stops)
+        # Found over at start (a restart after the last commit, or of a finished run):
+        # its clients are unknown here, but at least the last round's were out there.
+        self.found_over = self.rounds.over
+        last = self.history[-1].num_sampled if self.history else 0
+        self._expected = max(config.min_clients, last) if self.found_over else 0
+        self._told: set[str] = set()  # names of clients told "run finished" (bounded)
 
     # -- what the run has done ------------------------------------------------------
     @property
@@ -86,8 +94,9 @@ class Coordinator:
         return self.model.weights
 
     # -- client calls ---------------------------------------------------------------
-    def join(self, request: JoinRequest, identity: str | None = None) -> JoinReply:
-        return self.fleet.join(request, identity)
+    def join(self, request: JoinRequest, identity: str | None = None,
+             peer: str = "") -> JoinReply:
+        return self.fleet.join(request, identity, peer)
 
     def strike(self, record: ClientRecord, reason: RejectReason) -> None:
         self.fleet.strike(record, reason)
@@ -116,6 +125,8 @@ class Coordinator:
             if task is not None:
                 return task.header, task.payload
             if self.finished.is_set():
+                if len(self._told) < self._expected:
+                    self._told.add(record.info.name)
                 return NoTask(retry_after_s=0.0, run_finished=True)
             if self.stopping:  # stopped, not finished: the client must come back (reconnect)
                 return NoTask(retry_after_s=0.0)
@@ -151,3 +162,34 @@ class Coordinator:
             reaper.cancel()
             self.driver.close()
             self._executor.shutdown(wait=False)
+
+    async def linger(self) -> None:
+        """The run is over: stay answerable ("run finished") a while, so that no client
+        keeps retrying a server that is gone.
+
+        A server that ran rounds knows its clients: it waits while any is connected
+        (each hears it at its next poll and leaves), for at most ``long_poll_s`` (and
+        5 s): a client still training a task it was given cannot be waited for long.
+        One that found the run over when it started (`found_over`: a restart after the
+        last commit, or of a finished run) knows none: it waits, for at most
+        ``finished_grace_s``, until as many clients as the last round had have heard it
+        and left. Silent sessions are reaped meanwhile.
+        """
+        config = self.config
+        grace = config.finished_grace_s
+        if not self.found_over:
+            grace = min(grace, 5.0, config.long_poll_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        reaper = asyncio.create_task(self.fleet.reap(asyncio.Event()))
+        try:
+            while len(self.registry) or len(self._told) < self._expected:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self.registry.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await self.registry.changed.wait()
+        finally:
+            reaper.cancel()

@@ -24,7 +24,7 @@ from fedloom.messages import (
 )
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.progress import RoundReporter
-from fedloom.server.quarantine import Quarantine
+from fedloom.server.quarantine import STRIKES, Quarantine
 from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.types import ClientInfo
 
@@ -43,7 +43,10 @@ class Fleet:
         self.config = config
         self.run_id = run_id
         self.registry = ClientRegistry(config.max_clients)
+        #: Proven identities; and peer addresses, for clients known only by a label.
         self.quarantine = Quarantine(config.quarantine_after, config.quarantine_s)
+        self.address_quarantine = Quarantine(config.quarantine_after, config.quarantine_s,
+                                             noun="address")
         self._reporter = reporter or RoundReporter(enabled=False)
         self._listeners: list[DepartureListener] = []
 
@@ -51,9 +54,12 @@ class Fleet:
         self._listeners.append(listener)
 
     # -- admission ------------------------------------------------------------------
-    def join(self, request: JoinRequest, identity: str | None = None) -> JoinReply:
-        """Admit a client. An authenticated ``identity`` (`fedloom.server.auth`) names
-        the session and holds one session at a time: joining again ends the old one."""
+    def join(self, request: JoinRequest, identity: str | None = None,
+             peer: str = "") -> JoinReply:
+        """Admit a client from address ``peer``. An authenticated ``identity``
+        (`fedloom.server.auth`) names the session and holds one session at a time:
+        joining again ends the old one. Without one, the requested name is a label: it
+        ends no session (an SDK client that joins again leaves its old session itself)."""
         if request.protocol_version != PROTOCOL_VERSION:
             raise MessageRejectedError(
                 RejectReason.INVALID,
@@ -62,12 +68,15 @@ class Fleet:
             )
         if Capability.FIT not in request.capabilities:
             raise MessageRejectedError(RejectReason.INVALID, "a client must support 'fit'")
-        self.quarantine.check(identity or request.name)
-        for info in self.registry.infos() if identity is not None else ():
-            if info.name == identity:
-                self.drop(info.client_id, "replaced by a new session of its identity")
+        if identity is not None:
+            self.quarantine.check(identity)
+            for client_id in self._sessions_of(identity):
+                self.drop(client_id, "replaced by a new session of its identity")
+        elif peer:
+            self.address_quarantine.check(peer)
         record, session = self.registry.join(
-            identity or request.name, request.capabilities & SERVER_CAPABILITIES
+            identity or request.name, request.capabilities & SERVER_CAPABILITIES,
+            identity=identity, peer=peer,
         )
         log.info(
             "client %s (%s) joined; %d connected", record.client_id, record.info.name,
@@ -90,14 +99,32 @@ class Fleet:
         )
 
     def strike(self, record: ClientRecord, reason: RejectReason) -> None:
-        """Count a refused message against its client; past the limit, quarantine its
-        identity and end its sessions (`fedloom.server.quarantine`)."""
-        name = record.info.name
-        if self.quarantine.strike(name, reason):
-            log.warning("client %s quarantined for %.0f s", name, self.quarantine.duration_s)
-            for info in self.registry.infos():
-                if info.name == name:
-                    self.drop(info.client_id, "quarantined")
+        """Count a refused message against its client (`fedloom.server.quarantine`).
+
+        A proven identity is struck as itself: past the limit it is quarantined and
+        all its sessions end. A client known only by the name it chose is struck by its
+        peer address (a fresh session or name does not wipe its record): past the
+        limit Joins from that address are refused for a while and this session ends,
+        as does any other that strikes from there meanwhile; no other session does.
+        """
+        if record.identity is not None:
+            if self.quarantine.strike(record.identity, reason):
+                log.warning("client %s quarantined for %.0f s", record.identity,
+                            self.quarantine.duration_s)
+                for client_id in self._sessions_of(record.identity):
+                    self.drop(client_id, "quarantined")
+            return
+        key = record.peer or f"session {record.client_id}"
+        quarantine = self.address_quarantine
+        if quarantine.strike(key, reason) or (
+                reason in STRIKES and quarantine.remaining_s(key) > 0):
+            log.warning("client %s (unproven name %r) quarantined; joins from %s refused "
+                        "for %.0f s", record.client_id, record.info.name[:64], key,
+                        quarantine.remaining_s(key))
+            self.drop(record.client_id, "quarantined")
+
+    def _sessions_of(self, identity: str) -> list[str]:
+        return [c.client_id for c in self.registry.records() if c.identity == identity]
 
     def strike_id(self, client_id: str, reason: RejectReason) -> None:
         record = self.registry.get(client_id)

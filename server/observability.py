@@ -21,13 +21,14 @@ import threading
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
 from fedloom.errors import ConfigError
 from fedloom.protos.fedloom.v1 import fleet_pb2
 from fedloom.server.metrics import ServerMetrics
+from fedloom.server.wire import add_parsed_service
 
 log = logging.getLogger("fedloom.server")
 
@@ -35,19 +36,24 @@ log = logging.getLogger("fedloom.server")
 FLEET_SERVICE = fleet_pb2.DESCRIPTOR.services_by_name["Fleet"].full_name
 
 
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+REFLECTION = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+
+
 class Probes:
-    """The health service (and reflection) added to one gRPC server."""
+    """The health service (and reflection) added to one gRPC server.
+
+    Both parse their own requests (`fedloom.server.wire`), as Fleet does: malformed
+    bytes from anyone who can reach the port earn INVALID_ARGUMENT and a rate-limited
+    warning, not UNKNOWN and an ERROR traceback each.
+    """
 
     def __init__(self, server: grpc.aio.Server, *, reflection_enabled: bool) -> None:
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        add_parsed_service(HEALTH, self.health, server)
         if reflection_enabled:
-            names = (
-                FLEET_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            )
-            reflection.enable_server_reflection(names, server)
+            names = (FLEET_SERVICE, HEALTH.full_name, reflection.SERVICE_NAME)
+            add_parsed_service(REFLECTION, reflection.aio.ReflectionServicer(names), server)
 
     async def serving(self) -> None:
         """Mark the server and the Fleet service SERVING (call once the port is bound)."""

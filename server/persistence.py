@@ -51,15 +51,27 @@ class RunPersistence:
         self.weights = weights
         self.completed_round = completed_round
         self.keep_checkpoints = keep_checkpoints
+        #: The run is over (recorded so): no round is run, its clients are told.
+        self.finished = False
 
     @classmethod
     def open(
         cls, config: ServerConfig, initial_weights: Weights | None, strategy: Strategy
     ) -> RunPersistence:
-        """Resume the latest unfinished run (when ``config.resume``), else start one."""
+        """Resume the latest run of ``state_dir`` when ``config.resume``, else start one.
+
+        A latest run that has finished is opened as it ended (`finished`: there is
+        nothing to train, and its clients are told so) unless ``config.new_run`` asks
+        for a new run: a restart after the end of a run must not quietly train the
+        initial model again.
+        """
         state_dir = Path(config.state_dir)
         store = RunStore(state_dir / "fedloom.db")
-        run = store.latest_unfinished_run() if config.resume else None
+        run = store.latest_run() if config.resume else None
+        if run is not None and run.status == "finished":
+            if not config.new_run:
+                return cls._resume(config, store, run.run_id, None, strategy, finished=True)
+            run = None
         # A run whose round 0 never committed (the server died while writing it) holds
         # nothing yet: start it again from the initial weights, under the same id.
         unstarted = run is not None and store.latest_round(run.run_id) is None
@@ -92,6 +104,7 @@ class RunPersistence:
         run_id: str,
         initial_weights: Weights | None,
         strategy: Strategy,
+        finished: bool = False,
     ) -> RunPersistence:
         state_dir = Path(config.state_dir)
         for record in reversed(store.rounds(run_id)):
@@ -120,10 +133,18 @@ class RunPersistence:
             store.forget_rounds_after(run_id, record.round)
             _remove_torn_temp_files(state_dir / "checkpoints" / run_id)
             strategy.load_state_dict(checkpoint.strategy_state)
-            log.info("resuming run %s after round %d", run_id, record.round)
-            return cls(
-                state_dir, store, run_id, checkpoint.weights, record.round, config.keep_checkpoints
-            )
+            persistence = cls(state_dir, store, run_id, checkpoint.weights, record.round,
+                              config.keep_checkpoints)
+            if finished:
+                persistence.finished = True
+                log.warning(
+                    "run %s in %s has finished (its last round is %d): nothing to train. "
+                    "This server tells its clients that the run is over, then exits. To "
+                    "start a new run here, pass --new-run (new_run = true) once",
+                    run_id, state_dir, record.round)
+            else:
+                log.info("resuming run %s after round %d", run_id, record.round)
+            return persistence
         raise CheckpointError(
             f"run {run_id} in {state_dir} has no checkpoint that passes verification; "
             "set resume = false to start a new run"
@@ -183,6 +204,7 @@ class RunPersistence:
 
     def finish(self) -> None:
         self.store.finish_run(self.run_id)
+        self.finished = True
 
     def close(self) -> None:
         self.store.close()

@@ -9,7 +9,6 @@ answered" (over-selection) or the deadline with at least ``min_fit_clients``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 from typing import Any
@@ -20,7 +19,7 @@ from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.registry import ClientRecord
-from fedloom.server.rounds import RoundTasks, updates_from_queue
+from fedloom.server.rounds import Aggregation, RoundTasks, updates_from_queue
 from fedloom.server.stragglers import over_select
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.server.uploads import Spool, SpooledWeights, Upload
@@ -161,19 +160,18 @@ class PlainRounds(RoundDriver):
         issue_phase(parts, phase, owner, selection.client_ids, plan.config,
                     config.round_timeout_s)
         parts.reporter.round_started(server_round, config.num_rounds, len(phase.tasks))
-        loop = asyncio.get_running_loop()
-        aggregate = loop.run_in_executor(
-            parts.executor, parts.strategy.aggregate_fit, server_round, current,
-            updates_from_queue(phase.updates))
+        aggregation = Aggregation(parts.executor, parts.strategy.aggregate_fit, server_round,
+                                  current, updates_from_queue(phase.updates))
         try:
             await phase.wait(config.round_timeout_s)
         except BaseException:  # cancelled (server stopping): release the aggregation thread
             phase.abort("the server is stopping")
+            aggregation.abandon()  # its RoundAbortedError is expected, and not awaited
             raise
         release_free_heap()  # uploads are in: drop their buffers' pages before the peak
         result: AggregateResult | None
         try:
-            result = await aggregate
+            result = await aggregation.result
         except AggregationError as exc:
             log.warning("round %d failed: %s; the global model is unchanged", server_round, exc)
             result = None

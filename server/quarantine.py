@@ -1,13 +1,19 @@
 """Quarantine: a client that keeps sending refused messages is shut out for a while.
 
-Every refusal of an authenticated client's message for a reason an honest client does
-not cause — malformed or out-of-range content, a task that is not its own, a different
-result for a used nonce, an oversize payload, a stream past its time limit — is a
-*strike* against its identity (its authenticated identity, or the name it joined with).
-``quarantine_after`` strikes within ``quarantine_s`` seconds quarantine the identity
-for ``quarantine_s`` seconds: its sessions end, and its Join and every call are refused
-with RESOURCE_EXHAUSTED ("quarantined; retry in N s"). The SDK treats that as a
-transient failure and comes back with backoff after the quarantine ends.
+Every refusal of a joined client's message for a reason an honest client does not
+cause — malformed or out-of-range content, a task that is not its own, a different
+result for a used nonce, an oversize payload, a stream past its time limit or its
+minimum rate — is a *strike*. ``quarantine_after`` strikes within ``quarantine_s``
+seconds quarantine for ``quarantine_s`` seconds, and Joins are refused with
+RESOURCE_EXHAUSTED ("quarantined; retry in N s"). The SDK treats that as a transient
+failure and comes back with backoff after the quarantine ends.
+
+What is quarantined depends on what the server knows (`fedloom.server.fleet`): a
+proven identity (client certificate, token) is struck and quarantined as itself, and
+all its sessions end. A name the client merely chose (``insecure``, ``auth.anonymous``)
+proves nothing, so it keys nothing: strikes count against the peer address, the
+striking session ends, and Joins from that address are refused while it lasts; the
+sessions of other clients, whatever their names, are left alone.
 
 Not strikes: a late result for a closed round (STALE) and an unknown session (after a
 server restart) happen to honest clients. Memory is bounded: at most ``max_tracked``
@@ -58,7 +64,9 @@ class Quarantine:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_tracked: int = 10_000,
+        noun: str = "client",
     ) -> None:
+        self.noun = noun  # what a key names, in the refusal: "client", "address"
         self.after = after
         self.duration_s = duration_s
         self._clock = clock
@@ -87,8 +95,8 @@ class Quarantine:
         if left > 0:
             raise MessageRejectedError(
                 RejectReason.QUARANTINED,
-                f"client {identity[:64]!r} is quarantined after repeated invalid messages; "
-                f"retry in {left:.0f} s, and fix what the earlier errors named",
+                f"{self.noun} {identity[:64]!r} is quarantined after repeated invalid "
+                f"messages; retry in {left:.0f} s, and fix what the earlier errors named",
             )
 
     def strike(self, identity: str, reason: RejectReason) -> bool:

@@ -22,6 +22,10 @@ class ClientRecord:
     secret_hash: bytes
     last_seen: float
     wakeup: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: The authenticated identity (certificate, token), or None: ``info.name`` is then
+    #: only a label the client chose, which proves nothing and keys nothing.
+    identity: str | None = None
+    peer: str = ""  # the address the client joined from ("" when unknown)
 
     @property
     def client_id(self) -> str:
@@ -49,10 +53,14 @@ class ClientRegistry:
     def infos(self) -> list[ClientInfo]:
         return [c.info for c in self._clients.values()]
 
+    def records(self) -> list[ClientRecord]:
+        return list(self._clients.values())
+
     def get(self, client_id: str) -> ClientRecord | None:
         return self._clients.get(client_id)
 
-    def join(self, name: str, capabilities: frozenset[str]) -> tuple[ClientRecord, Session]:
+    def join(self, name: str, capabilities: frozenset[str], identity: str | None = None,
+             peer: str = "") -> tuple[ClientRecord, Session]:
         if len(self._clients) >= self._max:
             raise MessageRejectedError(
                 RejectReason.TOO_LARGE,
@@ -61,7 +69,8 @@ class ClientRegistry:
         client_id = secrets.token_hex(8)
         secret = secrets.token_bytes(32)
         record = ClientRecord(
-            ClientInfo(client_id, name or client_id, capabilities), _hash(secret), time.monotonic()
+            ClientInfo(client_id, name or client_id, capabilities), _hash(secret), time.monotonic(),
+            identity=identity, peer=peer,
         )
         self._clients[client_id] = record
         self.changed.set()

@@ -51,16 +51,24 @@ class RoundLoop:
         self.next_round = persistence.completed_round + 1
         self.stopped_reason = ""  # why the run ended before num_rounds (the privacy budget)
 
+    @property
+    def over(self) -> bool:
+        """Nothing is left to run: the run finished, or all its rounds are committed
+        (a server killed after its last commit, and started again)."""
+        last = self.parts.config.rounds.last_round(self.parts.config.num_rounds)
+        return self.persistence.finished or self.next_round > last
+
     async def run(self) -> None:
         """Run the remaining rounds; returns when the last one is committed."""
         parts = self.parts
-        if self.next_round == 1 and not self.history:
+        if self.next_round == 1 and not self.history and not self.over:
             initial = await server_evaluate(parts, self.evaluate_fn, 0, parts.model.weights)
             if initial:
                 self.history.append(RoundRecord(0, server=initial))
                 parts.reporter.round_finished(self.history[-1])
         last = parts.config.rounds.last_round(parts.config.num_rounds)
-        for server_round in range(self.next_round, last + 1):
+        first = last + 1 if self.persistence.finished else self.next_round
+        for server_round in range(first, last + 1):
             await parts.fleet.wait_for(parts.config.min_clients)
             started = time.time()
             try:

@@ -12,15 +12,21 @@ aggregate is computed as a stream).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 from fedloom.errors import RoundAbortedError
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.types import ClientUpdate, EvaluateResult, TaskKind
+
+log = logging.getLogger("fedloom.server")
+_R = TypeVar("_R")
 
 #: The task of a round phase (the name the phase's callers know it by).
 IssuedTask = Task
@@ -42,6 +48,40 @@ def end_stream(source: queue.Queue[_UpdateItem], abort_reason: str | None = None
     """End the update stream of ``source``: its reader returns, or raises
     `RoundAbortedError` with ``abort_reason``."""
     source.put(_End() if abort_reason is None else _Abort(abort_reason))
+
+
+class Aggregation(Generic[_R]):
+    r"""A round's aggregation (``fn(*args)``, reading the round's update stream) in the
+    aggregation thread; ``result`` is what the round awaits.
+
+    A round cancelled mid-fit (the server is stopping) ends its update stream and then
+    `abandon`\ s its aggregation: nobody will await ``result`` any more.
+    """
+
+    def __init__(self, executor: concurrent.futures.Executor, fn: Callable[..., _R],
+                 *args: Any) -> None:
+        self._job = executor.submit(fn, *args)
+        self.result: asyncio.Future[_R] = asyncio.wrap_future(self._job)
+
+    def abandon(self) -> None:
+        """Let go of ``result``, once the update stream has been ended.
+
+        ``result`` is cancelled, so the `RoundAbortedError` the thread raises on its way
+        out never reaches it: an exception set on a future nobody reads is logged as
+        "Future exception was never retrieved" when the future is collected (and a done
+        callback cannot retrieve it if the loop stops before running the callback). The
+        thread itself is released by the ended stream, not by the cancel; any other
+        error it ends with is a fault worth one line.
+        """
+        self.result.cancel()
+        self._job.add_done_callback(_report_abandoned)
+
+
+def _report_abandoned(job: concurrent.futures.Future[Any]) -> None:
+    error = None if job.cancelled() else job.exception()
+    if error is not None and not isinstance(error, RoundAbortedError):
+        log.warning("an abandoned round's aggregation failed: %s: %s",
+                    type(error).__name__, error)
 
 
 def updates_from_queue(source: queue.Queue[_UpdateItem]) -> Iterator[ClientUpdate]:

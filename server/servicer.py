@@ -12,6 +12,7 @@ import contextvars
 import functools
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
@@ -19,7 +20,6 @@ import grpc
 
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import NoTask, TaskHeader
-from fedloom.payload import iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
@@ -27,7 +27,14 @@ from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.registry import ClientRecord
-from fedloom.server.transfer_slots import IdleLimit, TransferSlots
+from fedloom.server.transfer_slots import TransferSlots
+from fedloom.server.transfers import (
+    StreamBrokenError,
+    TransferLimits,
+    receive_upload,
+    send_task,
+    write,
+)
 from fedloom.server.uploads import Upload
 
 log = logging.getLogger("fedloom.server")
@@ -53,6 +60,17 @@ STATUS = {
 }
 
 
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer string, without the port: the key under which a
+    client known only by a label is quarantined ("ipv4:10.0.0.7:51344" -> "10.0.0.7",
+    "ipv6:[::1]:5000" -> "::1"; other transports are kept whole)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host = urllib.parse.unquote(rest).rpartition(":")[0]
+    return host.strip("[]") or peer
+
+
 async def _reject(
     context: grpc.aio.ServicerContext, rpc: str, exc: MessageRejectedError
 ) -> NoReturn:
@@ -76,18 +94,13 @@ class FleetServicer(pb_grpc.FleetServicer):
     def __init__(self, coordinator: Coordinator, auth: Authenticator | None = None) -> None:
         self.coordinator = coordinator
         self.auth = auth or Authenticator()  # default: no identities (anonymous)
-        self.transfer = coordinator.config.transfer
-        self.stream_timeout_s = coordinator.config.stream_timeout_s
-        self.chunk_timeout_s = coordinator.config.chunk_timeout_s
+        config = coordinator.config
+        self.stream_timeout_s = config.stream_timeout_s
+        self.limits = TransferLimits.from_config(config)
         # A few models stream at a time (memory stays flat); one chunk needs no turn.
-        self.slots = TransferSlots(free_bytes=self.transfer.chunk_size)
+        self.slots = TransferSlots(free_bytes=config.transfer.chunk_size)
 
-    def _timed_out(self, what: str, idle: bool) -> MessageRejectedError:
-        if idle:
-            return MessageRejectedError(
-                RejectReason.TIMEOUT,
-                f"{what} moved no chunk for {self.chunk_timeout_s:g} s (chunk_timeout_s)",
-            )
+    def _over_time(self, what: str) -> MessageRejectedError:
         return MessageRejectedError(
             RejectReason.TIMEOUT, f"{what} exceeded the {self.stream_timeout_s:.0f} s stream limit"
         )
@@ -103,7 +116,7 @@ class FleetServicer(pb_grpc.FleetServicer):
         try:
             join = codec.join_request_from_proto(request)
             identity = self.auth.identify(join.name, join.token, context.auth_context())
-            reply = self.coordinator.join(join, identity)
+            reply = self.coordinator.join(join, identity, peer_host(context.peer()))
         except MessageRejectedError as exc:
             await _reject(context, "Join", exc)
         return codec.join_reply_to_proto(reply)
@@ -121,6 +134,10 @@ class FleetServicer(pb_grpc.FleetServicer):
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveResponse:
         try:
+            if codec.session_from_proto(request.session).client_id not in self.coordinator.registry:
+                # Already gone (a restart, the reaper, a client leaving the session it
+                # replaced): nothing to end, and nothing worth a warning.
+                return pb.LeaveResponse()
             self.coordinator.leave(self._client(request.session), request.reason[:200])
         except MessageRejectedError as exc:
             await _reject(context, "Leave", exc)
@@ -129,26 +146,23 @@ class FleetServicer(pb_grpc.FleetServicer):
     async def Pull(  # type: ignore[override]
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        idle = IdleLimit(self.chunk_timeout_s)
         record: ClientRecord | None = None
         try:
             polled = time.monotonic()
             record = self._client(request.session)
             outcome = await self.coordinator.pull(record)
             if not isinstance(outcome, tuple):
-                await context.write(codec.no_task_to_proto(outcome))
+                await write(context, codec.no_task_to_proto(outcome))
                 return
             # Wait for a turn only as long as the long-poll has left: the client's deadline.
             wait_s = max(0.0, self.coordinator.config.long_poll_s - (time.monotonic() - polled))
-            if not await self._send_task(context, outcome, wait_s, idle):
+            if not await self._send_task(context, outcome, wait_s):
                 # others are downloading: ask again (this task stays pending)
-                await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
-        except asyncio.CancelledError:  # the client cut its long-poll: it went away
-            if record is not None:
-                self.coordinator.stream_closed(record)
-            raise
+                await write(context, codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+        except (asyncio.CancelledError, StreamBrokenError) as exc:
+            self._went_away(record, exc)  # the client cut its long-poll, or its connection
         except TimeoutError:
-            await _reject(context, "Pull", self._timed_out("download", idle.expired()))
+            await _reject(context, "Pull", self._over_time("download"))
         except MessageRejectedError as exc:
             await _reject(context, "Pull", exc)
 
@@ -157,25 +171,33 @@ class FleetServicer(pb_grpc.FleetServicer):
     ) -> None:
         """The session's tasks on one stream: each pending task once, in turn (see the
         proto). Saves a call per task, which a secure round's stages feel most."""
-        idle = IdleLimit(self.chunk_timeout_s)
         record: ClientRecord | None = None
         try:
             record = self._client(request.session)
             sent: str | None = None  # the client is answering this one: not offered again
             while sent != _STREAM_ENDS:
-                sent = await self._stream_next(context, record, sent, idle)
-        except asyncio.CancelledError:  # the client cut its stream: it went away
-            if record is not None:
-                self.coordinator.stream_closed(record)
-            raise
+                sent = await self._stream_next(context, record, sent)
+        except (asyncio.CancelledError, StreamBrokenError) as exc:
+            self._went_away(record, exc)  # the client cut its stream, or its connection
         except TimeoutError:
-            await _reject(context, "Tasks", self._timed_out("download", idle.expired()))
+            await _reject(context, "Tasks", self._over_time("download"))
         except MessageRejectedError as exc:
             await _reject(context, "Tasks", exc)
 
+    def _went_away(self, record: ClientRecord | None,
+                   exc: asyncio.CancelledError | StreamBrokenError) -> None:
+        """The client's task stream (or long-poll) broke: its session ends now, not
+        ``client_timeout_s`` later. A cancel goes on up; a failed write ends the call
+        quietly (nothing can reach the client any more)."""
+        if record is not None:
+            self.coordinator.stream_closed(record)
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
+        log.info("task stream of client %s broke mid-write (%s)",
+                 record.client_id if record is not None else "?", exc)
+
     async def _stream_next(
-        self, context: grpc.aio.ServicerContext, record: ClientRecord, sent: str | None,
-        idle: IdleLimit,
+        self, context: grpc.aio.ServicerContext, record: ClientRecord, sent: str | None
     ) -> str | None:
         """Wait for the next task and write it (or a NoTask); returns the id of the task
         the client now answers, or `_STREAM_ENDS`. A function of its own so that the
@@ -184,52 +206,30 @@ class FleetServicer(pb_grpc.FleetServicer):
         round's model for every client."""
         outcome = await self.coordinator.pull(record, sent)
         if not isinstance(outcome, tuple):
-            await context.write(codec.no_task_to_proto(outcome))
+            await write(context, codec.no_task_to_proto(outcome))
             if outcome.run_finished or self.coordinator.stopping:
                 return _STREAM_ENDS
             return sent  # a keep-alive every long_poll_s
-        if await self._send_task(context, outcome, self.coordinator.config.long_poll_s, idle):
+        if await self._send_task(context, outcome, self.coordinator.config.long_poll_s):
             return outcome[0].task_id
         # no download turn within a long-poll: say so, then wait for one again
-        await context.write(codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
+        await write(context, codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
         return sent
 
-    async def _send_task(
-        self,
-        context: grpc.aio.ServicerContext,
-        task: tuple[TaskHeader, memoryview],
-        wait_s: float,
-        idle: IdleLimit,
-    ) -> bool:
-        """Write a task's header and chunks, after waiting up to ``wait_s`` for a download
-        turn; False (nothing written) if no turn came.
-
-        Messages are written, not yielded, so that the stream's time limit covers every
-        write: a client that stops reading (HTTP/2 flow control) cannot hold the stream.
-        """
-        header, payload = task
-        async with (
-            asyncio.timeout(self.stream_timeout_s),
-            self.slots.download(wait_s, len(payload)) as turn,
-        ):
-            if not turn:
-                return False
-            async with idle:
-                await context.write(codec.task_to_proto(header))
-                for offset, data in iter_chunk_views(payload, self.transfer.chunk_size):
-                    idle.moved()
-                    await context.write(codec.chunk_frame(offset, data))  # ready-made
-                    ServerMetrics.bytes_out(len(data))
-        return True
+    async def _send_task(self, context: grpc.aio.ServicerContext,
+                         task: tuple[TaskHeader, memoryview], wait_s: float) -> bool:
+        """`fedloom.server.transfers.send_task`, within the stream time limit."""
+        async with asyncio.timeout(self.stream_timeout_s):
+            return await send_task(context, task, wait_s, self.slots, self.limits)
 
     async def Push(
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
     ) -> pb.PushResponse:
         upload: Upload | None = None
-        idle = IdleLimit(self.chunk_timeout_s)
         try:
             async with asyncio.timeout(self.stream_timeout_s):
-                first = await anext(aiter(request_iterator), None)
+                messages = aiter(request_iterator)
+                first = await anext(messages, None)
                 if first is None or first.WhichOneof("part") != "result":
                     raise MessageRejectedError(
                         RejectReason.INVALID, "a Push stream must start with a result header"
@@ -240,21 +240,12 @@ class FleetServicer(pb_grpc.FleetServicer):
                 if not isinstance(outcome, Upload):
                     return pb.PushResponse(duplicate=outcome)
                 upload = outcome
-                size = header.update.total_bytes if header.update is not None else 0
-                async with self.slots.upload(size), idle:
-                    async for message in request_iterator:
-                        if message.WhichOneof("part") != "chunk":
-                            raise MessageRejectedError(
-                                RejectReason.INVALID, "only chunks may follow the result header"
-                            )
-                        upload.feed(*codec.chunk_from_proto(message.chunk))
-                        ServerMetrics.bytes_in(len(message.chunk.data))
-                        idle.moved()
+                await receive_upload(upload, messages, self.slots, self.limits)
             finishing, upload = upload, None
             await finishing.finish()  # verified, then folded by the task's owner
             return pb.PushResponse(duplicate=False)
         except TimeoutError:
-            await _reject(context, "Push", self._timed_out("upload", idle.expired()))
+            await _reject(context, "Push", self._over_time("upload"))
         except MessageRejectedError as exc:
             await _reject(context, "Push", exc)
         finally:

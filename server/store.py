@@ -108,7 +108,10 @@ class RunStore:
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
-        self._db.close()
+        # Under the lock: a commit still running in the aggregation thread finishes first
+        # (closing the connection under it can crash the process).
+        with self._lock:
+            self._db.close()
 
     def create_run(self, run_id: str, num_rounds: int, config: dict[str, Any]) -> RunRecord:
         record = RunRecord(run_id, time.time(), "running", num_rounds, config)
@@ -120,10 +123,9 @@ class RunStore:
             )
         return record
 
-    def latest_unfinished_run(self) -> RunRecord | None:
-        row = self._db.execute(
-            "SELECT * FROM runs WHERE status = 'running' ORDER BY created_at DESC LIMIT 1"
-        ).fetchone()
+    def latest_run(self) -> RunRecord | None:
+        """The newest run, finished or not."""
+        row = self._db.execute("SELECT * FROM runs ORDER BY created_at DESC LIMIT 1").fetchone()
         return self._run(row) if row else None
 
     def runs(self) -> list[RunRecord]:

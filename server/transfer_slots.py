@@ -9,18 +9,21 @@ round is no slower.
 - A download that finds no free turn within the long-poll time is answered "no task
   yet, ask again" (the client re-polls at once and gets the same task): a client never
   waits silently past its own long-poll deadline.
-- A stream that holds a turn must keep moving: `IdleLimit` cuts it when no chunk has
-  gone out or come in for ``chunk_timeout_s``, so a client that stops reading its
-  model, or stops sending its update, cannot keep the turn from others for the whole
-  stream time limit.
+- A stream that holds a turn must keep moving, fast enough: `TransferPace` cuts it
+  when no chunk has gone out or come in for ``chunk_timeout_s``, or when it falls
+  behind ``min_transfer_rate`` by more than ``transfer_window_s``; so it holds its turn
+  for at most ``transfer_window_s + size / min_transfer_rate``. A client that stops
+  reading its model, or trickles its update, cannot keep the turn from others for the
+  whole stream time limit (and the cut counts against it: `fedloom.server.quarantine`).
 - A model small enough for one chunk (the secure-aggregation stages' tasks, tiny
   models) needs no turn: it costs no more than any other message.
-- An upload waits for its turn with its stream open and idle before its first chunk
-  (HTTP/2 flow control holds the client's data back); its stream time limit
-  (``stream_timeout_s``) and the client's deadline count the wait. Uploads are served
-  first come, first served, so when a round's uploads cannot all finish within the
-  clients' deadlines, the first ones still do (sharing the bandwidth among all of them
-  would have made every one late).
+- An upload takes its turn at its first chunk, not at its header: a client that sends a
+  header and then nothing holds no turn. Its first chunk is written to the spool file,
+  then it waits for its turn with its stream open (HTTP/2 flow control holds the rest
+  back); its stream time limit (``stream_timeout_s``) and the client's deadline count the
+  wait. Uploads are served first come, first served, so when a round's uploads cannot
+  all finish within the clients' deadlines, the first ones still do (sharing the
+  bandwidth among all of them would have made every one late).
 """
 
 from __future__ import annotations
@@ -74,15 +77,38 @@ class TransferSlots:
             yield
 
 
-class IdleLimit:
-    """An async time limit that starts again whenever the stream moves (`moved`)."""
+class TransferPace:
+    """The limits of a stream that holds a transfer turn (see the module docstring).
 
-    def __init__(self, limit_s: float) -> None:
-        self.limit_s = limit_s
+    An async context that raises `TimeoutError` out of its block, as `asyncio.timeout`
+    does, at the first of:
+
+    - **idle**: no chunk `moved` for ``idle_s`` (``chunk_timeout_s``);
+    - **rate**: the next chunk is due by ``start + window_s + (moved + chunk) /
+      min_rate``: the stream may lag the minimum rate by one window (plus the chunk in
+      flight, since bytes move a chunk at a time), and so it ends by ``start +
+      window_s + size / min_rate`` whatever it does. ``min_rate`` 0: no rate limit.
+
+    `limit` then says which one cut it. The clock starts when the block is entered
+    (the turn is taken), not when the stream opened.
+    """
+
+    def __init__(self, idle_s: float, *, min_rate: float = 0.0, window_s: float = 0.0,
+                 size: int = 0, chunk: int = 1) -> None:
+        self.idle_s = idle_s
+        self.min_rate = min_rate
+        self.window_s = window_s
+        self.size = size
+        self.chunk = chunk
+        self.moved_bytes = 0
+        self.limit = "idle"  # the limit that falls due first: "idle" or "rate"
+        self._start = 0.0
         self._timeout: asyncio.Timeout | None = None
 
-    async def __aenter__(self) -> IdleLimit:
-        self._timeout = asyncio.timeout(self.limit_s)
+    async def __aenter__(self) -> TransferPace:
+        loop = asyncio.get_running_loop()
+        self._start = loop.time()
+        self._timeout = asyncio.timeout_at(self._due(self._start))
         await self._timeout.__aenter__()
         return self
 
@@ -95,11 +121,25 @@ class IdleLimit:
         assert self._timeout is not None
         await self._timeout.__aexit__(exc_type, exc, tb)  # raises TimeoutError when it cut
 
-    def moved(self) -> None:
-        """A chunk went out or came in: the limit counts from now."""
+    def moved(self, nbytes: int) -> None:
+        """``nbytes`` went out or came in: the limits count from here."""
         assert self._timeout is not None
-        self._timeout.reschedule(asyncio.get_running_loop().time() + self.limit_s)
+        self.moved_bytes += nbytes
+        self._timeout.reschedule(self._due(asyncio.get_running_loop().time()))
+
+    def _due(self, now: float) -> float:
+        idle = now + self.idle_s
+        if self.min_rate <= 0:
+            self.limit = "idle"
+            return idle
+        owed = min(self.moved_bytes + self.chunk, self.size)
+        rate = self._start + self.window_s + owed / self.min_rate
+        self.limit = "idle" if idle <= rate else "rate"
+        return min(idle, rate)
+
+    def elapsed_s(self) -> float:
+        return asyncio.get_running_loop().time() - self._start
 
     def expired(self) -> bool:
-        """True when this limit (not an outer one) cut the stream."""
+        """True when this pace (not an outer limit) cut the stream."""
         return self._timeout is not None and self._timeout.expired()

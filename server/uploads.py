@@ -141,6 +141,10 @@ class Spool:
     def feed(self, offset: int, data: bytes) -> None:
         self._receiver.feed(offset, data)
 
+    @property
+    def received(self) -> int:
+        return self._receiver.received
+
     def finish(self) -> SpooledWeights:
         """Verify size and digest; the file then backs a `SpooledWeights`."""
         self._file.close()
@@ -166,6 +170,16 @@ class Upload:
         self.fingerprint = fingerprint  # the result's (`fedloom.server.tasks`), once folded
         self._done = False
         task.in_flight = True
+
+    @property
+    def size(self) -> int:
+        """The payload's size, as its header declares it."""
+        assert self.header.update is not None  # an upload carries a payload
+        return self.header.update.total_bytes
+
+    @property
+    def received(self) -> int:
+        return self.spool.received
 
     def feed(self, offset: int, data: bytes) -> None:
         self.spool.feed(offset, data)

@@ -264,6 +264,9 @@ class JoinResponse(_message.Message):
     heartbeat_interval_s: _builtins.float
     long_poll_s: _builtins.float
     chunk_size: _builtins.int
+    """Chunk size of payloads: one of more than one chunk is pushed in chunks of exactly
+    chunk_size, only the last shorter (the server refuses others: INVALID_ARGUMENT).
+    """
     max_message_bytes: _builtins.int
     max_model_bytes: _builtins.int
     @_builtins.property
