@@ -6,6 +6,7 @@
 - ``fedloom simulate scenario.toml`` (see ``fedloom.simulations.cli``)
 - ``fedloom certs`` / ``fedloom tokens add NAME`` (see ``fedloom.security_cli``)
 - ``fedloom runs [RUN_ID] [--state-dir DIR] [--json]`` (past runs, per-round metrics)
+- ``fedloom export --out FILE [--run RUN] [--round N]`` (a committed round's model)
 - ``fedloom privacy calibrate --epsilon 8 --rounds 100 ...`` (see ``fedloom.privacy_cli``)
 """
 
@@ -209,14 +210,25 @@ def _add_log_format(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _state_dir(args: argparse.Namespace) -> str:
+    if args.state_dir:
+        return str(args.state_dir)
+    data = load_toml(args.config) if args.config else {}
+    return str(data.get("state_dir", ServerConfig.state_dir))
+
+
 def _run_runs(args: argparse.Namespace) -> int:
     from fedloom.server.run_report import print_runs
 
-    state_dir = args.state_dir
-    if not state_dir:
-        data = load_toml(args.config) if args.config else {}
-        state_dir = data.get("state_dir", ServerConfig.state_dir)
-    print_runs(state_dir, args.run, json_output=args.json)
+    print_runs(_state_dir(args), args.run, json_output=args.json)
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from fedloom.server.export import export_model
+
+    run_id, server_round = export_model(_state_dir(args), args.out, args.run, args.round)
+    print(f"wrote round {server_round} of run {run_id} to {args.out}")
     return 0
 
 
@@ -242,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", help="server TOML file whose state_dir to read")
     r.add_argument("--json", action="store_true", help="print everything as JSON")
     r.set_defaults(log_level="WARNING")
+    e = sub.add_parser("export", help="write a committed round's model as a safetensors file")
+    e.add_argument("--out", required=True, help="the safetensors file to write")
+    e.add_argument("--run", default="", help="a run id or a unique prefix (default: the newest)")
+    e.add_argument("--round", type=int, default=None,
+                   help="the round (default: the last committed; it must still be kept)")
+    e.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
+                   "else fedloom-state)")
+    e.add_argument("--config", help="server TOML file whose state_dir to read")
+    e.set_defaults(log_level="WARNING")
     d = sub.add_parser("demo", help="a real federated run on loopback (digits, PyTorch)")
     from fedloom.simulations.demo import add_arguments
 
@@ -273,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return security_cli.run_tokens(args)
         if args.command == "runs":
             return _run_runs(args)
+        if args.command == "export":
+            return _run_export(args)
         if args.command == "privacy":
             return privacy_cli.run(args)
         from fedloom.simulations.demo import main as demo_main

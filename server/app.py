@@ -102,6 +102,12 @@ class Server:
         self.coordinator: Coordinator | None = None
         self._ready = threading.Event()
 
+    @property
+    def weights(self) -> Weights | None:
+        """The global model: the final one once `run` returns (None before a run
+        started). It is also written as ``<state_dir>/models/<run_id>.safetensors``."""
+        return self.coordinator.global_weights if self.coordinator is not None else None
+
     async def serve(self) -> list[RoundRecord]:
         """Run the whole federated run; returns the per-round history."""
         persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)

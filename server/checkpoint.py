@@ -108,7 +108,9 @@ def write_checkpoint(
 
 
 class Checkpoint:
-    """A loaded, verified checkpoint."""
+    """A loaded, verified checkpoint: ``run_id``, ``round`` (the round that committed
+    it; 0 is the initial model), ``weights`` (the global model) and ``strategy_state``
+    (the strategy's `state_dict`, arrays included)."""
 
     def __init__(self, run_id: str, server_round: int, weights: Weights, state: Any) -> None:
         self.run_id = run_id
@@ -161,12 +163,31 @@ def save_weights(path: str | Path, weights: Weights) -> None:
 
 
 def load_weights(path: str | Path) -> Weights:
-    """Read weights written by `save_weights` (or any safetensors file), in saved order."""
+    """The model in a safetensors file: one written by `save_weights` (a run's final
+    model, an export) or by any tool, in saved order, or a round checkpoint's weights
+    (without the strategy state it also holds).
+
+    Raises:
+        CheckpointError: no such file, or not a safetensors file (a PyTorch ``.pt``, say:
+            the message says how to write one).
+    """
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path} does not exist")
     try:
         with safe_open(str(path), framework="numpy") as fh:
-            order_raw = (fh.metadata() or {}).get("fedloom_order")
+            metadata = fh.metadata() or {}
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(
+            f"{path} is not a safetensors file ({exc}); write the model with "
+            "fedloom.server.save_weights(path, weights) — from PyTorch, weights = "
+            "fedloom.client_sdk.torch_trainer.state_dict_to_weights(model.state_dict()) — "
+            "or safetensors.torch.save_file(model.state_dict(), path)") from exc
+    if "fedloom" in metadata:  # a round checkpoint: its weights, not its strategy state
+        return load_checkpoint(Path(path), None).weights
+    try:
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read weights from {path}: {exc}") from exc
+    order_raw = metadata.get("fedloom_order")
     order = json.loads(order_raw) if order_raw else sorted(tensors)
     return Weights((name, tensors[name]) for name in order)

@@ -4,6 +4,7 @@ Folder layout under ``state_dir``::
 
     fedloom.db                                   runs and rounds (SQLite)
     checkpoints/<run_id>/round-000007.safetensors  weights + strategy state
+    models/<run_id>.safetensors                  the final model, when the run ends
     spool/<run_id>/upload-*.bin                  uploads being received
 
 A new run commits round 0 (the initial weights and strategy state) before any client
@@ -24,7 +25,7 @@ from typing import Any
 from fedloom.config import ServerConfig
 from fedloom.errors import CheckpointError, ConfigError
 from fedloom.records import RoundRecord
-from fedloom.server.checkpoint import load_checkpoint, write_checkpoint
+from fedloom.server.checkpoint import load_checkpoint, save_weights, write_checkpoint
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.store import RoundRow, RunStore
 from fedloom.strategies import Strategy
@@ -201,6 +202,18 @@ class RunPersistence:
         """The committed rounds after round 0."""
         return [RoundRecord.from_dict(r.metrics) for r in self.store.rounds(self.run_id)
                 if r.round > 0]
+
+    @property
+    def model_path(self) -> Path:
+        """Where the run's final model is written (`write_model`)."""
+        return self.state_dir / "models" / f"{self.run_id}.safetensors"
+
+    def write_model(self, weights: Weights) -> Path:
+        """Write the run's final model as a plain safetensors file (atomically), for
+        whoever serves it: `fedloom.server.load_weights` or any safetensors reader."""
+        path = self.model_path
+        save_weights(path, weights)
+        return path
 
     def finish(self) -> None:
         self.store.finish_run(self.run_id)

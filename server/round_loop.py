@@ -84,6 +84,11 @@ class RoundLoop:
             # lives in the broadcast payload): not kept through the next round.
             del outcome
         self.driver.finish()
+        if not self.persistence.finished:
+            loop = asyncio.get_running_loop()
+            path = await loop.run_in_executor(parts.executor, self.persistence.write_model,
+                                              parts.model.weights)
+            log.info("final model written to %s", path)
         self.persistence.finish()
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:

@@ -19,6 +19,7 @@ from fedloom.server import Server
 
 
 def _stop_mid_fit(server_config, caplog: pytest.LogCaptureFixture, **overrides) -> None:  # type: ignore[no-untyped-def]
+    gc.collect()  # earlier tests' garbage is reported now, not inside the window below
     gate = threading.Event()
     clients = [GatedClient(gate) for _ in range(3)]
     handle = Server(server_config(num_rounds=2, fraction_evaluate=0.0, **overrides),
