@@ -175,6 +175,10 @@ def _run_server(args: argparse.Namespace) -> int:
     from fedloom.server import Server, load_weights
 
     config = server_config_from_args(args)
+    if getattr(args, "log_format", "text") == "json" and config.progress:
+        # Every stderr line must parse as JSON: the display's table would not, and each
+        # round is logged as a record with its fields anyway.
+        config = dataclasses.replace(config, progress=False)
     weights = load_weights(args.initial_weights) if args.initial_weights else None
     evaluate_fn = _load_attr(args.evaluate_fn, "--evaluate-fn") if args.evaluate_fn else None
     server = Server(config, initial_weights=weights, evaluate_fn=evaluate_fn)
