@@ -30,6 +30,9 @@ from fedloom.types import ClientInfo
 
 log = logging.getLogger("fedloom.server")
 
+#: Seconds between "waiting for clients" log lines while the count does not change.
+WAIT_LOG_S = 30.0
+
 
 #: ``listener(client_id, reason)``: a client has gone (left, silent, quarantined, ...).
 DepartureListener = Callable[[str, str], None]
@@ -176,19 +179,28 @@ class Fleet:
                        ) -> list[ClientInfo]:
         """Wait until at least ``count`` connected clients have ``capability``; those
         clients. Reports the wait (progress display, log) while it lasts."""
-        announced = -1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        announced, announced_at = -1, started
         while True:
             eligible = [c for c in self.registry.infos() if capability in c.capabilities]
             if len(eligible) >= count:
                 return eligible
             self._reporter.waiting(len(eligible), count)
-            if capability != Capability.FIT and len(eligible) != announced:
-                log.info("waiting for clients: %d of %d support %s", len(eligible), count,
-                         capability)
-                announced = len(eligible)
+            now = loop.time()
+            # In the logs too (text and JSON), not only on a terminal: when the count
+            # changes, and every WAIT_LOG_S while it does not.
+            if len(eligible) != announced or now - announced_at >= WAIT_LOG_S:
+                log.info("waiting for clients: %d of %d connected%s (waited %.0f s)",
+                         len(eligible), count,
+                         "" if capability == Capability.FIT else f" support {capability}",
+                         now - started,
+                         extra={"connected": len(eligible), "needed": count,
+                                "capability": str(capability), "waited_s": now - started})
+                announced, announced_at = len(eligible), now
             self.registry.changed.clear()
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel
             # that lands as a client joins, and the server then never stops.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
+                async with asyncio.timeout(min(5.0, WAIT_LOG_S)):
                     await self.registry.changed.wait()
