@@ -22,12 +22,14 @@ import logging
 import random
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
 import numpy as np
 
 from fedloom.client_sdk._client import Client
+from fedloom.client_sdk._progress import console_handler, log_task
 from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.config import ClientConfig
@@ -221,8 +223,10 @@ class ClientRunner:
                     self.stop.wait(outcome.retry_after_s)
                 continue
             task, weights = outcome
+            started = time.monotonic()
             result, payload = self._execute(session, task, weights)
             self._push(connection, result, payload)
+            log_task(log, task, result, time.monotonic() - started)
         return False
 
     def _push(
@@ -329,6 +333,7 @@ def start_client(
     stop: threading.Event | None = None,
     handle_signals: bool = True,
     secure_aggregation: SecAggConfig | None = None,
+    log_to_console: bool = True,
 ) -> ClientStats:
     """Take part in federated training until the run ends; see the module docstring.
 
@@ -345,6 +350,9 @@ def start_client(
         secure_aggregation: when given, this client takes part in secure rounds only
             with exactly these parameters (k, t, clip_range, bits, max_weight); by
             default it accepts any that pass `SecAggConfig`'s rules.
+        log_to_console: when the application has configured no logging, print this
+            client's progress (joined, one line per round's task, the end) to stderr;
+            False keeps it quiet. An application's own logging set-up always wins.
 
     Raises:
         AccessDeniedError: the server refused this client's credentials at Join.
@@ -353,6 +361,7 @@ def start_client(
     base = config or ClientConfig(server_address=server_address)
     settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)
     runner = ClientRunner(client, settings, token, stop, secure_aggregation)
+    console = console_handler(log) if log_to_console else None
     previous: dict[signal.Signals, Any] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
 
@@ -367,3 +376,6 @@ def start_client(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if console is not None:
+            log.removeHandler(console)
+
