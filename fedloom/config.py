@@ -176,6 +176,9 @@ class ServerConfig:
              "enough updates (1.3: 30 percent more; 1: off)")
     evaluate_timeout_s: float = described(120.0, "seconds federated evaluation waits for "
                                                  "results")
+    round_retries: int = described(0, "times a failed round is run again (new sample, new "
+                                      "tasks) before it is committed as failed and the next "
+                                      "round starts; synchronous rounds")
     seed: int = _selection_field("seed")
     state_dir: str = described("fedloom-state", "folder for the run database, checkpoints "
                                                 "and upload spool")
@@ -283,6 +286,8 @@ class ServerConfig:
             "must be a number of bytes per second >= 0 (0: no minimum)",
         )
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
+        check(self.round_retries >= 0, "round_retries", "must be >= 0 (0: a failed round "
+                                                        "counts, and the run goes on)")
         check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")
         check(self.max_clients >= 1, "max_clients", "must be at least 1")
         check(self.quarantine_after >= 0, "quarantine_after", "must be >= 0 (0 disables it)")

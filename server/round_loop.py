@@ -69,10 +69,9 @@ class RoundLoop:
         last = parts.config.rounds.last_round(parts.config.num_rounds)
         first = last + 1 if self.persistence.finished else self.next_round
         for server_round in range(first, last + 1):
-            await parts.fleet.wait_for(parts.config.min_clients)
             started = time.time()
             try:
-                outcome = await self.driver.run_fit(server_round)
+                outcome = await self._fit(server_round)
             except PrivacyBudgetExhausted as exc:
                 # Raised before the round's tasks go out: the last committed round is
                 # the run's final model, and nothing past the budget is released.
@@ -90,6 +89,21 @@ class RoundLoop:
                                               parts.model.weights)
             log.info("final model written to %s", path)
         self.persistence.finish()
+
+    async def _fit(self, server_round: int) -> FitOutcome:
+        """The round's fit; a failed one is run again ``round_retries`` times (a new
+        sample and new tasks; asynchronous versions are not retried: the buffer goes on)."""
+        config = self.parts.config
+        retries = 0 if config.rounds.asynchronous else config.round_retries
+        for attempt in range(retries + 1):
+            await self.parts.fleet.wait_for(config.min_clients)
+            outcome = await self.driver.run_fit(server_round)
+            if outcome.result is not None and outcome.result.weights is not None:
+                break
+            if attempt < retries:
+                log.warning("round %d failed; running it again (%d of %d retries)",
+                            server_round, attempt + 1, retries)
+        return outcome
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
         """Install the new model (if any), evaluate, and commit the round."""

@@ -1,0 +1,39 @@
+"""``round_retries``: a failed round is run again (a new sample, new tasks) before it
+counts as failed; without it the failure is committed and the next round starts."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ScriptedClient, run_clients, small_weights
+
+from fedloom.server import Server
+
+
+class FailsOnce(ScriptedClient):
+    """Reports a failure for its first fit (say, out of memory), then trains."""
+
+    def __init__(self, seed: int, num_examples: int) -> None:
+        super().__init__(seed, num_examples)
+        self.calls = 0
+
+    def fit(self, weights, config):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("out of memory")
+        return super().fit(weights, config)
+
+
+@pytest.mark.parametrize(("retries", "statuses"), [(0, ["failed", "ok"]), (1, ["ok", "ok"])])
+def test_a_failed_round_is_run_again_when_asked(server_config, retries: int,  # type: ignore[no-untyped-def]
+                                                statuses: list[str]) -> None:
+    config = server_config(num_rounds=2, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0, round_retries=retries)
+    handle = Server(config, initial_weights=small_weights()).start()
+    clients = [FailsOnce(seed=0, num_examples=5), ScriptedClient(seed=1, num_examples=5)]
+    threads = run_clients(handle.address, clients)
+    history = handle.wait(60)
+    for t in threads:
+        t.join(10)
+    assert [r.status for r in history if r.round > 0] == statuses
+    # Round 1 was tried twice when retried: the failing client trained on its second try.
+    assert clients[0].calls == (3 if retries else 2)
