@@ -34,7 +34,11 @@ def _stop_mid_fit(server_config, caplog: pytest.LogCaptureFixture, **overrides) 
     finally:
         gate.set()
         pool.close()
-    unretrieved = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    # The defect: an exception set on a future nobody awaited. (gRPC's own RPC tasks may
+    # be reported "destroyed but pending" when the loop closes under an upload in
+    # flight; that is the transport's shutdown, not an unretrieved error.)
+    unretrieved = [r.getMessage() for r in caplog.records if r.name == "asyncio"
+                   and "exception was never retrieved" in r.getMessage()]
     assert not unretrieved, unretrieved
 
 
