@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,22 @@ class Arrival:
 
 def polynomial(staleness: int, exponent: float = 0.5) -> float:
     return float((1.0 + staleness) ** -exponent)
+
+
+def committed_versions(state_dir: Path) -> dict[int, dict[str, np.ndarray]]:
+    """Every committed round (version) of the newest run in ``state_dir``, as float64
+    arrays read from its verified checkpoint."""
+    from fedloom.server.checkpoint import load_checkpoint
+    from fedloom.server.store import RunStore
+
+    store = RunStore(state_dir / "fedloom.db")
+    try:
+        rows = store.rounds(store.runs()[-1].run_id)
+    finally:
+        store.close()
+    return {row.round: {n: np.asarray(a, np.float64) for n, a in
+                        load_checkpoint(state_dir / row.checkpoint, row.sha256).weights.items()}
+            for row in rows}
 
 
 def fedbuff_reference(initial: Weights, arrivals: Sequence[Arrival], buffer_size: int,

@@ -14,22 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from async_support import Harness, async_config
-from fedbuff import Arrival, fedbuff_reference
-
-from fedloom.server.checkpoint import load_checkpoint
-from fedloom.server.store import RunStore
-
-
-def _checkpoint(harness: Harness, version: int) -> dict[str, np.ndarray]:
-    state = Path(harness.config.state_dir)
-    store = RunStore(state / "fedloom.db")
-    try:
-        row = {r.round: r for r in store.rounds(harness.persistence.run_id)}[version]
-    finally:
-        store.close()
-    weights = load_checkpoint(state / row.checkpoint, row.sha256).weights
-    return {n: np.asarray(a, np.float64) for n, a in weights.items()}
-
+from fedbuff import Arrival, committed_versions, fedbuff_reference
 
 # (client, num_examples) in arrival order; 3 clients, buffer_size 2.
 ORDER = [(0, 10), (1, 30), (2, 20), (0, 10), (1, 30), (2, 20), (2, 20), (0, 10)]
@@ -70,8 +55,9 @@ def test_versions_equal_numpy_fedbuff_over_scripted_arrivals(tmp_path: Path,
                              momentum=params.get("server_momentum", 0.0), adam=adam)
     history = harness.coordinator.history
     assert [r.num_updates for r in history] == [2, 2, 2, 2]
+    on_disk = committed_versions(Path(harness.config.state_dir))
     for version in range(1, 5):
-        got = _checkpoint(harness, version)
+        got = on_disk[version]
         for name in got:
             np.testing.assert_allclose(got[name], want[version][name], rtol=1e-5, atol=1e-6,
                                        err_msg=f"version {version} {name}")

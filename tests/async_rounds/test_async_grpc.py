@@ -13,13 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from fedbuff import Arrival, GatedClient, fedbuff_reference, gated_clients, initial_weights
+from fedbuff import (
+    Arrival,
+    GatedClient,
+    committed_versions,
+    fedbuff_reference,
+    gated_clients,
+    initial_weights,
+)
 
-from fedloom import Weights
 from fedloom.config import RoundsConfig
 from fedloom.server import Server
-from fedloom.server.checkpoint import load_checkpoint
-from fedloom.server.store import RunStore
 
 
 def _until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
@@ -29,18 +33,8 @@ def _until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) ->
         time.sleep(0.005)
 
 
-def _versions(state: Path) -> dict[int, Weights]:
-    store = RunStore(state / "fedloom.db")
-    try:
-        run = store.runs()[-1]
-        return {r.round: load_checkpoint(state / r.checkpoint, r.sha256).weights
-                for r in store.rounds(run.run_id)}
-    finally:
-        store.close()
-
-
 def _assert_versions(state: Path, want: list[dict[str, np.ndarray]]) -> None:
-    got = _versions(state)
+    got = committed_versions(state)
     assert sorted(got) == list(range(len(want)))
     for version, weights in got.items():
         for name in weights:

@@ -16,22 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from async_support import Harness, async_config, refused
-from fedbuff import Arrival, client_delta, fedbuff_reference, initial_weights
+from fedbuff import Arrival, client_delta, committed_versions, fedbuff_reference, initial_weights
 
 from fedloom.errors import RejectReason
-from fedloom.server.checkpoint import load_checkpoint
 from fedloom.server.store import RunStore
-
-
-def _version(state: Path, version: int) -> dict[str, np.ndarray]:
-    store = RunStore(state / "fedloom.db")
-    try:
-        run = store.runs()[-1]
-        row = {r.round: r for r in store.rounds(run.run_id)}[version]
-    finally:
-        store.close()
-    weights = load_checkpoint(state / row.checkpoint, row.sha256).weights
-    return {n: np.asarray(a, np.float64) for n, a in weights.items()}
 
 
 def test_acknowledged_updates_survive_a_restart_mid_buffer(tmp_path: Path) -> None:
@@ -71,7 +59,7 @@ def test_acknowledged_updates_survive_a_restart_mid_buffer(tmp_path: Path) -> No
     arrivals += asyncio.run(after())
     want = fedbuff_reference(initial_weights(), arrivals, buffer_size=3)
     for version in (1, 2):
-        got = _version(state, version)
+        got = committed_versions(state)[version]
         for name in got:
             np.testing.assert_allclose(got[name], want[version][name], rtol=1e-5, atol=1e-6)
     # Nothing of the finished run is left in the buffer folder or the store.
