@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from fedloom.client_sdk._client import Client
 from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.simulations.clock import SyncClock
+from fedloom.simulations.fitting import FitTask, RoundFitter, SerialFitter
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.strategies import Strategy
@@ -73,6 +74,7 @@ def run_local(
     secure_aggregation: LocalSecureAggregation | None = None,
     clock: SyncClock | None = None,
     evaluate_every: int = 1,
+    fitter: RoundFitter | None = None,
 ) -> History:
     """Run ``num_rounds`` rounds of ``strategy`` over clients ``0 .. num_clients - 1``.
 
@@ -89,6 +91,8 @@ def run_local(
         secure_aggregation: run the fit rounds under SecAgg+ (see the module docstring).
         clock: time the rounds on a virtual clock (see the module docstring).
         evaluate_every: rounds between evaluations (the last round is always evaluated).
+        fitter: how the sampled clients train (`fedloom.simulations.fitting`); by
+            default one after another through ``client_fn``.
 
     Returns:
         The `History`: round 0 (initial evaluation) and one record per round, and the
@@ -101,6 +105,7 @@ def run_local(
     started = time.perf_counter()
     infos = client_infos(num_clients)
     recorder = RoundRecorder(on_round)
+    fitter = fitter if fitter is not None else SerialFitter(client_fn)
     current = initial
     recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None,
                     0.0 if clock is not None else None)
@@ -119,7 +124,7 @@ def run_local(
             num_sampled, num_cancelled = timing.num_sampled, timing.num_cancelled
         failures: list[str] = []
         updates = _fit_updates(
-            client_fn, plan, current, server_round, base_seed, fit_defaults, failures
+            fitter, plan, current, server_round, base_seed, fit_defaults, failures
         )
         if secure_aggregation is None:
             result = strategy.aggregate_fit(server_round, current, updates)
@@ -161,7 +166,7 @@ def federated_evaluate(
 
 
 def _fit_updates(
-    client_fn: ClientFactory,
+    fitter: RoundFitter,
     plan: FitPlan,
     current: Weights,
     server_round: int,
@@ -169,19 +174,22 @@ def _fit_updates(
     fit_defaults: Mapping[str, Scalar] | None,
     failures: list[str],
 ) -> Iterator[ClientUpdate]:
-    """Fit the plan's clients one by one, in plan order, yielding their updates.
+    """Fit the plan's clients with ``fitter``, yielding their updates in plan order.
 
-    Lazy, so a streaming aggregator holds one update at a time. A client that fails is
-    appended to ``failures`` and skipped.
+    Lazy, so a streaming aggregator holds one update at a time (as many as the fitter
+    trains at once). A client that fails is appended to ``failures`` and skipped.
     """
-    for cid in plan.client_ids:
-        index = int(cid)
-        config = client_fit_config(
-            plan.config, base_seed=base_seed, client_index=index,
+    tasks = [
+        FitTask(int(cid), client_fit_config(
+            plan.config, base_seed=base_seed, client_index=int(cid),
             server_round=server_round, defaults=fit_defaults,
-        )
+        ))
+        for cid in plan.client_ids
+    ]
+    for cid, out in zip(plan.client_ids, fitter.fit(current, tasks), strict=True):
         try:
-            out = client_fn(index).fit(current, config)
+            if isinstance(out, Exception):
+                raise out
             update = to_update(cid, out.weights, out.num_examples, out.metrics, current,
                                server_round)
         except Exception as exc:  # a failed client is data, not the end of the round
