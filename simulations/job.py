@@ -94,7 +94,7 @@ class Job:
             batch_size=spec.batch_size, local_epochs=self.scenario.local_epochs,
             lr=spec.lr, momentum=spec.momentum, seed=self.scenario.seed,
             model=model if model is not None else self.make_model(),
-            device=spec.device,
+            device=spec.device, optimizer=spec.optimizer,
         )
 
     def build_strategy(self) -> Strategy:

@@ -145,6 +145,7 @@ def make_torch_client(
     hidden: int = 64,
     num_classes: int = 10,
     device: str = "cpu",
+    optimizer: str = "sgd",
 ) -> TorchClient:
     """A `TorchClient` over numpy arrays, training ``model`` (default: `make_mlp`).
 
@@ -154,7 +155,9 @@ def make_torch_client(
             unshuffled).
         batch_size: examples per step.
         local_epochs: default passes per fit (the fit config's ``local_epochs`` wins).
-        lr: SGD learning rate (the fit config's ``lr`` wins); momentum ``momentum``.
+        lr: learning rate (the fit config's ``lr`` wins).
+        momentum: SGD's momentum.
+        optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"`` (torch's defaults).
         seed: seeds the model's initial weights and the shuffling generator until a
             fit config brings its own ``seed``.
         model: the network; by default ``make_mlp(x.shape[1], hidden, num_classes)``.
@@ -184,7 +187,12 @@ def make_torch_client(
         model = make_mlp(int(xt.shape[1]), hidden, num_classes)
         initial_weights(model, seed)
 
+    if optimizer not in ("sgd", "adam"):
+        raise ConfigError("optimizer", f"{optimizer!r} is not one of sgd, adam")
+
     def optimizer_factory(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if optimizer == "adam":
+            return torch.optim.Adam(params, lr=lr)
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
     return _SeededTorchClient(

@@ -30,7 +30,8 @@
     [client]
     batch_size = 32
     lr = 0.05
-    momentum = 0.9
+    momentum = 0.9              # SGD's momentum
+    optimizer = "sgd"           # or "adam" (torch's defaults, at lr)
     device = "cpu"
 
     [strategy]
@@ -105,6 +106,7 @@ DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
 ENGINES = ("local", "flower")
 MODELS = ("mlp",)
+OPTIMIZERS = ("sgd", "adam")
 
 
 def _one_of(value: str, allowed: tuple[str, ...], setting: str) -> None:
@@ -164,18 +166,24 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ClientSpec:
-    """Local training settings (SGD with momentum)."""
+    """Local training settings: SGD with momentum (the default) or Adam.
+
+    ``momentum`` applies to SGD only; Adam runs with torch's defaults (betas 0.9 and
+    0.999, eps 1e-8) at learning rate ``lr``. Each fit starts a fresh optimizer.
+    """
 
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
     device: str = "cpu"
+    optimizer: str = "sgd"
 
     def __post_init__(self) -> None:
         _check(self.batch_size >= 1, "client.batch_size", "must be at least 1")
         _check(math.isfinite(self.lr) and self.lr > 0, "client.lr", "must be > 0")
         _check(0.0 <= self.momentum < 1.0, "client.momentum", "must be in [0, 1)")
         _check(bool(self.device), "client.device", "must name a torch device or 'auto'")
+        _one_of(self.optimizer, OPTIMIZERS, "client.optimizer")
 
 
 @dataclasses.dataclass(frozen=True)

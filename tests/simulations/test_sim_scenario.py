@@ -116,3 +116,17 @@ def test_cli_runs_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "history.json", "history.csv", "history.png", "final.safetensors"
     }
     assert "tiny: 1 rounds on local" in capsys.readouterr().out
+
+
+def test_client_optimizer_adam_trains_and_unknown_is_refused():
+    import torch
+
+    from fedloom.simulations.job import Job
+
+    scenario = scenario_from_mapping({"num_clients": 4, "clients_per_round": 2, "rounds": 1,
+                                      "client": {"optimizer": "adam"}})
+    assert scenario.client.optimizer == "adam"
+    client = Job.from_scenario(scenario).make_client(0)
+    assert isinstance(client.optimizer_factory(client.model.parameters()), torch.optim.Adam)
+    with pytest.raises(ConfigError, match=r"client\.optimizer.*'rmsprop' is not one of sgd, adam"):
+        scenario_from_mapping({"client": {"optimizer": "rmsprop"}})
