@@ -50,6 +50,9 @@ SUPPORTED_DTYPES: Mapping[str, np.dtype[Any]] = {
     "float64": np.dtype("<f8"),
 }
 
+#: dtype -> wire name; a dict lookup, where ``dtype.name`` runs Python code per call.
+_WIRE_NAMES: Mapping[np.dtype[Any], str] = {dt: name for name, dt in SUPPORTED_DTYPES.items()}
+
 MAX_NAME_LENGTH = 512
 MAX_NDIM = 32
 
@@ -112,6 +115,8 @@ def _as_wire_array(name: str, value: Any) -> np.ndarray:
     if not isinstance(name, str) or not name:
         raise ConfigError("tensor name", f"must be a non-empty string, got {name!r}")
     arr = np.asarray(value)
+    if arr.dtype in _WIRE_NAMES and arr.flags.c_contiguous:
+        return arr  # already little-endian and C-contiguous: the common case
     wire = SUPPORTED_DTYPES.get(arr.dtype.name)
     if wire is None:
         raise ConfigError(
@@ -131,7 +136,7 @@ class Weights(Mapping[str, np.ndarray]):
     override `__getitem__`, `__iter__`, `__len__` and `specs`.
     """
 
-    __slots__ = ("_tensors",)
+    __slots__ = ("_layout", "_tensors")
 
     def __init__(
         self, tensors: Mapping[str, npt.ArrayLike] | Iterable[tuple[str, npt.ArrayLike]] = ()
@@ -158,11 +163,18 @@ class Weights(Mapping[str, np.ndarray]):
         return f"Weights({inner})"
 
     def specs(self) -> tuple[TensorSpec, ...]:
-        """The layout: one `TensorSpec` per tensor, in order."""
-        return tuple(
-            TensorSpec(name, arr.dtype.name, tuple(int(d) for d in arr.shape))
+        """The layout: one `TensorSpec` per tensor, in order (computed once: the
+        mapping is immutable)."""
+        try:
+            return self._layout
+        except AttributeError:
+            pass
+        self._layout: tuple[TensorSpec, ...] = tuple(
+            TensorSpec(name, _WIRE_NAMES.get(arr.dtype) or arr.dtype.name,
+                       tuple(int(d) for d in arr.shape))
             for name, arr in self.items()
         )
+        return self._layout
 
     @property
     def num_parameters(self) -> int:

@@ -5,6 +5,7 @@
     fedloom simulate scenario.toml                  # results in runs/<scenario name>/
     fedloom simulate scenario.toml --out results/a --engine flower --rounds 3
     fedloom simulate scenario.toml --set num_clients=50 --set partition.alpha=0.1
+    fedloom simulate scenario.toml --engine vectorized     # or --workers 2 (local engine)
 
 ``--set KEY=VALUE`` overrides any scenario setting (dotted for tables; the value is
 read as TOML, so ``--set client.lr=0.1`` is a float and ``--set engine=flower`` may go
@@ -30,11 +31,15 @@ from fedloom.errors import ConfigError, FedloomError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedloom simulate",
-        description="Run a simulated federated scenario (local engine or Flower's).",
+        description="Run a simulated federated scenario (local, vectorized or Flower's "
+                    "engine).",
     )
     parser.add_argument("scenario", help="scenario TOML file")
     parser.add_argument("--out", help="results folder (default: runs/<scenario name>)")
-    parser.add_argument("--engine", choices=("local", "flower"), help="override the engine")
+    parser.add_argument("--engine", choices=("local", "vectorized", "flower"),
+                        help="override the engine")
+    parser.add_argument("--workers", type=int,
+                        help="worker processes of the local engine (engine.workers)")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--seed", type=int, help="override the seed")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -55,6 +60,10 @@ def _apply(data: dict[str, Any], assignment: str) -> None:
     if not sep or not key.strip():
         raise ConfigError("--set", f"{assignment!r} is not KEY=VALUE")
     *tables, leaf = key.strip().split(".")
+    if tables[:1] == ["engine"] and not isinstance(data.get("engine", {}), dict):
+        data["engine"] = {"name": data["engine"]}  # engine = "x" becomes its [engine] table
+    if not tables and leaf == "engine" and isinstance(data.get("engine"), dict):
+        tables, leaf = ["engine"], "name"  # keep the table's options
     if tables[:1] == ["rounds"] and "rounds" in data and not isinstance(data["rounds"], dict):
         data["num_rounds"] = data.pop("rounds")  # the count beside a [rounds] table
     if key.strip() == "rounds" and _server_form(data):
@@ -83,7 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         data.setdefault("name", Path(args.scenario).stem)
         for assignment in args.set:
             _apply(data, assignment)
-        for key in ("engine", "rounds", "seed"):
+        if args.engine is not None:
+            _apply(data, f"engine.name={args.engine}")
+        if args.workers is not None:
+            _apply(data, f"engine.workers={args.workers}")
+        for key in ("rounds", "seed"):
             if getattr(args, key) is not None:
                 server = key == "rounds" and _server_form(data)
                 data["num_rounds" if server else key] = getattr(args, key)

@@ -15,21 +15,14 @@ and Flower's engine (which builds clients afresh per message) agree round by rou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    RandomSampler,
-    Sampler,
-    SequentialSampler,
-    TensorDataset,
-)
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 from fedloom.client_sdk._client import FitOutput
-from fedloom.client_sdk.torch_trainer import TorchClient
+from fedloom.client_sdk.torch_trainer import OptimizerFactory, TorchClient
 from fedloom.errors import ConfigError
 from fedloom.fit_config import SEED
 from fedloom.types import Config
@@ -81,8 +74,42 @@ class _SeededTorchClient(TorchClient):
     def __init__(self, *args: object, generator: torch.Generator, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.generator = generator
+        self._make_optimizer: OptimizerFactory = self.optimizer_factory
+        self.optimizer_factory = self._reset_optimizer
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._hyperparameters: list[dict[str, object]] = []
+
+    def _reset_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer of the last fit, reset to what a fresh one would be.
+
+        Building a torch optimizer costs about as much as a small model's training
+        step; clearing its state (momentum, Adam's moments and step count) and restoring
+        its hyperparameters gives the same updates as a new one.
+        """
+        wanted = list(params)
+        optimizer = self._optimizer
+        held = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
+        if optimizer is None or len(held) != len(wanted) or any(
+                a is not b for a, b in zip(held, wanted, strict=True)):
+            optimizer = self._optimizer = self._make_optimizer(wanted)
+            self._hyperparameters = [
+                {k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups
+            ]
+        else:
+            optimizer.state.clear()
+            for group, saved in zip(optimizer.param_groups, self._hyperparameters, strict=True):
+                group.update(saved)
+        return optimizer
 
     def fit(self, weights: Weights, config: Config) -> FitOutput:
+        try:
+            return self._seeded_fit(weights, config)
+        finally:
+            if self._optimizer is not None:
+                self._optimizer.state.clear()  # no per-client buffers held between fits
+
+    def _seeded_fit(self, weights: Weights, config: Config) -> FitOutput:
         if SEED not in config:
             return super().fit(weights, config)
         seed = int(config[SEED])
@@ -94,26 +121,38 @@ class _SeededTorchClient(TorchClient):
         return super().fit(weights, {k: v for k, v in config.items() if k != SEED})
 
 
+class TensorBatches:
+    """Batches of ``(x[idx], y[idx])`` for each index list a `BatchSampler` yields.
+
+    Exactly what ``DataLoader(TensorDataset(x, y), sampler=BatchSampler(...),
+    batch_size=None)`` yields — the same sampler draws the same indices from the same
+    generator — without the loader's per-batch machinery (fetcher, collation, pinning
+    checks), which costs as much as a training step when a fit is a few small batches.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, sampler: BatchSampler) -> None:
+        self.x, self.y, self.sampler = x, y, sampler
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = self.x, self.y
+        for indices in self.sampler:
+            yield x[indices], y[indices]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def _loader(
     x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None
-) -> DataLoader[tuple[torch.Tensor, ...]]:
-    """A ``DataLoader`` that indexes whole batches at once (no per-example collation).
-
-    A ``BatchSampler`` hands the dataset a list of indices and ``batch_size=None``
-    turns off the loader's own batching: one tensor gather per batch instead of
-    collating examples one by one, which matters when a fit is a handful of batches.
-    """
-    dataset = TensorDataset(x, y)
+) -> TensorBatches:
+    """Whole batches indexed at once (no per-example collation); shuffled by
+    ``generator`` when there is one."""
     base: Sampler[int] = (
-        RandomSampler(dataset, generator=generator)
+        RandomSampler(range(len(y)), generator=generator)
         if generator is not None
-        else SequentialSampler(dataset)
+        else SequentialSampler(range(len(y)))
     )
-    return DataLoader(
-        dataset,
-        sampler=BatchSampler(base, batch_size, drop_last=False),
-        batch_size=None,
-    )
+    return TensorBatches(x, y, BatchSampler(base, batch_size, drop_last=False))
 
 
 def _as_tensors(x: np.ndarray, y: np.ndarray, what: str) -> tuple[torch.Tensor, torch.Tensor]:

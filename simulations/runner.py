@@ -33,6 +33,7 @@ from rich.progress import (
 
 from fedloom.client_sdk.torch_trainer import TorchClient
 from fedloom.simulations.clock import SyncClock
+from fedloom.simulations.fitting import RoundFitter, SerialFitter
 from fedloom.simulations.history import History, RoundRecord
 from fedloom.simulations.job import Job
 from fedloom.simulations.local_async import run_local_async
@@ -70,7 +71,7 @@ def run_scenario(scenario: Scenario, out_dir: str | Path | None,
             if on_round is not None:
                 on_round(record)
 
-        if scenario.engine == "local":
+        if scenario.engine != "flower":
             history = _run_local(job, strategy, initial, evaluate, each_round)
         else:
             history = _run_flower(job, strategy, initial, evaluate, each_round)
@@ -110,15 +111,37 @@ def _run_local(
                 base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
                 evaluate_fn=evaluate, on_round=on_round,
             )
-        return run_local(
-            strategy, client_fn, initial,
-            num_clients=scenario.num_clients, num_rounds=scenario.rounds,
-            base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
-            evaluate_fn=evaluate, on_round=on_round, secure_aggregation=secure,
-            clock=sync_clock(scenario), evaluate_every=scenario.rounds_config.evaluate_every,
-        )
+        fitter = make_fitter(job, client_fn)
+        try:
+            history = run_local(
+                strategy, client_fn, initial,
+                num_clients=scenario.num_clients, num_rounds=scenario.rounds,
+                base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
+                evaluate_fn=evaluate, on_round=on_round, secure_aggregation=secure,
+                clock=sync_clock(scenario),
+                evaluate_every=scenario.rounds_config.evaluate_every, fitter=fitter,
+            )
+        finally:
+            fitter.close()
+        history.engine = scenario.engine
+        return history
     finally:
         torch.set_num_threads(threads)
+
+
+def make_fitter(job: Job, client_fn: Callable[[int], TorchClient]) -> RoundFitter:
+    """How the scenario's engine trains a round's clients (`fedloom.simulations.fitting`):
+    vectorized, over worker processes, or one after another in this process."""
+    scenario = job.scenario
+    if scenario.engine == "vectorized":
+        from fedloom.simulations.vectorized import VectorizedFitter
+
+        return VectorizedFitter.from_job(job, chunk_size=scenario.engine_options.chunk_size)
+    if scenario.engine_options.workers > 1:
+        from fedloom.simulations.parallel import ParallelFitter
+
+        return ParallelFitter(job, scenario.engine_options.workers)
+    return SerialFitter(client_fn)
 
 
 def sync_clock(scenario: Scenario) -> SyncClock:

@@ -4,7 +4,7 @@
 
     name = "digits-dirichlet"
     seed = 0
-    engine = "local"            # or "flower" (Flower's simulation engine, Ray)
+    engine = "local"            # "vectorized" (torch.func), "flower" (Flower's, on Ray)
     num_clients = 100
     clients_per_round = 10
     rounds = 20
@@ -48,6 +48,11 @@
     [secure_dropout]            # clients that vanish mid-protocol (secure rounds only)
     fraction = 0.0
     after = "share_keys"        # or "advertise_keys", "masked_input"
+
+    [engine]                    # instead of engine = "...", to set the engine's options
+    name = "local"
+    workers = 1                 # local: worker processes the round's clients spread over
+    chunk_size = 64             # vectorized: clients trained in one batched computation
 
     [flower]                    # engine = "flower" only
     num_cpus = 1.0              # per client (Ray resources)
@@ -104,7 +109,7 @@ from fedloom.simulations.speed import SpeedModel, SpeedSpec
 
 DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
-ENGINES = ("local", "flower")
+ENGINES = ("local", "vectorized", "flower")
 MODELS = ("mlp",)
 OPTIMIZERS = ("sgd", "adam")
 
@@ -187,6 +192,23 @@ class ClientSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Options of the in-process engines (TOML ``[engine]``, beside its ``name``).
+
+    ``workers`` > 1 spreads a round's clients over that many worker processes
+    (`fedloom.simulations.parallel`); ``chunk_size`` bounds how many clients the
+    vectorized engine trains in one batched computation (its memory grows with it).
+    """
+
+    workers: int = 1
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check(self.workers >= 1, "engine.workers", "must be at least 1")
+        _check(self.chunk_size >= 1, "engine.chunk_size", "must be at least 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class FlowerSpec:
     """Options passed to Flower's simulation engine (``engine = "flower"``)."""
 
@@ -229,6 +251,7 @@ class Scenario:
     client: ClientSpec = dataclasses.field(default_factory=ClientSpec)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     flower: FlowerSpec = dataclasses.field(default_factory=FlowerSpec)
+    engine_options: EngineSpec = dataclasses.field(default_factory=EngineSpec)  # [engine]
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
     secure_dropout: SecureDropout = dataclasses.field(default_factory=SecureDropout)
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
@@ -240,6 +263,9 @@ class Scenario:
         _check(bool(self.name) and "/" not in self.name, "name", "must be a plain file name")
         _check(self.seed >= 0, "seed", "must be >= 0")
         _one_of(self.engine, ENGINES, "engine")
+        _check(self.engine_options.workers == 1 or self.engine == "local", "engine.workers",
+               f'worker processes serve engine = "local" only, not {self.engine!r}: '
+               "set workers = 1")
         _check(self.num_clients >= 1, "num_clients", "must be at least 1")
         _check(
             1 <= self.clients_per_round <= self.num_clients,
@@ -255,8 +281,8 @@ class Scenario:
         )
         if self.secure_aggregation.enabled:  # fedloom.simulations.local_secure
             secure = self.secure_aggregation
-            _check(self.engine == "local", "engine",
-                   "secure aggregation runs on the local engine only")
+            _check(self.engine != "flower", "engine",
+                   "secure aggregation runs on the in-process engines only (local, vectorized)")
             _check(secure.threshold + 1 <= self.clients_per_round <= secure.max_participants,
                    "clients_per_round", f"must be in threshold + 1 .. max_participants "
                    f"({secure.threshold + 1}..{secure.max_participants}) under secure "
@@ -283,9 +309,10 @@ class Scenario:
     def _check_async(self) -> None:
         """What FedBuff on a simulation cannot be combined with (the server refuses the
         same, for the same reasons, in `fedloom.config`)."""
-        _check(self.engine == "local", "engine",
-               'rounds.mode = "async" runs on the local engine only (Flower\'s simulation '
-               'loop runs rounds of a sampled cohort): set engine = "local"')
+        _check(self.engine == "local" and self.engine_options.workers == 1, "engine",
+               'rounds.mode = "async" runs on the local engine in one process only (its '
+               "virtual clock hands out one client's task at a time; Flower's simulation "
+               'loop runs rounds of a sampled cohort): set engine = "local", workers = 1')
         _check(not self.secure_aggregation.enabled, "rounds.mode",
                '"async" cannot run under secure aggregation: SecAgg+ masks cancel only in '
                "the sum of a fixed cohort, while asynchronous updates arrive one at a time "
@@ -350,6 +377,10 @@ def scenario_from_mapping(data: Mapping[str, Any]) -> Scenario:
             data["rounds_config"] = table
     elif isinstance(data.get("rounds"), Mapping):
         data["rounds_config"] = data.pop("rounds")  # the count keeps its default
+    if isinstance(data.get("engine"), Mapping):  # [engine]: its name and options
+        options = dict(data["engine"])
+        data["engine"] = options.pop("name", "local")
+        data["engine_options"] = from_mapping(EngineSpec, options, where="engine.")
     if isinstance(data.get("rounds_config"), Mapping):  # errors name it [rounds], as in TOML
         data["rounds_config"] = from_mapping(RoundsConfig, data["rounds_config"],
                                              where="rounds.")

@@ -84,3 +84,37 @@ def test_factory_refuses_bad_arguments(kwargs: dict, setting: str) -> None:
 def test_factory_refuses_mismatched_arrays() -> None:
     with pytest.raises(ConfigError):
         make_torch_client(X, Y[:-1])
+
+
+def test_tensor_batches_are_what_a_data_loader_yields() -> None:
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+    from fedloom.simulations.models import _loader
+
+    x, y = torch.randn(45, 3), torch.arange(45)
+    for batch_size in (1, 8, 45, 64):
+        ours = _loader(x, y, batch_size, torch.Generator().manual_seed(5))
+        dataset = TensorDataset(x, y)
+        theirs = DataLoader(dataset, batch_size=None, sampler=BatchSampler(
+            RandomSampler(dataset, generator=torch.Generator().manual_seed(5)),
+            batch_size, drop_last=False))
+        assert len(ours) == len(theirs)
+        for _epoch in range(3):  # the generator's state carries over, as it does for theirs
+            for (xa, ya), (xb, yb) in zip(ours, theirs, strict=True):
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_reused_optimizer_trains_as_a_fresh_one(optimizer: str) -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 64)).astype(np.float32), rng.integers(0, 10, 40)
+    reused = make_torch_client(x, y, batch_size=8, optimizer=optimizer, seed=1)
+    start = reused.get_weights()
+    config = {"seed": 3, "local_epochs": 2}
+    first = reused.fit(start, {**config, "lr": 0.2})  # leaves state and another lr behind
+    again = reused.fit(start, config)
+    fresh = make_torch_client(x, y, batch_size=8, optimizer=optimizer, seed=1).fit(start, config)
+    assert not first.weights.allclose(again.weights)
+    for name in start:
+        np.testing.assert_array_equal(again.weights[name], fresh.weights[name])
+    assert reused._optimizer is not None and not reused._optimizer.state  # nothing held

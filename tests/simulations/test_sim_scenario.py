@@ -130,3 +130,38 @@ def test_client_optimizer_adam_trains_and_unknown_is_refused():
     assert isinstance(client.optimizer_factory(client.model.parameters()), torch.optim.Adam)
     with pytest.raises(ConfigError, match=r"client\.optimizer.*'rmsprop' is not one of sgd, adam"):
         scenario_from_mapping({"client": {"optimizer": "rmsprop"}})
+
+
+def test_engine_table_gives_the_name_and_options():
+    s = scenario_from_mapping({"engine": {"name": "local", "workers": 3}})
+    assert (s.engine, s.engine_options.workers, s.engine_options.chunk_size) == ("local", 3, 64)
+    s = scenario_from_mapping({"engine": {"name": "vectorized", "chunk_size": 16}})
+    assert (s.engine, s.engine_options.chunk_size) == ("vectorized", 16)
+    assert scenario_from_mapping({"engine": "vectorized"}).engine_options.workers == 1
+
+
+@pytest.mark.parametrize(("engine", "match"), [
+    ({"name": "local", "workers": 0}, r"engine\.workers.*at least 1"),
+    ({"name": "local", "chunk_size": 0}, r"engine\.chunk_size.*at least 1"),
+    ({"name": "local", "threads": 2}, r"engine\.threads.*unknown setting"),
+    ({"name": "vectorized", "workers": 2}, r"engine\.workers.*'vectorized'.*workers = 1"),
+    ({"name": "flower", "workers": 2}, r"engine\.workers.*'flower'"),
+])
+def test_engine_table_refuses_what_an_engine_cannot_do(engine, match):
+    with pytest.raises(ConfigError, match=match):
+        scenario_from_mapping({"engine": engine})
+
+
+def test_async_rounds_refuse_worker_processes():
+    with pytest.raises(ConfigError, match=r"one process only.*workers = 1"):
+        scenario_from_mapping({"num_rounds": 3, "rounds": {"mode": "async", "concurrency": 2},
+                               "engine": {"name": "local", "workers": 2}})
+
+
+def test_cli_engine_flags_keep_the_engine_table():
+    data = {"engine": {"name": "local", "chunk_size": 8}}
+    _apply(data, "engine=vectorized")
+    assert data == {"engine": {"name": "vectorized", "chunk_size": 8}}
+    data = {"engine": "local"}
+    _apply(data, "engine.workers=2")
+    assert scenario_from_mapping(data).engine_options.workers == 2
