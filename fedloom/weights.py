@@ -96,6 +96,8 @@ class TensorSpec:
 
 def layout_mismatch(expected: Sequence[TensorSpec], actual: Sequence[TensorSpec]) -> str:
     """Describe the first difference between two layouts ("" when they are equal)."""
+    if expected is actual:
+        return ""
     if [s.name for s in expected] != [s.name for s in actual]:
         want, got = [s.name for s in expected], [s.name for s in actual]
         missing = [n for n in want if n not in got][:5]
@@ -170,8 +172,7 @@ class Weights(Mapping[str, np.ndarray]):
         except AttributeError:
             pass
         self._layout: tuple[TensorSpec, ...] = tuple(
-            TensorSpec(name, _WIRE_NAMES.get(arr.dtype) or arr.dtype.name,
-                       tuple(int(d) for d in arr.shape))
+            TensorSpec(name, _WIRE_NAMES.get(arr.dtype) or arr.dtype.name, arr.shape)
             for name, arr in self.items()
         )
         return self._layout

@@ -148,6 +148,12 @@ class _Sum:
         return out.reshape(spec.shape)
 
 
+def _is_block_source(delta: Weights) -> bool:
+    """``isinstance(delta, BlockSource)``, without the cost of a check against a runtime
+    protocol (tens of microseconds, a fifth of folding a small model's update)."""
+    return type(delta) is not Weights and isinstance(delta, BlockSource)
+
+
 class WeightedMeanAggregator(Aggregator):
     """Weighted mean of deltas by ``num_examples``, as a stream.
 
@@ -187,7 +193,7 @@ class WeightedMeanAggregator(Aggregator):
             raise AggregationError("accumulate() called before start()")
         self._current.check_same_layout(update.delta, what=f"update from {update.client_id}")
         weight = float(update.num_examples)
-        if isinstance(update.delta, BlockSource) and self.group_size > 1:
+        if self.group_size > 1 and _is_block_source(update.delta):
             self._waiting.append((update.delta, weight))
             if len(self._waiting) >= self.group_size:
                 self._fold_waiting()
