@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 from fedloom.client_sdk._client import FitOutput
 from fedloom.client_sdk.torch_trainer import OptimizerFactory, TorchClient
@@ -122,37 +121,42 @@ class _SeededTorchClient(TorchClient):
 
 
 class TensorBatches:
-    """Batches of ``(x[idx], y[idx])`` for each index list a `BatchSampler` yields.
-
-    Exactly what ``DataLoader(TensorDataset(x, y), sampler=BatchSampler(...),
-    batch_size=None)`` yields — the same sampler draws the same indices from the same
-    generator — without the loader's per-batch machinery (fetcher, collation, pinning
-    checks), which costs as much as a training step when a fit is a few small batches.
+    """Batches of ``(x[idx], y[idx])``: the batches ``DataLoader(TensorDataset(x, y),
+    sampler=BatchSampler(RandomSampler(..., generator=generator), batch_size,
+    drop_last=False), batch_size=None)`` yields, in the same order from the same
+    generator state (in order when ``generator`` is None), without the loader's and the
+    samplers' per-batch machinery (index lists, fetchers, collation), which costs as
+    much as a training step when a fit is a few small batches.
     """
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, sampler: BatchSampler) -> None:
-        self.x, self.y, self.sampler = x, y, sampler
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+                 generator: torch.Generator | None) -> None:
+        self.x, self.y, self.batch_size, self.generator = x, y, batch_size, generator
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        x, y = self.x, self.y
-        for indices in self.sampler:
-            yield x[indices], y[indices]
+        x, y, size, generator = self.x, self.y, self.batch_size, self.generator
+        n = len(y)
+        if generator is None:
+            for start in range(0, n, size):
+                yield x[start:start + size], y[start:start + size]
+            return
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            batch = order[start:start + size]
+            yield x[batch], y[batch]
+        # RandomSampler draws a second permutation (for num_samples % n, here none) once
+        # the first is used up; drawing it too keeps the generator's sequence the same.
+        torch.randperm(n, generator=generator)
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return -(-len(self.y) // self.batch_size)
 
 
 def _loader(
     x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None
 ) -> TensorBatches:
-    """Whole batches indexed at once (no per-example collation); shuffled by
-    ``generator`` when there is one."""
-    base: Sampler[int] = (
-        RandomSampler(range(len(y)), generator=generator)
-        if generator is not None
-        else SequentialSampler(range(len(y)))
-    )
-    return TensorBatches(x, y, BatchSampler(base, batch_size, drop_last=False))
+    """Whole batches indexed at once; shuffled by ``generator`` when there is one."""
+    return TensorBatches(x, y, batch_size, generator)
 
 
 def _as_tensors(x: np.ndarray, y: np.ndarray, what: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -87,17 +89,24 @@ def test_factory_refuses_mismatched_arrays() -> None:
 
 
 def test_tensor_batches_are_what_a_data_loader_yields() -> None:
-    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+    from torch.utils.data import (
+        BatchSampler,
+        DataLoader,
+        RandomSampler,
+        SequentialSampler,
+        TensorDataset,
+    )
 
     from fedloom.simulations.models import _loader
 
     x, y = torch.randn(45, 3), torch.arange(45)
-    for batch_size in (1, 8, 45, 64):
-        ours = _loader(x, y, batch_size, torch.Generator().manual_seed(5))
+    for batch_size, shuffle in itertools.product((1, 8, 45, 64), (True, False)):
+        ours = _loader(x, y, batch_size, torch.Generator().manual_seed(5) if shuffle else None)
         dataset = TensorDataset(x, y)
-        theirs = DataLoader(dataset, batch_size=None, sampler=BatchSampler(
-            RandomSampler(dataset, generator=torch.Generator().manual_seed(5)),
-            batch_size, drop_last=False))
+        sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
+                   if shuffle else SequentialSampler(dataset))
+        theirs = DataLoader(dataset, batch_size=None,
+                            sampler=BatchSampler(sampler, batch_size, drop_last=False))
         assert len(ours) == len(theirs)
         for _epoch in range(3):  # the generator's state carries over, as it does for theirs
             for (xa, ya), (xb, yb) in zip(ours, theirs, strict=True):
