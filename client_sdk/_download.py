@@ -1,5 +1,6 @@
 """Reading one task from the server's task stream: its header, then its weights, chunk by
-chunk, verified against the header's digest before they are used."""
+chunk, verified against the header's digest before they are used (and then decoded, when
+the task is encoded with this session's download codec)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
+from fedloom.client_sdk._compression import decode_model
 from fedloom.client_sdk._watchdog import Watchdog
+from fedloom.compression import CodecSpec
 from fedloom.config import ClientConfig
 from fedloom.errors import MessageRejectedError, ResultRefusedError, TransportError
 from fedloom.messages import NoTask, TaskHeader
@@ -33,14 +36,15 @@ class BufferSink:
 
 def receive_task(
     stream: Iterator[pb.PullResponse], watchdog: Watchdog, config: ClientConfig,
-    run_id: str | None, whole_stream: bool,
+    run_id: str | None, whole_stream: bool, download_codec: CodecSpec | None = None,
 ) -> tuple[TaskHeader, Weights] | NoTask:
     """Read one task: its header, then its chunks (to the end of a Pull's stream;
     on the Tasks stream, as many bytes as the header announces).
 
     ``run_id`` is the run this client joined (None: not checked); ``watchdog`` is
     touched on every message and, once the header is in, given the client's RPC timeout
-    as the longest wait between chunks.
+    as the longest wait between chunks. ``download_codec`` is the codec this session was
+    granted: an encoded task must name it (`decode_model`).
     """
     first = next(stream, None)
     watchdog.touch()
@@ -88,4 +92,5 @@ def receive_task(
         receiver.finish()
     except MessageRejectedError as exc:
         raise TransportError(f"the task's weights failed verification: {exc}") from exc
-    return task, deserialize(info.specs, sink.buffer.data.toreadonly())
+    payload = deserialize(info.specs, sink.buffer.data.toreadonly())
+    return task, decode_model(task, payload, download_codec)

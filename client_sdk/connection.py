@@ -128,7 +128,9 @@ class Connection:
 
     # -- session --------------------------------------------------------------------
     def join(self, name: str, token: str = "") -> JoinReply:
-        request = JoinRequest(PROTOCOL_VERSION, CAPABILITIES, name, token)
+        request = JoinRequest(PROTOCOL_VERSION, CAPABILITIES, name, token,
+                              upload_codecs=self.config.upload_codecs,
+                              download_codecs=self.config.download_codecs)
         try:
             response = self._stub.Join(
                 codec.join_request_to_proto(request), timeout=self.config.rpc_timeout_s
@@ -146,6 +148,7 @@ class Connection:
                 f"the server speaks protocol {grant.protocol_version}, this client "
                 f"{PROTOCOL_VERSION}: upgrade the client (or the server)"
             )
+        _check_codec_grants(grant, self.config)
         if grant.chunk_size + 16 * 1024 > self.config.transfer.max_message_bytes:
             raise ConfigError(
                 "max_message_bytes",
@@ -226,7 +229,8 @@ class Connection:
     ) -> tuple[TaskHeader, Weights] | NoTask:
         """Read one task (`receive_task`); open the upload channel its result will need."""
         run_id = self.grant.run_id if self.grant is not None else None
-        outcome = receive_task(stream, watchdog, self.config, run_id, whole_stream)
+        granted = self.grant.download_codec if self.grant is not None else None
+        outcome = receive_task(stream, watchdog, self.config, run_id, whole_stream, granted)
         if isinstance(outcome, NoTask):
             return outcome
         task, _weights = outcome
@@ -290,6 +294,15 @@ class Connection:
         if prepared is not None:
             prepared[1].cancel()  # the warm-up Heartbeat, if still in flight
         return prepared
+
+
+def _check_codec_grants(grant: JoinReply, config: ClientConfig) -> None:
+    """A server may grant only a codec this client asked for (or none)."""
+    for granted, asked in ((grant.upload_codec, config.upload_codecs),
+                           (grant.download_codec, config.download_codecs)):
+        if granted is not None and granted.name not in asked:
+            raise TransportError(f"the server granted codec {granted}, which this client did "
+                                 f"not ask for (it asked for {list(asked)})")
 
 
 def _push_method(channel: grpc.Channel) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fedloom.client_sdk._client import Client
+from fedloom.client_sdk._compression import UpdateEncoder
 from fedloom.client_sdk._progress import console_handler, log_task
 from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
@@ -40,8 +41,7 @@ from fedloom.errors import (
     SessionExpiredError,
     TransportError,
 )
-from fedloom.messages import NoTask, ResultHeader, Session, TaskHeader
-from fedloom.payload import PayloadInfo, serialize_difference
+from fedloom.messages import JoinReply, NoTask, ResultHeader, Session, TaskHeader
 from fedloom.secagg import (
     MaskedInputRequest,
     PeerVerifier,
@@ -144,6 +144,8 @@ class ClientRunner:
         self.secure_aggregation = secure_aggregation  # parameters a secure round must use
         self.secagg_cpu_s: dict[str, float] = {}
         self._connection: Connection | None = None
+        self._joined: JoinReply | None = None  # this session's grant (run, codecs)
+        self._encoder = UpdateEncoder(config.state_dir)
         self._secure: SecureFit | None = None
         # what this client remembers of each secure round, across its sessions: a server
         # that ends a session cannot make it forget that it revealed shares in a round
@@ -163,7 +165,7 @@ class ClientRunner:
             self._connection = connection
             heartbeat: _Heartbeat | None = None
             try:
-                grant = connection.join(self.config.name, self.token)
+                grant = self._joined = connection.join(self.config.name, self.token)
                 log.info(
                     "joined %s as %s (run %s)",
                     self.config.server_address,
@@ -267,7 +269,10 @@ class ClientRunner:
                 problem = _check_output(weights, fit.weights)
                 if problem:
                     raise ValueError(problem)
-                payload = serialize_difference(fit.weights, weights)
+                joined = self._joined
+                payload, info, codec = self._encoder.update(
+                    joined.run_id if joined else "", joined.upload_codec if joined else None,
+                    fit.weights, weights)
                 self.stats.fits += 1
                 return ResultHeader(
                     session,
@@ -277,7 +282,8 @@ class ClientRunner:
                     num_examples=fit.num_examples,
                     base_round=task.round - 1,
                     metrics=fit.metrics,
-                    update=PayloadInfo.describe(weights.specs(), payload),
+                    update=info,
+                    codec=codec,
                 ), payload
             evaluation = self.client.evaluate(weights, task.config)
             self.stats.evaluations += 1

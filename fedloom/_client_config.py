@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fedloom.compression import DOWNLOAD_CODECS, UPLOAD_CODECS
 from fedloom.payload import DEFAULT_CHUNK_SIZE
 from fedloom.settings import check, check_address, described
 
@@ -83,9 +84,19 @@ class ClientConfig:
         0.0, "distributed DP: refuse a round whose announced Skellam noise, over the round's "
         "survivor floor, is below this noise multiplier z (0: take the server's word; "
         "docs/privacy.md)")
+    upload_codecs: tuple[str, ...] = described(
+        (), "codecs to send updates in, most wanted first; the server grants the first it "
+        f"accepts, or none ({', '.join(UPLOAD_CODECS)}; docs/compression.md)")
+    download_codecs: tuple[str, ...] = described(
+        (), "codecs to receive the model in, most wanted first "
+        f"({', '.join(DOWNLOAD_CODECS)})")
+    state_dir: str = described(
+        "", "folder for this client's own state (top-k's error-feedback residual, which "
+        "then survives a restart); empty: kept in memory only")
 
     def __post_init__(self) -> None:
         check_address("server_address", self.server_address)
+        _check_codecs(self)
         check(math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0,
               "min_noise_multiplier", "must be a number >= 0 (0: no floor)")
         _check_client_tls(self)
@@ -102,6 +113,15 @@ class ClientConfig:
             "max_reconnect_attempts",
             "must be >= 0, or unset to retry forever",
         )
+
+
+def _check_codecs(c: ClientConfig) -> None:
+    for setting, allowed in (("upload_codecs", UPLOAD_CODECS),
+                             ("download_codecs", DOWNLOAD_CODECS)):
+        names = getattr(c, setting)
+        check(isinstance(names, list | tuple) and all(n in allowed for n in names), setting,
+              f"must list codecs among {', '.join(map(repr, allowed))}, got {names!r}")
+        object.__setattr__(c, setting, tuple(names))
 
 
 def _check_client_tls(c: ClientConfig) -> None:

@@ -22,7 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedloom import privacy_cli, security_cli
-from fedloom.config import RoundsConfig, ServerConfig, TransferConfig, from_mapping, load_toml
+from fedloom.config import (
+    CompressionConfig,
+    RoundsConfig,
+    ServerConfig,
+    TransferConfig,
+    from_mapping,
+    load_toml,
+)
 from fedloom.errors import FedloomError
 from fedloom.logs import FORMATS, configure_logging
 from fedloom.secagg import SecAggConfig
@@ -94,6 +101,26 @@ def _add_rounds_flags(parser: argparse.ArgumentParser) -> None:
                            help=f"{field_help(field)} (default: {field.default})")
 
 
+def _codec_list(text: str) -> list[str]:
+    """A comma-separated list of codec names ("" for none)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _add_compression_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for the [compression] table (docs/compression.md)."""
+    group = parser.add_argument_group("compression ([compression] table: codecs accepted)")
+    kinds: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
+    defaults = CompressionConfig()
+    for field in dataclasses.fields(CompressionConfig):
+        listed = field.name in ("upload", "download")
+        default = getattr(defaults, field.name)
+        group.add_argument(_flag(f"compression_{field.name}"), dest=f"compression_{field.name}",
+                           type=_codec_list if listed else kinds[str(field.type)],
+                           default=None, metavar="A,B" if listed else str(field.type).upper(),
+                           help=f"{field_help(field)} (default: "
+                                f"{(','.join(default) or 'none') if listed else default})")
+
+
 def _server_parser(sub: Any) -> None:
     from fedloom.strategies import describe_strategies  # numpy only; lists every setting
 
@@ -122,6 +149,7 @@ def _server_parser(sub: Any) -> None:
     _add_fields(p, TransferConfig, "transfer_")
     _add_secagg_flags(p)
     _add_rounds_flags(p)
+    _add_compression_flags(p)
     privacy_cli.add_server_flags(p)
     security_cli.add_server_flags(p)
 
@@ -150,6 +178,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             data.setdefault("secure_aggregation", {})[key[7:]] = value
         elif key.startswith("rounds_"):
             data.setdefault("rounds", {})[key[7:]] = value
+        elif key.startswith("compression_"):
+            data.setdefault("compression", {})[key[12:]] = value
         elif key.startswith("privacy_") and key != "privacy_command":
             data.setdefault("privacy", {})[key[8:]] = value
         elif key.startswith(("tls_", "auth_")):  # security_cli's flags: [tls] / [auth]
@@ -190,6 +220,11 @@ def _run_client(args: argparse.Namespace) -> int:
     from fedloom.client_sdk import Client, start_client
 
     config = security_cli.client_config_from_args(args)  # TLS settings refused before the app
+    codecs = {name: value for name, value in (("upload_codecs", args.upload_codecs),
+                                              ("download_codecs", args.download_codecs),
+                                              ("state_dir", args.state_dir))
+              if value is not None}
+    config = dataclasses.replace(config, **codecs)
     app = _load_attr(args.app, "--app")
     client = app() if callable(app) and not isinstance(app, Client) else app
     if not isinstance(client, Client):
@@ -246,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", help="a stable name for this client")
     c.add_argument("--token", help="credential, when the server requires one")
     c.add_argument("--log-level", default="INFO")
+    c.add_argument("--upload-codecs", type=_codec_list, metavar="A,B",
+                   help="codecs to send updates in, most wanted first (docs/compression.md)")
+    c.add_argument("--download-codecs", type=_codec_list, metavar="A,B",
+                   help="codecs to receive the model in, most wanted first")
+    c.add_argument("--state-dir", help="folder for this client's own state (top-k's "
+                   "error-feedback residual survives a restart there)")
     security_cli.add_client_flags(c)
     security_cli.add_certs_parser(sub)
     privacy_cli.add_parser(sub)

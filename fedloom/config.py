@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom._client_config import ClientConfig, TransferConfig
+from fedloom._compression_config import CompressionConfig, check_compression
 from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
 from fedloom.privacy._config import PrivacyConfig
@@ -37,6 +38,7 @@ from fedloom.settings import check, check_address, described, from_mapping
 __all__ = [
     "AuthConfig",
     "ClientConfig",
+    "CompressionConfig",
     "RoundsConfig",
     "SelectionConfig",
     "ServerConfig",
@@ -228,6 +230,7 @@ class ServerConfig:
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
     rounds: RoundsConfig = dataclasses.field(default_factory=RoundsConfig)
+    compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         check_address("address", self.address)
@@ -301,6 +304,7 @@ class ServerConfig:
                                   over_selection=self.over_selection)
         if self.rounds.asynchronous:
             _check_async(self)
+        check_compression(self.compression, secure=self.secure_aggregation.enabled)
 
     @property
     def selection(self) -> SelectionConfig:

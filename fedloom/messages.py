@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from fedloom.compression import CodecSpec
 from fedloom.payload import PayloadInfo
 from fedloom.secagg import RoundId, SecAggReply, SecAggRequest
 from fedloom.types import Config, Metrics, TaskKind
+from fedloom.weights import TensorSpec
 
 #: 2: a secure round's fit config and weights travel with the masked-input stage (the
 #: client trains there), not with advertise keys as in 1. 3: the Tasks stream and the
@@ -23,7 +25,8 @@ from fedloom.types import Config, Metrics, TaskKind
 #: (signed keys; the setup binds identities, a survivor floor and the model and config
 #: digests, and drops the graph seed; a share-keys task lists every participant's keys;
 #: share commitments; the consistency stage; unmask carries confirmations, not the
-#: dropped clients).
+#: dropped clients). Compression (docs/compression.md) adds only optional fields to
+#: version 5: a peer that knows nothing of them asks for, grants and sends no codec.
 PROTOCOL_VERSION = 5
 
 
@@ -54,14 +57,22 @@ class Session:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class JoinRequest:
+    """A client's Join; ``upload_codecs`` / ``download_codecs`` name the codecs it wants
+    per direction, most wanted first (empty: none)."""
+
     protocol_version: int
     capabilities: frozenset[str]
     name: str
     token: str = dataclasses.field(default="", repr=False)
+    upload_codecs: tuple[str, ...] = ()
+    download_codecs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class JoinReply:
+    """The server's answer to a Join; ``upload_codec`` / ``download_codec`` are the codecs
+    granted to the session (None: plain float32)."""
+
     session: Session
     protocol_version: int
     capabilities: frozenset[str]
@@ -71,6 +82,8 @@ class JoinReply:
     chunk_size: int
     max_message_bytes: int
     max_model_bytes: int
+    upload_codec: CodecSpec | None = None
+    download_codec: CodecSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +99,10 @@ class TaskHeader:
     A `TaskKind.SECAGG` task carries its stage request in `secagg`; only the
     masked-input stage (where the client trains) carries the global weights and the fit
     config, the other stages an empty payload.
+
+    With a `codec` (a fit or evaluate task to a client granted a download codec), the
+    payload `weights` describes is the model encoded with it, and `decoded` is the
+    model's own layout, which that payload decodes into.
     """
 
     task_id: str
@@ -96,6 +113,13 @@ class TaskHeader:
     deadline_s: float
     weights: PayloadInfo
     secagg: SecAggRequest | None = None
+    codec: CodecSpec | None = None
+    decoded: tuple[TensorSpec, ...] = ()
+
+    @property
+    def model_specs(self) -> tuple[TensorSpec, ...]:
+        """The layout of the model this task carries (decoded, when encoded)."""
+        return self.decoded if self.codec is not None else self.weights.specs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,7 +129,8 @@ class ResultHeader:
     Exactly one of: a fit (`num_examples`, `base_round`, `update`), an evaluation
     (`num_examples`, `loss`), a secure-aggregation stage reply (`secagg`; for the
     masked input a `MaskedInputHeader`, with the masked vector described by `update`),
-    or a failure (`failure` holds the client's message).
+    or a failure (`failure` holds the client's message). A fit's `codec` (None: plain)
+    says how its delta is encoded: `update` then describes the encoded layout.
     """
 
     session: Session
@@ -119,6 +144,7 @@ class ResultHeader:
     failure: str = ""
     update: PayloadInfo | None = None
     secagg: SecAggReply | MaskedInputHeader | None = None
+    codec: CodecSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

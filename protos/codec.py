@@ -5,8 +5,9 @@ treats its input as hostile: it checks sizes, names, dtypes, shapes and ranges a
 raises `MessageRejectedError` (reason INVALID) with a message that says what was wrong.
 Generated classes are imported under a ``Proto`` prefix so wire and domain names never
 collide. The secure-aggregation stage messages are converted by
-`fedloom.protos._secagg_codec` (their parts by `fedloom.protos._secagg_parts`), which
-the task and result pairs here call.
+`fedloom.protos._secagg_codec` (their parts by `fedloom.protos._secagg_parts`), and the
+compression fields by `fedloom.protos._encoding_codec`, which the pairs here call;
+chunks travel as hand-serialized frames (`fedloom.protos._frames`, re-exported here).
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ from collections.abc import Iterable, Mapping
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason
 from fedloom.messages import JoinReply, JoinRequest, NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
+from fedloom.protos._encoding_codec import (
+    asked_codecs,
+    encoding_to_proto,
+    grants_to_proto,
+    optional_encoding,
+    result_encoding,
+    task_encoding,
+)
+from fedloom.protos._frames import chunk_frame as chunk_frame
+from fedloom.protos._frames import serialize_message as serialize_message
 from fedloom.protos._secagg_codec import (
     secagg_result_from_proto,
     secagg_result_to_proto,
@@ -151,43 +162,6 @@ def chunks_for_push(pieces: Iterable[tuple[int, bytes]]) -> Iterable[ProtoPushRe
         yield ProtoPushRequest(chunk=ProtoChunk(offset=offset, data=data))
 
 
-# Chunk frames: a PullResponse or PushRequest holding one Chunk, serialized by hand.
-# Building the protobuf object and serializing it copies a chunk three times and costs
-# ~100 ms per 40 MB here (most of a round's CPU at 10M parameters); a frame is a few
-# header bytes and one copy of the data, wire-identical (tests/transfer checks it).
-_CHUNK_FIELD = 2  # PullResponse.chunk and PushRequest.chunk
-_OFFSET_TAG = b"\x08"  # Chunk.offset = 1, varint
-_DATA_TAG = b"\x12"  # Chunk.data = 2, length-delimited
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def chunk_frame(offset: int, data: bytes | memoryview) -> bytes:
-    """``PullResponse(chunk=Chunk(offset, data))`` (or the same ``PushRequest``),
-    serialized: ``offset`` is omitted at 0, as protobuf does."""
-    inner = (_OFFSET_TAG + _varint(offset) if offset else b"") + _DATA_TAG + _varint(len(data))
-    head = bytes([_CHUNK_FIELD << 3 | 2]) + _varint(len(inner) + len(data)) + inner
-    return b"".join((head, data))
-
-
-def serialize_message(message: object) -> bytes:
-    """A gRPC serializer that sends ready frames (bytes) as they are."""
-    if isinstance(message, bytes):
-        return message
-    data: bytes = message.SerializeToString()  # type: ignore[attr-defined]
-    return data
-
-
 def chunk_from_proto(chunk: ProtoChunk) -> tuple[int, bytes]:
     return int(chunk.offset), chunk.data
 
@@ -210,6 +184,8 @@ def join_request_to_proto(request: JoinRequest) -> ProtoJoinRequest:
         capabilities=sorted(request.capabilities),
         name=request.name,
         token=request.token,
+        upload_codecs=list(request.upload_codecs),
+        download_codecs=list(request.download_codecs),
     )
 
 
@@ -223,11 +199,13 @@ def join_request_from_proto(request: ProtoJoinRequest) -> JoinRequest:
         capabilities=frozenset(request.capabilities),
         name=_check_text(request.name, "name"),
         token=_check_text(request.token, "token", 1024, printable=False),
+        upload_codecs=asked_codecs(request.upload_codecs, "upload_codecs"),
+        download_codecs=asked_codecs(request.download_codecs, "download_codecs"),
     )
 
 
 def join_reply_to_proto(reply: JoinReply) -> ProtoJoinResponse:
-    return ProtoJoinResponse(
+    response = ProtoJoinResponse(
         session=session_to_proto(reply.session),
         protocol_version=reply.protocol_version,
         capabilities=sorted(reply.capabilities),
@@ -238,6 +216,8 @@ def join_reply_to_proto(reply: JoinReply) -> ProtoJoinResponse:
         max_message_bytes=reply.max_message_bytes,
         max_model_bytes=reply.max_model_bytes,
     )
+    grants_to_proto(reply.upload_codec, reply.download_codec, response)
+    return response
 
 
 def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
@@ -261,6 +241,8 @@ def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
         chunk_size=int(reply.chunk_size),
         max_message_bytes=int(reply.max_message_bytes),
         max_model_bytes=int(reply.max_model_bytes),
+        upload_codec=optional_encoding(reply, "upload_encoding", "the upload grant"),
+        download_codec=optional_encoding(reply, "download_encoding", "the download grant"),
     )
 
 
@@ -272,7 +254,10 @@ def task_to_proto(task: TaskHeader) -> ProtoPullResponse:
         round=task.round,
         deadline_s=task.deadline_s,
         weights=payload_to_proto(task.weights),
+        decoded_tensors=[spec_to_proto(s) for s in task.decoded],
     )
+    if task.codec is not None:
+        header.encoding.CopyFrom(encoding_to_proto(task.codec))
     config = record_to_proto(task.config)
     if task.kind is TaskKind.FIT:
         header.fit.CopyFrom(ProtoFitTask(config=config))
@@ -300,6 +285,9 @@ def task_from_proto(header: ProtoTaskHeader) -> TaskHeader:
         raise _invalid("task deadline is not a non-negative number")
     if header.round < 1:
         raise _invalid("task round must be at least 1 (round 0 is the initial model)")
+    weights = payload_from_proto(header.weights)
+    encoding, decoded = task_encoding(header, task_kind is TaskKind.SECAGG, weights,
+                                      spec_from_proto, MAX_TENSORS)
     return TaskHeader(
         task_id=_check_text(header.task_id, "task_id"),
         run_id=_check_text(header.run_id, "run_id"),
@@ -307,8 +295,10 @@ def task_from_proto(header: ProtoTaskHeader) -> TaskHeader:
         kind=task_kind,
         config=record_from_proto(config, "task config") if config is not None else {},
         deadline_s=header.deadline_s,
-        weights=payload_from_proto(header.weights),
+        weights=weights,
         secagg=secagg,
+        codec=encoding,
+        decoded=decoded,
     )
 
 
@@ -330,6 +320,8 @@ def result_to_proto(result: ResultHeader) -> ProtoPushRequest:
     )
     if result.update is not None:
         header.update.CopyFrom(payload_to_proto(result.update))
+    if result.codec is not None:
+        header.encoding.CopyFrom(encoding_to_proto(result.codec))
     metrics = record_to_proto(result.metrics)
     if result.kind is TaskKind.FIT:
         header.fit.CopyFrom(
@@ -354,6 +346,7 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
     kind = header.WhichOneof("kind")
     update = payload_from_proto(header.update) if header.HasField("update") else None
     rnd = int(header.round)
+    encoding = result_encoding(header, kind)
     if kind == "fit":
         if update is None:
             raise _invalid("a fit result must carry an update payload header")
@@ -366,6 +359,7 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
             base_round=int(header.fit.base_round),
             metrics=record_from_proto(header.fit.metrics, "fit metrics"),
             update=update,
+            codec=encoding,
         )
     if kind == "evaluate":
         if not math.isfinite(header.evaluate.loss):

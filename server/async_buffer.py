@@ -7,32 +7,37 @@ model version (`fedloom.server.persistence`) and then forgets that version's upd
 A restarted server reads back the updates of the versions after its last commit, each
 checked against its SHA-256 digest, so it loses no update it acknowledged; the rows and
 files of committed versions (a crash between the commit and the cleanup) are deleted.
+An encoded update (docs/compression.md) is kept encoded; its row records the codec, with
+its settings, so that a restarted server decodes it as the one that acknowledged it did.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
 
+from fedloom.compression import CodecSpec, CompressionError, DecodedWeights, encoded_layout
 from fedloom.payload import PayloadInfo
 from fedloom.server.checkpoint import fsync_dir
 from fedloom.server.store import BufferedRow, RunStore
 from fedloom.server.uploads import SpooledWeights
 from fedloom.types import ClientUpdate, Metrics
-from fedloom.weights import TensorSpec
+from fedloom.weights import TensorSpec, Weights
 
 log = logging.getLogger("fedloom.server")
 
 
 @dataclasses.dataclass(frozen=True)
 class BufferEntry:
-    """A durable update: its record and its weights (read from the file on access)."""
+    """A durable update: its record and its delta (read from the file on access, and
+    decoded tensor by tensor when it was encoded)."""
 
     row: BufferedRow
-    weights: SpooledWeights
+    weights: Weights
 
     def update(self) -> ClientUpdate:
         return ClientUpdate(self.row.client_id, self.weights, self.row.num_examples,
@@ -68,7 +73,8 @@ class DurableBuffer:
         self.folder = state_dir / "buffer" / run_id
 
     def keep(self, version: int, client_id: str, base_round: int, num_examples: int,
-             metrics: Metrics, spool_path: Path, info: PayloadInfo) -> BufferEntry:
+             metrics: Metrics, spool_path: Path, info: PayloadInfo,
+             codec: CodecSpec | None = None) -> BufferEntry:
         """Record an update whose spool file is already on disk (`sync_file`): move the
         file into the buffer folder, then commit its row. Quick: call it on the loop."""
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -76,14 +82,20 @@ class DurableBuffer:
         os.replace(spool_path, target)
         fsync_dir(self.folder)
         row = BufferedRow(version, client_id, base_round, num_examples, dict(metrics),
-                          str(target.relative_to(self.state_dir)), info.sha256.hex())
+                          str(target.relative_to(self.state_dir)), info.sha256.hex(),
+                          codec=_codec_text(codec))
         try:
             seq = self.store.buffer_update(self.run_id, row)
         except BaseException:
             target.unlink(missing_ok=True)
             raise
-        return BufferEntry(dataclasses.replace(row, seq=seq),
-                           SpooledWeights(target, info.specs))
+        return BufferEntry(dataclasses.replace(row, seq=seq), self._delta(target, codec))
+
+    def _delta(self, path: Path, codec: CodecSpec | None) -> Weights:
+        if codec is None:
+            return SpooledWeights(path, self.specs)
+        spooled = SpooledWeights(path, encoded_layout(codec.build(), self.specs))
+        return DecodedWeights(codec.build(), self.specs, spooled)
 
     def recover(self, completed_round: int) -> list[BufferEntry]:
         """The acknowledged updates of versions after ``completed_round``, verified, in
@@ -94,11 +106,15 @@ class DurableBuffer:
         for row in self.store.buffered_updates(self.run_id):
             path = self.state_dir / row.path
             problem = _file_problem(path, row.sha256)
+            try:
+                codec = _codec_of(row.codec)
+            except (CompressionError, ValueError, TypeError, KeyError) as exc:
+                problem = f"names a codec this server cannot build ({exc})"
             if problem:
                 log.error("an acknowledged update from %s for version %d is lost: %s %s",
                           row.client_id, row.version, row.path, problem)
                 continue
-            entries.append(BufferEntry(row, SpooledWeights(path, self.specs)))
+            entries.append(BufferEntry(row, self._delta(path, codec)))
             kept.add(path)
         if self.folder.is_dir():
             for path in self.folder.iterdir():
@@ -122,3 +138,17 @@ class DurableBuffer:
                 continue
             if through_version is None or version <= through_version:
                 path.unlink(missing_ok=True)
+
+
+def _codec_text(codec: CodecSpec | None) -> str:
+    """A codec as its buffer row records it ("" for a plain update)."""
+    if codec is None:
+        return ""
+    return json.dumps({"name": codec.name, **codec.settings()}, sort_keys=True)
+
+
+def _codec_of(text: str) -> CodecSpec | None:
+    if not text:
+        return None
+    settings = json.loads(text)
+    return CodecSpec.of(settings.pop("name"), **settings)

@@ -22,6 +22,8 @@ no result ``round_timeout_s`` after it was issued fails and frees its slot.
 Every mean-based strategy composes (FedAvg, FedAvgM, FedProx, the FedOpt family: the
 strategy's weighted mean of staleness-scaled deltas, then its optimizer); a robust rule
 holds the buffer's updates (its aggregator's ``holds_all_updates``), which the log says.
+Encoded updates (``[compression] upload``) are checked to decode before they are made
+durable, stay encoded in the buffer, and reach the strategy decoded, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.server.async_buffer import BufferEntry, DurableBuffer, sync_file
+from fedloom.server.compression import EncodingRefusedError, broadcast, check_decodes
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.memory import release_free_heap
@@ -177,14 +180,26 @@ class AsyncRounds(RoundDriver):
         self.done = True  # stopping: the durable buffer stays for a restart
 
     # -- the fit tasks' results (through `AsyncFitTasks`, their task owner) ----------
-    async def take(self, task: Task, header: ResultHeader, fingerprint: bytes) -> Upload:
+    async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
+                   fingerprint: bytes) -> Upload:
         self._check_fresh(task, self._open)
-        return start_fit_upload(self.parts, task, header, fingerprint)
+        try:
+            return start_fit_upload(self.parts, client, task, header, fingerprint)
+        except EncodingRefusedError as exc:
+            log.warning("client %s: %s", task.client_id, exc)
+            self.end(task, f"update refused: {exc}")
+            raise
 
     async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
         task, header = upload.task, upload.header
         try:
             self._check_open(task)
+            try:
+                await check_decodes(header.codec, task.header.model_specs, payload)
+            except EncodingRefusedError as exc:
+                log.warning("client %s: %s", task.client_id, exc)
+                self.end(task, f"update refused: {exc}")
+                raise
             # The bytes reach the disk before anything is acknowledged (off the loop).
             await asyncio.to_thread(sync_file, upload.spool.path)
             self._check_open(task)
@@ -194,7 +209,7 @@ class AsyncRounds(RoundDriver):
             metrics = {**header.metrics, "staleness": staleness}
             entry = self.durable.keep(buffer.version, task.client_id, task.header.round - 1,
                                       header.num_examples, metrics, upload.spool.path,
-                                      header.update)
+                                      header.update, header.codec)
         except BaseException:
             upload.spool.discard()
             raise
@@ -304,11 +319,15 @@ class AsyncRounds(RoundDriver):
         parts = self.parts
         model = parts.model
         server_round = model.version + 1
+        record = parts.fleet.registry.get(client_id)
+        info, payload, codec, decoded = broadcast(
+            model, record.download_codec if record is not None else None)
         header = TaskHeader(
             task_id=secrets.token_hex(16), run_id=parts.run_id, round=server_round,
             kind=TaskKind.FIT, config=self._fit_config(server_round),
-            deadline_s=parts.config.round_timeout_s, weights=model.info)
-        task = Task(header, client_id, model.payload)
+            deadline_s=parts.config.round_timeout_s, weights=info, codec=codec,
+            decoded=decoded)
+        task = Task(header, client_id, payload)
         self._running[task.task_id] = task
         loop = asyncio.get_running_loop()
         self._deadlines[task.task_id] = loop.time() + parts.config.round_timeout_s
@@ -338,7 +357,7 @@ class AsyncFitTasks:
 
     async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
                    fingerprint: bytes) -> Upload | bool:
-        return await self.driver.take(task, header, fingerprint)
+        return await self.driver.take(client, task, header, fingerprint)
 
     async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
         await self.driver.fold(upload, payload)

@@ -22,6 +22,7 @@ from fedloom.messages import (
     JoinReply,
     JoinRequest,
 )
+from fedloom.server.compression import grant
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.progress import RoundReporter
 from fedloom.server.quarantine import STRIKES, Quarantine
@@ -81,6 +82,8 @@ class Fleet:
             identity or request.name, request.capabilities & SERVER_CAPABILITIES,
             identity=identity, peer=peer,
         )
+        grants = grant(self.config.compression, request, record.client_id)
+        record.upload_codec, record.download_codec = grants.upload, grants.download
         log.info(
             "client %s (%s) joined; %d connected", record.client_id, record.info.name,
             len(self.registry),
@@ -99,6 +102,8 @@ class Fleet:
             chunk_size=t.chunk_size,
             max_message_bytes=t.max_message_bytes,
             max_model_bytes=t.max_model_bytes,
+            upload_codec=grants.upload,
+            download_codec=grants.download,
         )
 
     def strike(self, record: ClientRecord, reason: RejectReason) -> None:

@@ -3,14 +3,23 @@ every fit and evaluate task broadcasts.
 
 The weights are views into the payload (one copy of the model, not two), and installing
 a new model lets go of the old payload before building the new one (two copies at the
-peak, not three).
+peak, not three). A model broadcast with a download codec (``[compression] download``)
+is encoded once per model version and codec, when the first task needs it, and shared
+by every client granted that codec; installing a new model drops those payloads too.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
+
+from fedloom.compression import CodecSpec, CompressionError, encode
 from fedloom.payload import PayloadInfo, deserialize, serialize
 from fedloom.server.persistence import RunPersistence
 from fedloom.weights import Weights
+
+log = logging.getLogger("fedloom.server")
 
 
 class GlobalModel:
@@ -28,6 +37,7 @@ class GlobalModel:
         the next commit writes)."""
         # Nothing else runs on the loop until this returns: drop the old payload first.
         self.payload = memoryview(b"")
+        self._encoded: dict[CodecSpec, tuple[PayloadInfo, memoryview] | None] = {}
         self.weights = self._persistence.weights = weights
         payload = serialize(weights)
         self.weights = deserialize(weights.specs(), payload)
@@ -39,3 +49,20 @@ class GlobalModel:
     @property
     def num_bytes(self) -> int:
         return self.info.total_bytes
+
+    def encoded(self, spec: CodecSpec) -> tuple[PayloadInfo, memoryview] | None:
+        """The model encoded with ``spec`` (a download codec), built on first use; None
+        when this model cannot be (fp16 and a value beyond its range): it is then sent
+        plain, and the server says so once per model version."""
+        if spec not in self._encoded:
+            try:
+                # fp16 and bf16 are deterministic: the generator is never drawn from.
+                weights = encode(spec.build(), self.weights, np.random.default_rng(0))
+            except CompressionError as exc:
+                log.warning("model version %d is broadcast plain to clients granted %s: %s",
+                            self.version, spec, exc)
+                self._encoded[spec] = None
+            else:
+                payload = serialize(weights)
+                self._encoded[spec] = (PayloadInfo.describe(weights.specs(), payload), payload)
+        return self._encoded[spec]

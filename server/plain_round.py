@@ -15,6 +15,12 @@ from typing import Any
 
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
+from fedloom.server.compression import (
+    EncodingRefusedError,
+    broadcast,
+    check_decodes,
+    check_encoding,
+)
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
@@ -32,15 +38,19 @@ log = logging.getLogger("fedloom.server")
 def issue_phase(parts: RoundParts, phase: RoundTasks, owner: Any, client_ids: tuple[str, ...],
                 config: Any, deadline_s: float) -> None:
     """Issue one task per connected client of ``client_ids`` into ``phase``, each
-    carrying the global model (shared by plain fit and evaluation phases)."""
+    carrying the global model, encoded with the client's download codec if it was
+    granted one (shared by plain fit and evaluation phases)."""
     for client_id in client_ids:
-        if client_id not in parts.fleet.registry:
+        record = parts.fleet.registry.get(client_id)
+        if record is None:
             continue
+        info, payload, codec, decoded = broadcast(parts.model, record.download_codec)
         header = TaskHeader(
             task_id=secrets.token_hex(16), run_id=parts.run_id, round=phase.round,
-            kind=phase.kind, config=config, deadline_s=deadline_s, weights=parts.model.info,
+            kind=phase.kind, config=config, deadline_s=deadline_s, weights=info,
+            codec=codec, decoded=decoded,
         )
-        task = Task(header, client_id, parts.model.payload)
+        task = Task(header, client_id, payload)
         phase.add(task)
         parts.book.issue(task, owner)
 
@@ -52,13 +62,15 @@ def check_num_examples(parts: RoundParts, n: int) -> None:
             RejectReason.INVALID, f"num_examples {n} is out of range (1..{limit})")
 
 
-def start_fit_upload(parts: RoundParts, task: Task, header: ResultHeader,
-                     fingerprint: bytes) -> Upload:
+def start_fit_upload(parts: RoundParts, client: ClientRecord, task: Task,
+                     header: ResultHeader, fingerprint: bytes) -> Upload:
     """Check a fit result's header against its task; the `Upload` its payload fills.
 
     Raises:
         MessageRejectedError: no update, a bad ``num_examples``, an update not based on
             the task's model, too large, of another layout, or a second upload at once.
+        EncodingRefusedError: a codec the client was not granted, or an encoded payload
+            of another layout (`fedloom.server.compression.check_encoding`).
     """
     check_num_examples(parts, header.num_examples)
     if header.update is None:
@@ -74,10 +86,13 @@ def start_fit_upload(parts: RoundParts, task: Task, header: ResultHeader,
         raise MessageRejectedError(
             RejectReason.TOO_LARGE, f"update of {header.update.total_bytes} bytes exceeds "
             f"max_model_bytes ({transfer.max_model_bytes})")
-    problem = layout_mismatch(task.header.weights.specs, header.update.specs)
-    if problem:
-        raise MessageRejectedError(
-            RejectReason.INVALID, f"update does not fit the model: {problem}")
+    if header.codec is not None:
+        check_encoding(client.upload_codec, header, task.header.model_specs)
+    else:
+        problem = layout_mismatch(task.header.model_specs, header.update.specs)
+        if problem:
+            raise MessageRejectedError(
+                RejectReason.INVALID, f"update does not fit the model: {problem}")
     if task.in_flight:
         raise MessageRejectedError(
             RejectReason.CONFLICT, "an upload for this task is already in progress")
@@ -124,14 +139,31 @@ class FitPhase(PhaseOwner):
 
     async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
                    fingerprint: bytes) -> Upload | bool:
-        return start_fit_upload(self.parts, task, header, fingerprint)
+        try:
+            return start_fit_upload(self.parts, client, task, header, fingerprint)
+        except EncodingRefusedError as exc:
+            self.refused(task, exc)
+            raise
+
+    def refused(self, task: Task, exc: EncodingRefusedError) -> None:
+        """An update refused for its encoding fails its task (the round goes on)."""
+        log.warning("client %s: %s", task.client_id, exc)
+        self.phase.fail(task, f"update refused: {exc}")
+        self.progress()
 
     async def fold(self, upload: Upload, payload: SpooledWeights) -> None:
         task, header = upload.task, upload.header
+        try:
+            delta = await check_decodes(header.codec, task.header.model_specs, payload)
+        except EncodingRefusedError as exc:
+            upload.spool.discard()
+            if task.status is TaskStatus.PENDING and not self.phase.closed:
+                self.refused(task, exc)
+            raise
         if self.phase.closed or task.status is not TaskStatus.PENDING:
             upload.spool.discard()
             raise MessageRejectedError(RejectReason.STALE, "the round closed while uploading")
-        update = ClientUpdate(task.client_id, payload, header.num_examples, header.base_round,
+        update = ClientUpdate(task.client_id, delta, header.num_examples, header.base_round,
                               header.metrics)
         self.phase.accept_update(task, update, upload.fingerprint)
         self.progress()

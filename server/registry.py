@@ -9,6 +9,7 @@ import hmac
 import secrets
 import time
 
+from fedloom.compression import CodecSpec
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import Session
 from fedloom.types import ClientInfo
@@ -26,6 +27,9 @@ class ClientRecord:
     #: only a label the client chose, which proves nothing and keys nothing.
     identity: str | None = None
     peer: str = ""  # the address the client joined from ("" when unknown)
+    #: The codecs granted at Join (`fedloom.server.compression.grant`); None: plain.
+    upload_codec: CodecSpec | None = None
+    download_codec: CodecSpec | None = None
 
     @property
     def client_id(self) -> str:

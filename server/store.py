@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS buffered_updates (
     num_examples INTEGER NOT NULL,
     metrics TEXT NOT NULL,
     path TEXT NOT NULL,
-    sha256 TEXT NOT NULL
+    sha256 TEXT NOT NULL,
+    codec TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -75,7 +76,8 @@ class RoundRow:
 @dataclasses.dataclass(frozen=True)
 class BufferedRow:
     """An acknowledged asynchronous update waiting for its server step
-    (`fedloom.server.async_buffer`): ``path`` is relative to the state folder."""
+    (`fedloom.server.async_buffer`): ``path`` is relative to the state folder; ``codec``
+    is the update's codec and settings as JSON ("" for a plain update)."""
 
     version: int
     client_id: str
@@ -85,6 +87,7 @@ class BufferedRow:
     path: str
     sha256: str
     seq: int = 0
+    codec: str = ""
 
 
 class RunStore:
@@ -106,6 +109,16 @@ class RunStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Bring a database written before a column existed up to the schema."""
+        with self._lock:
+            columns = {row[1] for row in
+                       self._db.execute("PRAGMA table_info(buffered_updates)").fetchall()}
+            if "codec" not in columns:
+                self._db.execute(
+                    "ALTER TABLE buffered_updates ADD COLUMN codec TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         # Under the lock: a commit still running in the aggregation thread finishes first
@@ -169,9 +182,10 @@ class RunStore:
             self._db.execute("BEGIN IMMEDIATE")
             cursor = self._db.execute(
                 "INSERT INTO buffered_updates (run_id, version, client_id, base_round, "
-                "num_examples, metrics, path, sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "num_examples, metrics, path, sha256, codec) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, row.version, row.client_id, row.base_round, row.num_examples,
-                 json.dumps(row.metrics), row.path, row.sha256),
+                 json.dumps(row.metrics), row.path, row.sha256, row.codec),
             )
             return int(cursor.lastrowid or 0)
 
@@ -180,9 +194,9 @@ class RunStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT version, client_id, base_round, num_examples, metrics, path, sha256, "
-                "seq FROM buffered_updates WHERE run_id = ? ORDER BY seq", (run_id,)
+                "seq, codec FROM buffered_updates WHERE run_id = ? ORDER BY seq", (run_id,)
             ).fetchall()
-        return [BufferedRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], r[7])
+        return [BufferedRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], r[7], r[8])
                 for r in rows]
 
     def forget_buffered(self, run_id: str, through_version: int | None = None) -> None:

@@ -101,7 +101,7 @@ def result_fingerprint(header: ResultHeader) -> bytes:
     same result matches, a different result for the same task does not."""
     sha = header.update.sha256 if header.update is not None else b""
     parts = (header.kind, header.num_examples, header.base_round, header.loss,
-             sorted(header.metrics.items()), sha, header.secagg)
+             sorted(header.metrics.items()), sha, header.secagg, header.codec)
     return hashlib.sha256(repr(parts).encode()).digest()
 
 

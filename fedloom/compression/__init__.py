@@ -14,7 +14,8 @@ Each codec turns a tensor into fixed-layout parts (`Codec`, `encode`, `decode`,
 `encoded_layout`), so an encoded update is an ordinary `Weights`; `DecodedWeights`
 decodes one tensor per access, so a receiver never holds a whole decoded update. `ErrorFeedback`
 carries what a lossy codec drops into the next update (for top-k). `make_codec` builds
-one by name::
+one by name; a `CodecSpec` is a codec with its settings as the wire names it (what a
+server grants and a header carries; see docs/compression.md)::
 
     >>> from fedloom.compression import make_codec
     >>> make_codec("q8", block=128)
@@ -22,8 +23,6 @@ one by name::
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from fedloom.compression._base import (
     Codec,
@@ -37,49 +36,30 @@ from fedloom.compression._base import (
 from fedloom.compression._cast import Bf16Codec, Fp16Codec
 from fedloom.compression._feedback import ErrorFeedback
 from fedloom.compression._quantize import QuantizeCodec
+from fedloom.compression._spec import (
+    CODECS,
+    DOWNLOAD_CODECS,
+    UPLOAD_CODECS,
+    CodecSpec,
+    choose,
+    make_codec,
+)
 from fedloom.compression._topk import TopKCodec
-
-#: Codec names and what each accepts as settings.
-CODECS: dict[str, tuple[str, ...]] = {
-    "fp16": (),
-    "bf16": (),
-    "q8": ("block",),
-    "q4": ("block",),
-    "topk": ("fraction",),
-}
-
-
-def make_codec(name: str, **settings: Any) -> Codec:
-    """The codec called ``name`` with ``settings`` (`CODECS` lists both).
-
-    Raises:
-        CompressionError: an unknown name, or a setting it does not take.
-    """
-    if name not in CODECS:
-        raise CompressionError(f"unknown codec {name!r}; one of {', '.join(CODECS)}")
-    unknown = sorted(set(settings) - set(CODECS[name]))
-    if unknown:
-        takes = ", ".join(CODECS[name]) or "no settings"
-        raise CompressionError(f"codec {name} does not take {unknown} (it takes {takes})")
-    if name == "fp16":
-        return Fp16Codec()
-    if name == "bf16":
-        return Bf16Codec()
-    if name in ("q8", "q4"):
-        return QuantizeCodec(bits=int(name[1]), **settings)
-    return TopKCodec(**settings)
-
 
 __all__ = [
     "CODECS",
+    "DOWNLOAD_CODECS",
+    "UPLOAD_CODECS",
     "Bf16Codec",
     "Codec",
+    "CodecSpec",
     "CompressionError",
     "DecodedWeights",
     "ErrorFeedback",
     "Fp16Codec",
     "QuantizeCodec",
     "TopKCodec",
+    "choose",
     "decode",
     "encode",
     "encoded_bytes",

@@ -15,6 +15,12 @@ little-endian bytes (no pickle, no .npy headers); a payload's SHA-256 digest is
 checked on receipt. Task and result kinds are oneofs, so new kinds (secure
 aggregation stages) never break v1 clients: a client advertises what it supports in
 JoinRequest.capabilities ("fit", "evaluate", "secagg") and is only sent those kinds.
+
+Compression (docs/compression.md) adds only optional fields to version 5: a client
+asks for codecs at Join (JoinRequest.upload_codecs, download_codecs), the server grants
+at most one per direction (JoinResponse.upload_encoding, download_encoding), and the
+headers of encoded payloads name their Encoding. A peer that knows nothing of these
+fields asks for, grants and sends nothing encoded.
 """
 
 from collections import abc as _abc
@@ -140,8 +146,41 @@ class TensorSpec(_message.Message):
 Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
 
 @_typing.final
+class Encoding(_message.Message):
+    """A codec and its settings (fedloom.compression.CodecSpec); the server fixes the settings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODEC_FIELD_NUMBER: _builtins.int
+    BLOCK_FIELD_NUMBER: _builtins.int
+    FRACTION_FIELD_NUMBER: _builtins.int
+    codec: _builtins.str
+    """"fp16", "bf16", "q8", "q4" or "topk" """
+    block: _builtins.int
+    """q8, q4: values sharing one scale (0 for the others)"""
+    fraction: _builtins.float
+    """topk: share of each tensor's values sent (0 for the others)"""
+    def __init__(
+        self,
+        *,
+        codec: _builtins.str = ...,
+        block: _builtins.int = ...,
+        fraction: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "codec", b"codec", "fraction", b"fraction"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Encoding: _TypeAlias = Encoding  # noqa: Y015
+
+@_typing.final
 class PayloadHeader(_message.Message):
-    """Describes a payload: the tensors in order, its size and its digest."""
+    """Describes a payload: the tensors in order, its size and its digest. For an encoded
+    payload, the tensors are the codec's parts (fedloom.compression.encoded_layout) and
+    the digest covers the encoded bytes.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -223,6 +262,8 @@ class JoinRequest(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    UPLOAD_CODECS_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_CODECS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     name: _builtins.str
     """stable, human-readable name (e.g. a site id)"""
@@ -230,6 +271,17 @@ class JoinRequest(_message.Message):
     """credential, when the server requires one"""
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def upload_codecs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Codecs the client wants, most wanted first (empty: none). The server grants the
+        first it accepts; names it does not know are skipped.
+        for its updates
+        """
+
+    @_builtins.property
+    def download_codecs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """for the global model it downloads"""
+
     def __init__(
         self,
         *,
@@ -237,10 +289,12 @@ class JoinRequest(_message.Message):
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         name: _builtins.str = ...,
         token: _builtins.str = ...,
+        upload_codecs: _abc.Iterable[_builtins.str] | None = ...,
+        download_codecs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "name", b"name", "protocol_version", b"protocol_version", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "download_codecs", b"download_codecs", "name", b"name", "protocol_version", b"protocol_version", "token", b"token", "upload_codecs", b"upload_codecs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -259,6 +313,8 @@ class JoinResponse(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     MAX_MODEL_BYTES_FIELD_NUMBER: _builtins.int
+    UPLOAD_ENCODING_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_ENCODING_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     run_id: _builtins.str
     heartbeat_interval_s: _builtins.float
@@ -273,6 +329,14 @@ class JoinResponse(_message.Message):
     def session(self) -> Global___Session: ...
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def upload_encoding(self) -> Global___Encoding:
+        """The codecs granted to this session (unset: plain float32). A granted client may
+        still send a plain update; any other codec is refused (FAILED_PRECONDITION).
+        """
+
+    @_builtins.property
+    def download_encoding(self) -> Global___Encoding: ...
     def __init__(
         self,
         *,
@@ -285,10 +349,12 @@ class JoinResponse(_message.Message):
         chunk_size: _builtins.int = ...,
         max_message_bytes: _builtins.int = ...,
         max_model_bytes: _builtins.int = ...,
+        upload_encoding: Global___Encoding | None = ...,
+        download_encoding: Global___Encoding | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["download_encoding", b"download_encoding", "session", b"session", "upload_encoding", b"upload_encoding"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "chunk_size", b"chunk_size", "heartbeat_interval_s", b"heartbeat_interval_s", "long_poll_s", b"long_poll_s", "max_message_bytes", b"max_message_bytes", "max_model_bytes", b"max_model_bytes", "protocol_version", b"protocol_version", "run_id", b"run_id", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "chunk_size", b"chunk_size", "download_encoding", b"download_encoding", "heartbeat_interval_s", b"heartbeat_interval_s", "long_poll_s", b"long_poll_s", "max_message_bytes", b"max_message_bytes", "max_model_bytes", b"max_model_bytes", "protocol_version", b"protocol_version", "run_id", b"run_id", "session", b"session", "upload_encoding", b"upload_encoding"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -495,6 +561,8 @@ class TaskHeader(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
+    DECODED_TENSORS_FIELD_NUMBER: _builtins.int
     FIT_FIELD_NUMBER: _builtins.int
     EVALUATE_FIELD_NUMBER: _builtins.int
     SECAGG_ADVERTISE_KEYS_FIELD_NUMBER: _builtins.int
@@ -512,6 +580,14 @@ class TaskHeader(_message.Message):
     def weights(self) -> Global___PayloadHeader:
         """the global weights follow in Chunks"""
 
+    @_builtins.property
+    def encoding(self) -> Global___Encoding:
+        """Fit and evaluate tasks to a client granted a download codec: the weights are the
+        model encoded with it, and decoded_tensors is the model's own layout.
+        """
+
+    @_builtins.property
+    def decoded_tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
     @_builtins.property
     def fit(self) -> Global___FitTask: ...
     @_builtins.property
@@ -536,6 +612,8 @@ class TaskHeader(_message.Message):
         round: _builtins.int = ...,
         deadline_s: _builtins.float = ...,
         weights: Global___PayloadHeader | None = ...,
+        encoding: Global___Encoding | None = ...,
+        decoded_tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         fit: Global___FitTask | None = ...,
         evaluate: Global___EvaluateTask | None = ...,
         secagg_advertise_keys: Global___SecAggAdvertiseKeysTask | None = ...,
@@ -544,9 +622,9 @@ class TaskHeader(_message.Message):
         secagg_unmask: Global___SecAggUnmaskTask | None = ...,
         secagg_consistency: Global___SecAggConsistencyTask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "weights", b"weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "round", b"round", "run_id", b"run_id", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "task_id", b"task_id", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "decoded_tensors", b"decoded_tensors", "encoding", b"encoding", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "round", b"round", "run_id", b"run_id", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "task_id", b"task_id", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "secagg_advertise_keys", "secagg_share_keys", "secagg_masked_input", "secagg_unmask", "secagg_consistency"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -636,6 +714,7 @@ class ResultHeader(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     UPDATE_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     FIT_FIELD_NUMBER: _builtins.int
     EVALUATE_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
@@ -651,6 +730,12 @@ class ResultHeader(_message.Message):
     @_builtins.property
     def update(self) -> Global___PayloadHeader:
         """for a fit result: the delta follows in Chunks"""
+
+    @_builtins.property
+    def encoding(self) -> Global___Encoding:
+        """A fit result whose delta is encoded: the session's granted upload codec. The update
+        header must then describe encoded_layout(codec, the model's layout).
+        """
 
     @_builtins.property
     def fit(self) -> Global___FitResult: ...
@@ -677,6 +762,7 @@ class ResultHeader(_message.Message):
         task_id: _builtins.str = ...,
         round: _builtins.int = ...,
         update: Global___PayloadHeader | None = ...,
+        encoding: Global___Encoding | None = ...,
         fit: Global___FitResult | None = ...,
         evaluate: Global___EvaluateResult | None = ...,
         failure: Global___TaskFailure | None = ...,
@@ -686,9 +772,9 @@ class ResultHeader(_message.Message):
         secagg_unmask: Global___SecAggUnmaskResult | None = ...,
         secagg_consistency: Global___SecAggConsistencyResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "round", b"round", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "task_id", b"task_id", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "round", b"round", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "task_id", b"task_id", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "failure", "secagg_advertised_keys", "secagg_share_keys", "secagg_masked_input", "secagg_unmask", "secagg_consistency"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015

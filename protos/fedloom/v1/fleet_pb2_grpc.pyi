@@ -15,6 +15,12 @@ little-endian bytes (no pickle, no .npy headers); a payload's SHA-256 digest is
 checked on receipt. Task and result kinds are oneofs, so new kinds (secure
 aggregation stages) never break v1 clients: a client advertises what it supports in
 JoinRequest.capabilities ("fit", "evaluate", "secagg") and is only sent those kinds.
+
+Compression (docs/compression.md) adds only optional fields to version 5: a client
+asks for codecs at Join (JoinRequest.upload_codecs, download_codecs), the server grants
+at most one per direction (JoinResponse.upload_encoding, download_encoding), and the
+headers of encoded payloads name their Encoding. A peer that knows nothing of these
+fields asks for, grants and sends nothing encoded.
 """
 
 from collections import abc as _abc

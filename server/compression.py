@@ -1,0 +1,147 @@
+"""Compression on the server's side (docs/compression.md): grants at Join, the encoded
+broadcast a task carries, and the checks an encoded update passes before it is folded.
+
+An encoded update is refused, and its task fails, when it names a codec the session was
+not granted (FAILED_PRECONDITION), when its payload header is not the model's layout
+encoded with that codec (INVALID_ARGUMENT: refused before any byte arrives), or when,
+whole and verified, it does not decode (an index past its tensor, a code outside the
+levels: INVALID_ARGUMENT). The spooled upload stays encoded on disk; the strategy reads
+it through `fedloom.compression.DecodedWeights`, one decoded tensor at a time. Every
+strategy therefore sees decoded deltas of the model's layout, and whatever clips does so
+to the decoded update: an update-norm bound, and central DP's clip to C, which the
+privacy guarantee rests on (a client's own clip comes before it encodes, and a codec may
+move the norm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from fedloom.compression import CodecSpec, CompressionError, DecodedWeights, choose, encoded_layout
+from fedloom.config import CompressionConfig
+from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.messages import JoinRequest, ResultHeader
+from fedloom.payload import PayloadInfo
+from fedloom.server.model import GlobalModel
+from fedloom.weights import TensorSpec, Weights, layout_mismatch
+
+log = logging.getLogger("fedloom.server")
+
+
+class EncodingRefusedError(MessageRejectedError):
+    """An encoded update was refused for its encoding: the task that carried it fails."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grants:
+    """The codecs granted to one session (None: plain float32)."""
+
+    upload: CodecSpec | None = None
+    download: CodecSpec | None = None
+
+
+def grant(config: CompressionConfig, request: JoinRequest, client: str) -> Grants:
+    """The first codec per direction that the client asks for and the server accepts.
+
+    A client asking for nothing (every client before compression existed) is granted
+    nothing. One asking only for codecs the server does not accept is granted nothing
+    either, not refused: it sends and receives plain float32, and the log says why.
+    """
+    upload = choose(request.upload_codecs, config.upload_specs)
+    download = choose(request.download_codecs, config.download_specs)
+    for direction, asked, granted, accepted in (
+            ("upload", request.upload_codecs, upload, config.upload),
+            ("download", request.download_codecs, download, config.download)):
+        if asked and granted is None:
+            log.info("client %s asked for %s codecs %s; none granted (compression.%s "
+                     "accepts %s): it %s plain float32", client, direction, list(asked),
+                     direction, list(accepted) or "none",
+                     "uploads" if direction == "upload" else "downloads",
+                     extra={"client": client, "direction": direction})
+    return Grants(upload, download)
+
+
+def broadcast(model: GlobalModel, codec: CodecSpec | None
+              ) -> tuple[PayloadInfo, memoryview, CodecSpec | None, tuple[TensorSpec, ...]]:
+    """What a task to a client granted download ``codec`` carries: the payload's header,
+    the payload, and (when encoded) the codec and the model's own layout."""
+    encoded = model.encoded(codec) if codec is not None else None
+    if codec is None or encoded is None:
+        return model.info, model.payload, None, ()
+    return encoded[0], encoded[1], codec, model.info.specs
+
+
+def check_encoding(granted: CodecSpec | None, header: ResultHeader,
+                   model: Sequence[TensorSpec]) -> None:
+    """Refuse a fit result whose encoding the session was not granted, or whose payload
+    header is not ``model`` encoded with its codec (before any byte arrives).
+
+    A plain update (no codec) is always allowed: a granted codec is a permission, not a
+    duty (a client may send plain what its codec cannot carry).
+
+    Raises:
+        EncodingRefusedError: FAILED_PRECONDITION (a codec not granted) or INVALID (a
+            payload of another layout).
+    """
+    codec = header.codec
+    if codec is None:
+        return
+    assert header.update is not None  # a fit result carries one (checked by the codec)
+    if codec != granted:
+        held = f"it was granted {granted}" if granted is not None else "it was granted none"
+        raise EncodingRefusedError(
+            RejectReason.STALE,
+            f"the update is encoded with {codec}, which this session was not granted "
+            f"({held}, at Join); send it plain or with the granted codec, or join again")
+    try:
+        expected = encoded_layout(codec.build(), model)
+    except CompressionError as exc:
+        raise EncodingRefusedError(RejectReason.INVALID, f"the model cannot be encoded with "
+                                   f"{codec}: {exc}") from exc
+    problem = layout_mismatch(expected, header.update.specs)
+    if problem:
+        raise EncodingRefusedError(
+            RejectReason.INVALID,
+            f"the update is not the model's layout encoded with {codec}: {problem}")
+
+
+def decoded(codec: CodecSpec | None, model: Sequence[TensorSpec], payload: Weights) -> Weights:
+    """The update a strategy reads: ``payload`` itself, or its tensors decoded one per
+    access (`DecodedWeights`; nothing decoded is kept)."""
+    if codec is None:
+        return payload
+    return DecodedWeights(codec.build(), model, payload)
+
+
+def _decode_each(update: Weights) -> None:
+    """Decode every tensor once, one at a time, keeping none."""
+    for name in update:
+        array = update[name]
+        # A float16 tensor's scale may exceed float16's range, though each part is finite.
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise CompressionError(f"tensor {name!r} decodes to non-finite values")
+
+
+async def check_decodes(codec: CodecSpec | None, model: Sequence[TensorSpec],
+                        payload: Weights) -> Weights:
+    """The decoded view of a whole, verified upload, once every tensor has decoded
+    (off the event loop, one tensor at a time); `EncodingRefusedError` (INVALID) for
+    parts no honest encoder produces.
+
+    Checked before the update is folded or acknowledged, so that a hostile payload fails
+    its own task rather than the round's aggregation.
+    """
+    update = decoded(codec, model, payload)
+    if codec is None:
+        return update
+    try:
+        await asyncio.to_thread(_decode_each, update)
+    except CompressionError as exc:
+        raise EncodingRefusedError(RejectReason.INVALID,
+                                   f"the update does not decode with {codec}: {exc}") from exc
+    return update

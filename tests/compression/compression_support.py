@@ -1,0 +1,96 @@
+"""Helpers of the compression tests: client threads with their own codec settings, and a
+record of every update the SDK encoded (so a test can compute, with the kernel's
+`decode`, exactly what the server should have aggregated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedloom import Weights
+from fedloom.client_sdk import Client, start_client
+from fedloom.client_sdk import _compression as client_compression
+from fedloom.compression import Codec
+from fedloom.config import ClientConfig
+from fedloom.server.checkpoint import load_checkpoint
+from fedloom.server.store import RunStore
+
+
+@dataclasses.dataclass
+class Encoded:
+    """One update the SDK encoded: by which client thread, from what delta, into what."""
+
+    client: str
+    codec: Codec
+    delta: Weights
+    encoded: Weights
+
+
+class EncodeLog:
+    """Records every `encode` call of the client SDK (threads name their client)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entries: list[Encoded] = []
+        self._lock = threading.Lock()
+        real = client_compression.encode
+
+        def recording(codec: Codec, delta: Weights, rng: np.random.Generator) -> Weights:
+            encoded = real(codec, delta, rng)
+            with self._lock:
+                self.entries.append(Encoded(threading.current_thread().name, codec,
+                                            delta.copy(), encoded))
+            return encoded
+
+        monkeypatch.setattr(client_compression, "encode", recording)
+
+    def of(self, client: str) -> list[Encoded]:
+        with self._lock:
+            return [e for e in self.entries if e.client == client]
+
+
+def client_config(address: str, **settings: Any) -> ClientConfig:
+    return ClientConfig(server_address=address, rpc_timeout_s=10.0, reconnect_initial_s=0.05,
+                        reconnect_max_s=0.5, insecure=True, **settings)
+
+
+@contextmanager
+def client_threads(address: str, clients: dict[str, tuple[Client, dict[str, Any]]],
+                   stops: dict[str, threading.Event] | None = None
+                   ) -> Iterator[dict[str, threading.Event]]:
+    """Run each client (name -> (client, ClientConfig settings)) in a thread named after
+    it, stopped by its event in ``stops`` (made when not given); yields the stop events,
+    and stops and joins the threads on the way out."""
+    stops = {**{name: threading.Event() for name in clients}, **(stops or {})}
+    threads = []
+    for name, (client, settings) in clients.items():
+        thread = threading.Thread(
+            target=start_client, args=(address, client), name=name, daemon=True,
+            kwargs={"name": name, "config": client_config(address, **settings),
+                    "handle_signals": False, "stop": stops[name], "log_to_console": False})
+        thread.start()
+        threads.append(thread)
+    try:
+        yield stops
+    finally:
+        for stop in stops.values():
+            stop.set()
+        for thread in threads:
+            thread.join(15)
+
+
+def rounds_committed(state_dir: str | Path) -> dict[int, Weights]:
+    """Every committed round's model of the newest run, by round (0: the initial one)."""
+    store = RunStore(Path(state_dir) / "fedloom.db", readonly=True)
+    try:
+        run = store.runs()[-1]
+        return {row.round: load_checkpoint(Path(state_dir) / row.checkpoint, row.sha256).weights
+                for row in store.rounds(run.run_id)}
+    finally:
+        store.close()

@@ -1,0 +1,133 @@
+"""Hostile encoded updates over real gRPC: each is refused with its status, its task fails,
+the server logs it and carries on, and the round completes with the honest clients.
+
+The hostile clients are raw `Connection`s driven from the test: they join with their
+own codec requests, take their fit task and push a forged result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+from compression_support import EncodeLog, client_config, client_threads, rounds_committed
+from helpers import ScriptedClient, small_weights
+
+from fedloom import Weights
+from fedloom.client_sdk.connection import Connection
+from fedloom.compression import CodecSpec, decode, encode
+from fedloom.config import CompressionConfig
+from fedloom.errors import ResultRefusedError
+from fedloom.messages import NoTask, ResultHeader
+from fedloom.payload import PayloadInfo, serialize
+from fedloom.server import Server
+from fedloom.types import TaskKind
+
+Q8 = CodecSpec("q8", block=4)
+TOPK = CodecSpec("topk", fraction=0.5)
+EXAMPLES = 5
+
+
+def _delta() -> Weights:
+    rng = np.random.default_rng(11)
+    return Weights({n: rng.normal(size=a.shape).astype(a.dtype)
+                    for n, a in small_weights().items()})
+
+
+def _encoded(spec: CodecSpec) -> Weights:
+    return encode(spec.build(), _delta(), np.random.default_rng(0))
+
+
+def _tamper(weights: Weights, name: str, change: Callable[[np.ndarray], None]) -> Weights:
+    arrays = {n: np.array(a) for n, a in weights.items()}
+    change(arrays[name])
+    return Weights(arrays)
+
+
+def _out_of_range_index(index: np.ndarray) -> None:
+    index[-1] = 12  # "w" has 12 values: one past its end
+
+
+def _code_off_the_levels(codes: np.ndarray) -> None:
+    codes[0] = -128  # q8 codes lie in [-127, 127]
+
+
+# name -> (codecs asked at Join, the codec the header claims, the payload, the status)
+HOSTILE: dict[str, tuple[tuple[str, ...], CodecSpec | None, Weights,
+                         grpc.StatusCode | None]] = {
+    "ungranted": ((), Q8, _encoded(Q8), grpc.StatusCode.FAILED_PRECONDITION),
+    "other-codec": (("q8",), TOPK, _encoded(TOPK), grpc.StatusCode.FAILED_PRECONDITION),
+    "wrong-layout": (("q8",), Q8, _encoded(CodecSpec("q8", block=8)),
+                     grpc.StatusCode.INVALID_ARGUMENT),
+    "bad-index": (("topk",), TOPK, _tamper(_encoded(TOPK), "w|idx", _out_of_range_index),
+                  grpc.StatusCode.INVALID_ARGUMENT),
+    "bad-code": (("q8",), Q8, _tamper(_encoded(Q8), "w|q8", _code_off_the_levels),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+    # Granted q8, sends plain float32: allowed (a grant is a permission).
+    "plain": (("q8",), None, _delta(), None),
+}
+
+
+def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
+        server_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    config = server_config(num_rounds=1, min_clients=2 + len(HOSTILE), min_fit_clients=2,
+                           fraction_evaluate=0.0, client_timeout_s=20.0,
+                           compression=CompressionConfig(upload=("q8", "topk"), quantize_block=4,
+                                                         topk_fraction=0.5))
+    log = EncodeLog(monkeypatch)
+    handle = Server(config, initial_weights=small_weights()).start()
+    connections = {}
+    for name, (asked, *_rest) in HOSTILE.items():
+        connection = Connection(client_config(handle.address, upload_codecs=asked))
+        connection.join(name)
+        connections[name] = connection
+    honest = {f"h{i}": ScriptedClient(seed=i, num_examples=10 + i) for i in range(2)}
+    statuses: dict[str, grpc.StatusCode | None] = {}
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedloom.server"), client_threads(
+                handle.address, {n: (c, {"upload_codecs": ("q8",)}) for n, c in honest.items()}):
+            for name, (_, claimed, payload_weights, _status) in HOSTILE.items():
+                connection = connections[name]
+                outcome = connection.pull()
+                while isinstance(outcome, NoTask):
+                    connection.heartbeat()
+                    outcome = connection.pull()
+                task, _ = outcome
+                assert task.kind is TaskKind.FIT and connection.session is not None
+                payload = serialize(payload_weights)
+                result = ResultHeader(connection.session, task.task_id, task.round, TaskKind.FIT,
+                                      num_examples=EXAMPLES, base_round=task.round - 1,
+                                      update=PayloadInfo.describe(payload_weights.specs(),
+                                                                  payload),
+                                      codec=claimed)
+                try:
+                    connection.push(result, payload)
+                    statuses[name] = None
+                except ResultRefusedError as exc:
+                    statuses[name] = exc.code  # type: ignore[assignment]
+            history = handle.wait(60)
+    finally:
+        for connection in connections.values():
+            connection.close()
+    assert statuses == {name: case[3] for name, case in HOSTILE.items()}
+    record = history[-1]
+    assert record.status == "ok"
+    assert (record.num_updates, record.num_failures) == (3, len(HOSTILE) - 1)
+    rejected = " ".join(r.getMessage() for r in caplog.records if "Push rejected" in r.getMessage())
+    assert "was not granted" in rejected and "not the model's layout" in rejected
+    assert "must be strictly increasing and below 12" in rejected
+    assert "must lie in [-127, 127]" in rejected
+
+    # The new model is the mean of what the honest clients sent (and the plain update).
+    specs = small_weights().specs()
+    updates = [(c.num_examples, decode(log.of(n)[0].codec, specs, log.of(n)[0].encoded))
+               for n, c in honest.items()]
+    updates.append((EXAMPLES, _delta()))
+    total = sum(n for n, _ in updates)
+    got = rounds_committed(config.state_dir)[1]
+    for name in got:
+        want = sum(n * np.asarray(d[name], np.float64) for n, d in updates) / total
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-6)
