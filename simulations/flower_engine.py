@@ -35,6 +35,7 @@ from flwr.supercore.run import Run
 
 from fedloom.simulations._records import arrays_to_weights, metrics_to_record, weights_to_arrays
 from fedloom.simulations.clock import SyncClock
+from fedloom.simulations.compression import SimulatedCompression
 from fedloom.simulations.flower_strategy import FlowerStrategy
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.strategies import Strategy
@@ -60,6 +61,7 @@ def run_flower(
     verbose: bool = False,
     clock: SyncClock | None = None,
     evaluate_every: int = 1,
+    compression: SimulatedCompression | None = None,
 ) -> History:
     """Run ``num_rounds`` rounds on ``num_clients`` virtual SuperNodes.
 
@@ -73,6 +75,7 @@ def run_flower(
         clock: time the rounds on a virtual clock (`run_local`'s; the bridge sends
             train messages only to the clients it keeps).
         evaluate_every: rounds between evaluations (the last round is always evaluated).
+        compression: the codecs between clients and server (`run_local`'s).
     """
     if evaluate_every < 1:
         raise ValueError("evaluate_every must be at least 1")
@@ -81,11 +84,12 @@ def run_flower(
 
     def on_fit_round(_round: int, result: AggregateResult, failures: int) -> None:
         timing = clock.last if clock is not None else None
+        traffic = bridge.compression.traffic()
         if timing is None:
-            recorder.fit(result, failures)
+            recorder.fit(result, failures, traffic=traffic)
         else:
             recorder.fit(result, failures, num_sampled=timing.num_sampled,
-                         num_cancelled=timing.num_cancelled)
+                         num_cancelled=timing.num_cancelled, traffic=traffic)
 
     bridge = FlowerStrategy(
         strategy,
@@ -97,6 +101,7 @@ def run_flower(
         clock=clock,
         evaluate_every=evaluate_every,
         num_rounds=num_rounds,
+        compression=compression,
     )
     final: dict[str, Weights] = {"weights": initial}
 

@@ -65,6 +65,7 @@ from fedloom.simulations._records import (
     weights_to_arrays,
 )
 from fedloom.simulations.clock import SyncClock
+from fedloom.simulations.compression import CompressionSpec, SimulatedCompression
 from fedloom.simulations.plan import client_fit_config, client_info, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import (
@@ -102,6 +103,9 @@ class FlowerStrategy(FlowerBaseStrategy):
             speed model is indexed by partition id, so every node must say its own.
         evaluate_every: rounds between federated evaluations (and the last round).
         num_rounds: the run's rounds (for ``evaluate_every``'s last round).
+        compression: the codecs between clients and server, applied here
+            (`fedloom.simulations.compression`): clients receive the decoded broadcast,
+            and each reply's delta is encoded and decoded before the strategy sees it.
     """
 
     def __init__(
@@ -117,8 +121,11 @@ class FlowerStrategy(FlowerBaseStrategy):
         clock: SyncClock | None = None,
         evaluate_every: int = 1,
         num_rounds: int = 0,
+        compression: SimulatedCompression | None = None,
     ) -> None:
         self.strategy = strategy
+        self.compression = compression if compression is not None else SimulatedCompression(
+            CompressionSpec(), base_seed)
         self.base_seed = base_seed
         self.fit_defaults: dict[str, Scalar] = dict(fit_defaults or {})
         self.min_available_nodes = min_available_nodes
@@ -129,6 +136,7 @@ class FlowerStrategy(FlowerBaseStrategy):
         self.evaluate_every = evaluate_every
         self.num_rounds = num_rounds
         self.current: Weights | None = None
+        self.received: Weights | None = None  # the round's broadcast, as clients decode it
         self.stopped_reason = ""  # set when the privacy budget ended the run early
         self._client_of_node: dict[int, ClientInfo] = {}
         self._node_of_client: dict[str, int] = {}
@@ -205,6 +213,9 @@ class FlowerStrategy(FlowerBaseStrategy):
             training = self.clock.round(server_round, plan.client_ids, clients,
                                         index_of=self._seed_index.__getitem__).client_ids
         self._plan_order = list(training)
+        self.received = self.compression.broadcast(current)
+        if self.received is not current:
+            arrays = weights_to_arrays(self.received)
         defaults = {**self.fit_defaults, **record_to_config(config)}
         messages = []
         for cid in training:
@@ -235,8 +246,8 @@ class FlowerStrategy(FlowerBaseStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        current = self.current
-        if current is None:
+        current, received = self.current, self.received
+        if current is None or received is None:
             raise RuntimeError("aggregate_train before configure_train")
         if self.stopped_reason:
             return None, None
@@ -245,11 +256,11 @@ class FlowerStrategy(FlowerBaseStrategy):
 
         def updates() -> Iterator[ClientUpdate]:
             for cid, reply in ordered:
-                update = _to_update(cid, reply, current, server_round)
+                update = _to_update(cid, reply, received, server_round)
                 if update is None:
                     failures[0] += 1
                 else:
-                    yield update
+                    yield self.compression.update(update, self._seed_index[cid], server_round)
 
         result = self.strategy.aggregate_fit(server_round, current, updates())
         failures[0] += len(self._plan_order) - len(ordered)  # no reply at all

@@ -193,14 +193,17 @@ class RoundRecorder:
         self._started = time.perf_counter()
 
     def fit(self, result: AggregateResult, num_failures: int,
-            num_sampled: int | None = None, num_cancelled: int = 0) -> None:
+            num_sampled: int | None = None, num_cancelled: int = 0,
+            traffic: Metrics | None = None) -> None:
         """The round's fit: the strategy's result, the clients whose update did not count,
-        how many were sampled (default: updates + failures) and how many of those were
-        cancelled when the round closed (over-selection)."""
+        how many were sampled (default: updates + failures), how many of those were
+        cancelled when the round closed (over-selection), and the bytes each client
+        moved (`fedloom.simulations.compression`), recorded with the fit metrics."""
         updates = result.metrics.get("num_updates", 0)
         num_updates = int(updates) if isinstance(updates, int | float) else 0
         self._pending.update(
-            fit=dict(result.metrics), num_failures=num_failures, num_updates=num_updates,
+            fit={**result.metrics, **(traffic or {})}, num_failures=num_failures,
+            num_updates=num_updates,
             num_sampled=num_updates + num_failures if num_sampled is None else num_sampled,
             num_cancelled=num_cancelled,
             status="ok" if result.weights is not None else "failed",

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from fedloom.client_sdk._client import Client
 from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.simulations.clock import SyncClock
+from fedloom.simulations.compression import CompressionSpec, SimulatedCompression
 from fedloom.simulations.fitting import FitTask, RoundFitter, SerialFitter
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
@@ -75,6 +76,7 @@ def run_local(
     clock: SyncClock | None = None,
     evaluate_every: int = 1,
     fitter: RoundFitter | None = None,
+    compression: SimulatedCompression | None = None,
 ) -> History:
     """Run ``num_rounds`` rounds of ``strategy`` over clients ``0 .. num_clients - 1``.
 
@@ -93,6 +95,8 @@ def run_local(
         evaluate_every: rounds between evaluations (the last round is always evaluated).
         fitter: how the sampled clients train (`fedloom.simulations.fitting`); by
             default one after another through ``client_fn``.
+        compression: the codecs between clients and server
+            (`fedloom.simulations.compression`); by default plain float32.
 
     Returns:
         The `History`: round 0 (initial evaluation) and one record per round, and the
@@ -106,6 +110,8 @@ def run_local(
     infos = client_infos(num_clients)
     recorder = RoundRecorder(on_round)
     fitter = fitter if fitter is not None else SerialFitter(client_fn)
+    compression = compression if compression is not None else SimulatedCompression(
+        CompressionSpec(), base_seed)
     current = initial
     recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None,
                     0.0 if clock is not None else None)
@@ -124,7 +130,7 @@ def run_local(
             num_sampled, num_cancelled = timing.num_sampled, timing.num_cancelled
         failures: list[str] = []
         updates = _fit_updates(
-            fitter, plan, current, server_round, base_seed, fit_defaults, failures
+            fitter, plan, current, server_round, base_seed, fit_defaults, failures, compression
         )
         if secure_aggregation is None:
             result = strategy.aggregate_fit(server_round, current, updates)
@@ -132,7 +138,8 @@ def run_local(
             result = secure_aggregation.aggregate_fit(
                 strategy, server_round, current, plan, updates, failures)
         recorder.fit(result, len(failures), num_sampled=num_sampled,
-                     num_cancelled=num_cancelled)
+                     num_cancelled=num_cancelled,
+                     traffic=compression.traffic() if secure_aggregation is None else None)
         if result.weights is not None:
             current = result.weights
         else:
@@ -173,12 +180,15 @@ def _fit_updates(
     base_seed: int,
     fit_defaults: Mapping[str, Scalar] | None,
     failures: list[str],
+    compression: SimulatedCompression,
 ) -> Iterator[ClientUpdate]:
-    """Fit the plan's clients with ``fitter``, yielding their updates in plan order.
+    """Fit the plan's clients with ``fitter`` from the round's broadcast, yielding their
+    updates, as the server decodes them, in plan order.
 
     Lazy, so a streaming aggregator holds one update at a time (as many as the fitter
     trains at once). A client that fails is appended to ``failures`` and skipped.
     """
+    received = compression.broadcast(current)
     tasks = [
         FitTask(int(cid), client_fit_config(
             plan.config, base_seed=base_seed, client_index=int(cid),
@@ -186,12 +196,13 @@ def _fit_updates(
         ))
         for cid in plan.client_ids
     ]
-    for cid, out in zip(plan.client_ids, fitter.fit(current, tasks), strict=True):
+    for cid, out in zip(plan.client_ids, fitter.fit(received, tasks), strict=True):
         try:
             if isinstance(out, Exception):
                 raise out
-            update = to_update(cid, out.weights, out.num_examples, out.metrics, current,
-                               server_round)
+            update = compression.update(
+                to_update(cid, out.weights, out.num_examples, out.metrics, received,
+                          server_round), int(cid), server_round)
         except Exception as exc:  # a failed client is data, not the end of the round
             logger.warning("client %s failed in round %d: %s", cid, server_round, exc)
             failures.append(cid)

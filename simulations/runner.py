@@ -33,6 +33,7 @@ from rich.progress import (
 
 from fedloom.client_sdk.torch_trainer import TorchClient
 from fedloom.simulations.clock import SyncClock
+from fedloom.simulations.compression import SimulatedCompression
 from fedloom.simulations.fitting import RoundFitter, SerialFitter
 from fedloom.simulations.history import History, RoundRecord
 from fedloom.simulations.job import Job
@@ -120,6 +121,7 @@ def _run_local(
                 evaluate_fn=evaluate, on_round=on_round, secure_aggregation=secure,
                 clock=sync_clock(scenario),
                 evaluate_every=scenario.rounds_config.evaluate_every, fitter=fitter,
+                compression=SimulatedCompression(scenario.compression, scenario.seed),
             )
         finally:
             fitter.close()
@@ -187,6 +189,7 @@ def _run_flower(
             backend_config=flower.backend_config(), timeout_s=flower.timeout_s,
             verbose=flower.verbose, clock=sync_clock(scenario),
             evaluate_every=scenario.rounds_config.evaluate_every,
+            compression=SimulatedCompression(scenario.compression, scenario.seed),
         )
     finally:
         flwr_logger.setLevel(level)

@@ -54,6 +54,10 @@
     workers = 1                 # local: worker processes the round's clients spread over
     chunk_size = 64             # vectorized: clients trained in one batched computation
 
+    [compression]               # codecs on the simulated wire (simulations.compression)
+    upload = ""                 # "fp16", "bf16", "q8", "q4", "topk" (error feedback)
+    download = ""               # "fp16", "bf16"
+
     [flower]                    # engine = "flower" only
     num_cpus = 1.0              # per client (Ray resources)
     num_gpus = 0.0
@@ -104,6 +108,7 @@ from fedloom.errors import ConfigError
 from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import check as _check
+from fedloom.simulations.compression import CompressionSpec
 from fedloom.simulations.secure_dropout import SecureDropout
 from fedloom.simulations.speed import SpeedModel, SpeedSpec
 
@@ -252,6 +257,7 @@ class Scenario:
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     flower: FlowerSpec = dataclasses.field(default_factory=FlowerSpec)
     engine_options: EngineSpec = dataclasses.field(default_factory=EngineSpec)  # [engine]
+    compression: CompressionSpec = dataclasses.field(default_factory=CompressionSpec)
     secure_aggregation: SecAggConfig = dataclasses.field(default_factory=SecAggConfig)
     secure_dropout: SecureDropout = dataclasses.field(default_factory=SecureDropout)
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
@@ -291,6 +297,11 @@ class Scenario:
                "over_selection", "must be a number >= 1 (1.3 samples 30% more clients and "
                "closes each round at the first clients_per_round updates; 1: off)")
         if self.secure_aggregation.enabled:
+            _check(not self.compression.enabled, "compression",
+                   "cannot be used with secure aggregation, as on the server: SecAgg+ "
+                   "quantizes each update into its own field before masking, and a lossy "
+                   "codec does not commute with the masks; set [compression] upload and "
+                   'download to ""')
             _check(self.over_selection == 1.0, "over_selection",
                    "must be 1 with secure aggregation: a secure round cannot cancel the "
                    "slow clients once keys are shared (it tolerates dropouts instead)")
@@ -322,6 +333,10 @@ class Scenario:
                '"async" cannot run with differential privacy: the accountant assumes '
                "rounds that sample a cohort, and asynchronous updates come from whoever "
                'answers. Set rounds.mode = "sync" or privacy.mode = "off"')
+        _check(not self.compression.enabled, "compression",
+               'is not simulated with rounds.mode = "async" (the server does run it): '
+               'use rounds.mode = "sync" to study a codec, or set [compression] upload '
+               'and download to ""')
         _check(self.over_selection == 1.0, "over_selection",
                'has no use with rounds.mode = "async" (every update is taken as it '
                "arrives; rounds.concurrency sets how many clients train): leave it at 1")

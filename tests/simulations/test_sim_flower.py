@@ -20,6 +20,7 @@ import pytest
 from flwr.clientapp import ClientApp
 
 from fedloom import Weights
+from fedloom.simulations.compression import UPLOAD_BYTES, CompressionSpec
 from fedloom.simulations.flower_engine import run_flower
 from fedloom.simulations.runner import run_scenario
 from fedloom.simulations.scenario import FlowerSpec, PartitionSpec, Scenario
@@ -31,15 +32,20 @@ pytestmark = pytest.mark.flower
 TOLERANCE = 1e-6
 
 
-def test_flower_engine_equals_local_engine() -> None:
+@pytest.mark.parametrize("compression", [
+    CompressionSpec(), CompressionSpec(upload="q8", download="fp16", quantize_block=64),
+], ids=["plain", "q8-up-fp16-down"])
+def test_flower_engine_equals_local_engine(compression: CompressionSpec) -> None:
     # Heterogeneous speeds and over-selection (5 tasks, the 3 first kept): both engines
-    # time the rounds on the same virtual clock and train the same clients.
+    # time the rounds on the same virtual clock and train the same clients. With
+    # codecs, both decode the same broadcast and draw the same stochastic rounding.
     scenario = Scenario(
         name="engines", num_clients=6, clients_per_round=3, rounds=2, seed=7,
         evaluate_clients_per_round=2, progress=False,
         partition=PartitionSpec(name="dirichlet", alpha=1.0),
         flower=FlowerSpec(num_cpus=1.0), over_selection=1.5,
         speed=SpeedSpec(distribution="lognormal", jitter=0.2, straggler_fraction=0.3),
+        compression=compression,
     )
     local = run_scenario(scenario, None)
     flower = _run_flower_scenario(scenario.replace(engine="flower"))
@@ -59,6 +65,7 @@ def test_flower_engine_equals_local_engine() -> None:
     assert local.rounds[2].get("federated_num_examples") is not None
     assert local.rounds[2].get("virtual_time_s") > local.rounds[1].get("virtual_time_s") > 0
     assert [r.num_cancelled for r in flower.rounds[1:]] == [2, 2]
+    assert local.rounds[1].get(UPLOAD_BYTES) == flower.rounds[1].get(UPLOAD_BYTES) > 0
 
 
 def _run_flower_scenario(scenario: Scenario):  # type: ignore[no-untyped-def]

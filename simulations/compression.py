@@ -1,0 +1,144 @@
+"""Compression in a simulation: what the wire's codecs do to a run, without the wire.
+
+A scenario's ``[compression]`` table names one codec per direction, as a client asks
+the server for them (docs/compression.md), with the server's settings::
+
+    [compression]
+    upload = "q8"          # "", "fp16", "bf16", "q8", "q4" or "topk"
+    download = "fp16"      # "", "fp16" or "bf16"
+    quantize_block = 256   # q8, q4: values per scale
+    topk_fraction = 0.01   # topk: share of each tensor's values sent
+
+`SimulatedCompression` applies them where the deployed system does, with the same
+codecs (`fedloom.compression`):
+
+- **download**: every client of a round trains from the broadcast as decoded
+  (``decode(encode(model))``), and its delta is taken against that decoded model, as
+  the SDK does; the strategy adds the mean delta to its exact model;
+- **upload**: each delta is encoded and decoded again before the strategy sees it;
+  top-k goes through error feedback, one residual per client kept across rounds (the
+  SDK's behaviour with a ``state_dir``). The stochastic rounding of q8/q4 draws from a
+  generator seeded by (run seed, client, round), so every engine draws the same.
+
+Both engines apply it (the Flower bridge on the replies it receives: the same
+arithmetic the client would do, since a simulated residual never leaves the process),
+so the engines still agree round for round. Each round records the bytes a client
+sends and receives (``upload_bytes_per_client``, ``download_bytes_per_client``: the
+payloads' sizes, encoded or float32) in its fit metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from fedloom.compression import (
+    DOWNLOAD_CODECS,
+    UPLOAD_CODECS,
+    CodecSpec,
+    ErrorFeedback,
+    decode,
+    encode,
+)
+from fedloom.compression._quantize import DEFAULT_BLOCK
+from fedloom.compression._spec import DEFAULT_TOPK_FRACTION
+from fedloom.errors import ConfigError
+from fedloom.types import ClientUpdate, Metrics, Scalar
+from fedloom.weights import Weights
+
+UPLOAD_BYTES = "upload_bytes_per_client"
+DOWNLOAD_BYTES = "download_bytes_per_client"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSpec:
+    """A scenario's ``[compression]``: one codec per direction ("" for none)."""
+
+    upload: str = ""
+    download: str = ""
+    quantize_block: int = DEFAULT_BLOCK
+    topk_fraction: float = DEFAULT_TOPK_FRACTION
+
+    def __post_init__(self) -> None:
+        for direction, allowed in (("upload", UPLOAD_CODECS), ("download", DOWNLOAD_CODECS)):
+            name = getattr(self, direction)
+            if name and name not in allowed:
+                hint = (" (quantizing or sparsifying the model itself would change it, "
+                        "not round it: those codecs are for updates)"
+                        if direction == "download" and name in UPLOAD_CODECS else "")
+                raise ConfigError(f"compression.{direction}",
+                                  f"{name!r} is not one of {', '.join(allowed)}, or \"\" "
+                                  f"for none{hint}")
+        if not 1 <= self.quantize_block <= 1 << 20:
+            raise ConfigError("compression.quantize_block",
+                              f"must be from 1 to {1 << 20}, got {self.quantize_block}")
+        if not (math.isfinite(self.topk_fraction) and 0.0 < self.topk_fraction <= 1.0):
+            raise ConfigError("compression.topk_fraction",
+                              f"must be in (0, 1], got {self.topk_fraction}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.upload or self.download)
+
+    def codec(self, name: str) -> CodecSpec | None:
+        if not name:
+            return None
+        return CodecSpec.of(name, block=self.quantize_block, fraction=self.topk_fraction)
+
+
+class SimulatedCompression:
+    """The codecs of a `CompressionSpec` applied to one run (see the module docstring).
+
+    Call `broadcast` once per round, then `update` for each client's delta; `traffic`
+    gives the round's byte counts and starts the next round's.
+    """
+
+    def __init__(self, spec: CompressionSpec, base_seed: int = 0) -> None:
+        self.spec = spec
+        self.base_seed = base_seed
+        self.upload = spec.codec(spec.upload)
+        self.download = spec.codec(spec.download)
+        self._feedback: dict[int, ErrorFeedback] = {}
+        self._download_bytes = 0
+        self._upload_bytes: list[int] = []
+
+    def broadcast(self, weights: Weights) -> Weights:
+        """The model every client of the round receives (decoded)."""
+        if self.download is None:
+            self._download_bytes = weights.nbytes
+            return weights
+        codec = self.download.build()
+        encoded = encode(codec, weights, np.random.default_rng(0))  # casts draw nothing
+        self._download_bytes = encoded.nbytes
+        return decode(codec, weights.specs(), encoded)
+
+    def update(self, update: ClientUpdate, client_index: int, server_round: int
+               ) -> ClientUpdate:
+        """``update`` (a delta from the broadcast) as the server decodes it."""
+        if self.upload is None:
+            self._upload_bytes.append(update.delta.nbytes)
+            return update
+        rng = np.random.default_rng([self.base_seed, client_index, server_round])
+        if self.upload.name == "topk":
+            feedback = self._feedback.get(client_index)
+            if feedback is None:
+                feedback = self._feedback[client_index] = ErrorFeedback(self.upload.build())
+            encoded = feedback.encode(update.delta, rng)
+            codec = feedback.codec
+        else:
+            codec = self.upload.build()
+            encoded = encode(codec, update.delta, rng)
+        self._upload_bytes.append(encoded.nbytes)
+        delta = decode(codec, update.delta.specs(), encoded)
+        return dataclasses.replace(update, delta=delta)
+
+    def traffic(self) -> Metrics:
+        """The round's bytes per client, each way; resets the counts."""
+        sent = self._upload_bytes
+        metrics: dict[str, Scalar] = {DOWNLOAD_BYTES: self._download_bytes}
+        if sent:
+            metrics[UPLOAD_BYTES] = sum(sent) / len(sent)
+        self._upload_bytes = []
+        return metrics
