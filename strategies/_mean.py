@@ -240,6 +240,12 @@ class WeightedMeanAggregator(Aggregator):
         for spec in self._specs:
             acc, fresh = self._sum_of(spec)
             flat = np.asarray(delta[spec.name]).reshape(-1)
+            if acc.size <= WINDOW:  # one window: no loop (per-call costs rule small models)
+                if fresh:
+                    np.multiply(flat, weight, out=acc, dtype=np.float64)
+                else:
+                    acc += np.multiply(flat, weight, dtype=np.float64)
+                continue
             tmp = np.empty(min(acc.size, WINDOW), np.float64)
             for start, end in _windows(acc.size, WINDOW):
                 if fresh:
