@@ -46,7 +46,7 @@ from fedloom.compression._quantize import DEFAULT_BLOCK
 from fedloom.compression._spec import DEFAULT_TOPK_FRACTION
 from fedloom.errors import ConfigError
 from fedloom.types import ClientUpdate, Metrics, Scalar
-from fedloom.weights import Weights
+from fedloom.weights import TensorSpec, Weights
 
 UPLOAD_BYTES = "upload_bytes_per_client"
 DOWNLOAD_BYTES = "download_bytes_per_client"
@@ -102,7 +102,8 @@ class SimulatedCompression:
         self.download = spec.codec(spec.download)
         self._feedback: dict[int, ErrorFeedback] = {}
         self._download_bytes = 0
-        self._upload_bytes: list[int] = []
+        self._upload_bytes, self._uploads = 0, 0
+        self._layout: tuple[tuple[TensorSpec, ...], int] = ((), 0)  # last layout, its bytes
 
     def broadcast(self, weights: Weights) -> Weights:
         """The model every client of the round receives (decoded)."""
@@ -118,7 +119,7 @@ class SimulatedCompression:
                ) -> ClientUpdate:
         """``update`` (a delta from the broadcast) as the server decodes it."""
         if self.upload is None:
-            self._upload_bytes.append(update.delta.nbytes)
+            self._count_upload(self._plain_bytes(update.delta))
             return update
         rng = np.random.default_rng([self.base_seed, client_index, server_round])
         if self.upload.name == "topk":
@@ -130,15 +131,26 @@ class SimulatedCompression:
         else:
             codec = self.upload.build()
             encoded = encode(codec, update.delta, rng)
-        self._upload_bytes.append(encoded.nbytes)
+        self._count_upload(encoded.nbytes)
         delta = decode(codec, update.delta.specs(), encoded)
         return dataclasses.replace(update, delta=delta)
 
     def traffic(self) -> Metrics:
         """The round's bytes per client, each way; resets the counts."""
-        sent = self._upload_bytes
         metrics: dict[str, Scalar] = {DOWNLOAD_BYTES: self._download_bytes}
-        if sent:
-            metrics[UPLOAD_BYTES] = sum(sent) / len(sent)
-        self._upload_bytes = []
+        if self._uploads:
+            metrics[UPLOAD_BYTES] = self._upload_bytes / self._uploads
+        self._upload_bytes, self._uploads = 0, 0
         return metrics
+
+    def _count_upload(self, nbytes: int) -> None:
+        self._upload_bytes += nbytes
+        self._uploads += 1
+
+    def _plain_bytes(self, weights: Weights) -> int:
+        """``weights.nbytes``, summed once per layout object (rows of one stack share
+        theirs)."""
+        specs = weights.specs()
+        if specs is not self._layout[0]:
+            self._layout = (specs, sum(spec.nbytes for spec in specs))
+        return self._layout[1]

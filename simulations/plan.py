@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedloom.fit_config import SEED
+from fedloom.stacked import WeightsRow
 from fedloom.types import ClientInfo, ClientUpdate, Metrics, Scalar
 from fedloom.weights import Weights
 
@@ -105,8 +106,14 @@ def to_update(
         ValueError: the weights' layout differs from ``current``'s, a value is not
             finite, or ``num_examples`` is not positive.
     """
-    for name, arr in new_weights.items():
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise ValueError(f"tensor {name!r} has non-finite values")
-    delta = new_weights.subtract(current)
+    if isinstance(new_weights, WeightsRow):  # a row of clients trained together
+        stack = new_weights.stack.minus(current)  # one subtraction for the whole stack
+        if not stack.finite_rows()[new_weights.row]:
+            raise ValueError("the update has non-finite values")
+        delta: Weights = WeightsRow(stack, new_weights.row)
+    else:
+        for name, arr in new_weights.items():
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise ValueError(f"tensor {name!r} has non-finite values")
+        delta = new_weights.subtract(current)
     return ClientUpdate(client_id, delta, num_examples, server_round - 1, metrics)

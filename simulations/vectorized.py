@@ -82,6 +82,7 @@ from fedloom.simulations._functional_train import (
 )
 from fedloom.simulations.fitting import FitTask
 from fedloom.simulations.models import _as_tensors
+from fedloom.stacked import WeightsRow, WeightsStack
 from fedloom.types import Scalar
 from fedloom.weights import Weights
 
@@ -294,11 +295,17 @@ class VectorizedFitter:
                  ) -> list[FitOutput | Exception]:
         """`FitOutput`s in the chunk's task order from the stack's rows (in plan order)."""
         outputs: list[FitOutput | Exception] = [ValueError("not trained")] * len(ordered)
+        size = len(ordered)
+        # One stack for the chunk: each client's weights are a row of views, which the
+        # engine and the weighted mean handle a stack at a time (fedloom.stacked).
+        stack = WeightsStack({
+            name: host[name] if name in host
+            else np.broadcast_to(weights[name], (size, *weights[name].shape))
+            for name in self._names})
         for row, j in enumerate(plan.order):
             settings, seen = ordered[row], int(plan.seen[row])
             try:
-                new = Weights((name, host[name][row] if name in host else weights[name])
-                              for name in self._names)
+                new: Weights = WeightsRow(stack, row)
                 metrics: dict[str, Scalar] = {"train_loss": totals[row] / seen}
                 if settings.mu > 0:
                     metrics[PROXIMAL_MU] = settings.mu

@@ -44,7 +44,9 @@ from threadpoolctl import ThreadpoolController
 
 from fedloom.errors import AggregationError
 from fedloom.payload import BlockReader, BlockSource
+from fedloom.stacked import WeightsRow
 from fedloom.strategies._base import Aggregator, MeanUpdate
+from fedloom.strategies._rows import fold_rows
 from fedloom.types import ClientUpdate
 from fedloom.weights import TensorSpec, Weights
 
@@ -177,6 +179,7 @@ class WeightedMeanAggregator(Aggregator):
         self._specs: tuple[TensorSpec, ...] = ()
         self._sums: dict[str, _Sum] = {}
         self._waiting: list[tuple[BlockSource, float]] = []  # spool files, not arrays
+        self._rows: list[tuple[WeightsRow, float]] = []  # rows of one stack, folded at once
         self._total = 0.0
         self._count = 0
 
@@ -186,14 +189,23 @@ class WeightedMeanAggregator(Aggregator):
         self._specs = current.specs()
         self._sums = {}
         self._waiting = []
+        self._rows = []
         self._total = 0.0
         self._count = 0
 
     def accumulate(self, update: ClientUpdate) -> None:
         if self._current is None:
             raise AggregationError("accumulate() called before start()")
-        self._current.check_same_layout(update.delta, what=f"update from {update.client_id}")
-        weight = float(update.num_examples)
+        delta, weight = update.delta, float(update.num_examples)
+        if isinstance(delta, WeightsRow):
+            if not self._rows or self._rows[0][0].stack is not delta.stack:
+                self._current.check_same_layout(delta, what=f"update from {update.client_id}")
+                self._fold_rows()
+            self._rows.append((delta, weight))
+            self._total += weight
+            self._count += 1
+            return
+        self._current.check_same_layout(delta, what=f"update from {update.client_id}")
         if self.group_size > 1 and _is_block_source(update.delta):
             self._waiting.append((update.delta, weight))
             if len(self._waiting) >= self.group_size:
@@ -206,6 +218,7 @@ class WeightedMeanAggregator(Aggregator):
     def finalize(self) -> MeanUpdate:
         if self._current is None:
             raise AggregationError("finalize() called before start()")
+        self._fold_rows()
         total, count = self._total, self._count
         direct: dict[str, np.ndarray] = {}
         if self._waiting and not self._sums:
@@ -234,6 +247,10 @@ class WeightedMeanAggregator(Aggregator):
             entry = self._sums[spec.name] = _Sum(spec)
         fresh, entry.fresh = entry.fresh, False
         return entry.flat, fresh
+
+    def _fold_rows(self) -> None:
+        rows, self._rows = self._rows, []
+        fold_rows(rows, self._specs, self._sum_of)
 
     def _fold_in_memory(self, delta: Weights, weight: float) -> None:
         """Exact float64 products and sums, a window of temporaries at a time."""

@@ -1,0 +1,103 @@
+"""Many clients' `Weights` as one stack: each tensor with a leading client axis.
+
+An engine that trains clients together (`fedloom.simulations.vectorized`) produces
+their new weights as stacks. `WeightsRow` is one client's row of a `WeightsStack`: an
+ordinary `Weights` (views, no copies) for any code that takes one client at a time,
+which code that can do better recognises: the delta of every row against the same
+model is one subtraction per tensor (`WeightsStack.minus`, cached), and the weighted
+mean folds the rows of one stack with one product per tensor
+(`fedloom.strategies` ``WeightedMeanAggregator``) instead of one fold per client.
+
+>>> import numpy as np
+>>> stack = WeightsStack({"w": np.arange(6, dtype=np.float32).reshape(3, 2)})
+>>> row = WeightsRow(stack, 1)
+>>> row["w"].tolist(), len(stack)
+([2.0, 3.0], 3)
+>>> base = Weights({"w": np.ones(2, np.float32)})
+>>> WeightsRow(stack.minus(base), 2)["w"].tolist()
+[3.0, 4.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from fedloom.weights import TensorSpec, Weights, layout_mismatch
+
+
+class WeightsStack:
+    """Tensors of ``len(self)`` clients: ``arrays[name][i]`` is client ``i``'s tensor.
+
+    Args:
+        arrays: name -> array of shape ``(clients, *tensor shape)``, in the model's
+            order, all with the same number of clients (broadcast views are fine).
+
+    Raises:
+        ValueError: no tensors, a scalar, or client counts that differ.
+    """
+
+    __slots__ = ("_finite", "_minus", "arrays", "row_specs", "size")
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        if not arrays:
+            raise ValueError("a WeightsStack needs at least one tensor")
+        sizes = {arr.shape[0] if arr.ndim else 0 for arr in arrays.values()}
+        if len(sizes) != 1 or 0 in sizes:
+            raise ValueError("every tensor needs the same leading client axis of at least "
+                             f"one client, got {sorted(sizes)}")
+        self.arrays = dict(arrays)
+        self.size = sizes.pop()
+        #: one client's layout, shared by every row
+        self.row_specs: tuple[TensorSpec, ...] = Weights(
+            (k, v[0]) for k, v in self.arrays.items()).specs()
+        self._minus: tuple[Weights, WeightsStack] | None = None
+        self._finite: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def minus(self, base: Weights) -> WeightsStack:
+        """Every row minus ``base`` (in each tensor's dtype), computed once per ``base``.
+
+        Raises:
+            ValueError: ``base`` has another layout than a row.
+        """
+        cached = self._minus
+        if cached is not None and cached[0] is base:
+            return cached[1]
+        problem = layout_mismatch(base.specs(), self.row_specs)
+        if problem:
+            raise ValueError(f"weights: {problem}")
+        delta = WeightsStack({
+            name: np.subtract(arr, base[name], dtype=arr.dtype)
+            for name, arr in self.arrays.items()})
+        self._minus = (base, delta)
+        return delta
+
+    def finite_rows(self) -> np.ndarray:
+        """A bool per client: whether every value of its row is finite (computed once)."""
+        if self._finite is None:
+            finite = np.ones(self.size, np.bool_)
+            for arr in self.arrays.values():
+                if arr.dtype.kind == "f":
+                    finite &= np.isfinite(arr).reshape(self.size, -1).all(axis=1)
+            self._finite = finite
+        return self._finite
+
+
+class WeightsRow(Weights):
+    """Row ``row`` of ``stack`` as a `Weights` of views (read-only by convention, as
+    every `Weights`' arrays are)."""
+
+    __slots__ = ("row", "stack")
+
+    def __init__(self, stack: WeightsStack, row: int) -> None:
+        if not 0 <= row < len(stack):
+            raise IndexError(f"row {row} of a stack of {len(stack)}")
+        # No per-array checks: the stack's arrays are the engine's own, and the layout
+        # is the stack's, shared by every row.
+        self._tensors = {name: arr[row] for name, arr in stack.arrays.items()}
+        self._layout = stack.row_specs
+        self.stack, self.row = stack, row
