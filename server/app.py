@@ -38,7 +38,7 @@ from fedloom.server.observability import MetricsEndpoint, Probes
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.progress import RoundReporter
 from fedloom.server.servicer import FleetServicer
-from fedloom.server.tls import server_credentials
+from fedloom.server.tls import server_credentials, warn_plaintext
 from fedloom.server.wire import add_fleet_servicer
 from fedloom.strategies import Strategy, apply_privacy, build_strategy, check_secure_strategy
 from fedloom.weights import Weights
@@ -140,11 +140,12 @@ class Server:
         self.metrics_port = metrics.port if metrics else None
         self.port = port
         self._ready.set()
+        bound = self.config.address.rsplit(":", 1)[0] + f":{port}"
+        if self.credentials is None:
+            warn_plaintext(bound)
         log.info(
             "fedloom server listening on %s (run %s, %d rounds)",
-            self.config.address.rsplit(":", 1)[0] + f":{port}",
-            coordinator.run_id,
-            self.config.num_rounds,
+            bound, coordinator.run_id, self.config.num_rounds,
         )
         try:
             await coordinator.run()

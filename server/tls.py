@@ -58,15 +58,21 @@ def check_certificate_and_key(cert_pem: bytes, key_pem: bytes, where: str = "tls
         )
 
 
+def warn_plaintext(address: str) -> None:
+    """The warning a plaintext server logs on every start, naming the address it bound
+    (the real port, also when the configuration asked for port 0)."""
+    log.warning(
+        "serving PLAINTEXT on %s (insecure): anyone on the network can read and alter "
+        "models and updates and pose as a client; use TLS outside a trusted test network",
+        address,
+    )
+
+
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials for ``config``, or None for a plaintext server (with a warning)."""
+    """TLS credentials for ``config``, or None for a plaintext server (the server then
+    calls `warn_plaintext` with the address it bound)."""
     tls = config.tls
     if not tls.enabled:
-        log.warning(
-            "serving PLAINTEXT on %s (insecure): anyone on the network can read and alter "
-            "models and updates and pose as a client; use TLS outside a trusted test network",
-            config.address,
-        )
         return None
     cert = read_pem(tls.cert, "tls.cert")
     key = read_pem(tls.key, "tls.key")

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
+from helpers import small_weights
 from security_support import make_pki, server_tls
 
 from fedloom.certs import Issued, make_ca, write_issued
 from fedloom.cli import build_parser, main, server_config_from_args
 from fedloom.config import AuthConfig, ClientConfig, ServerConfig, TLSConfig, from_mapping
 from fedloom.errors import ConfigError
+from fedloom.server import Server
 from fedloom.server.tls import server_credentials
 
 
@@ -164,10 +166,21 @@ def test_an_expired_certificate_is_refused(tmp_path: Path) -> None:
     assert info.value.setting == "tls.cert"
 
 
-def test_plaintext_is_warned(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_plaintext_is_warned_with_the_port_it_bound(caplog, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert server_credentials(ServerConfig(insecure=True)) is None
+    config = ServerConfig(address="127.0.0.1:0", insecure=True, num_rounds=1,
+                          state_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="fedloom.server"):
-        assert server_credentials(ServerConfig(insecure=True)) is None
-    assert "PLAINTEXT" in caplog.text
+        handle = Server(config, initial_weights=small_weights()).start()
+        try:
+            port = handle.server.port
+        finally:
+            handle.stop()
+            handle.wait(30)
+    warnings = [r.getMessage() for r in caplog.records if "PLAINTEXT" in r.getMessage()]
+    assert port and warnings == [f"serving PLAINTEXT on 127.0.0.1:{port} (insecure): anyone "
+                                 "on the network can read and alter models and updates and "
+                                 "pose as a client; use TLS outside a trusted test network"]
 
 
 def test_server_tls_helper_matches(tmp_path: Path) -> None:
