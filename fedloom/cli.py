@@ -30,7 +30,7 @@ from fedloom.config import (
     from_mapping,
     load_toml,
 )
-from fedloom.errors import FedloomError
+from fedloom.errors import ClientsUnavailableError, FedloomError
 from fedloom.logs import FORMATS, configure_logging
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import field_help
@@ -42,7 +42,8 @@ from fedloom.settings import field_help
 EXIT_FINISHED = 0  # the run is over: do not restart
 EXIT_FAILED = 1  # an unexpected error; started again, the server resumes the run
 EXIT_REFUSED = 2  # a setting, file or state folder needs fixing: a restart cannot help
-EXIT_STOPPED = 75  # SIGTERM/SIGINT with rounds to go (EX_TEMPFAIL); a restart resumes
+EXIT_STOPPED = 75  # SIGTERM/SIGINT, or min_clients_wait_s passed, with rounds to go
+#                   (EX_TEMPFAIL); a restart resumes
 
 
 def _flag(name: str) -> str:
@@ -212,7 +213,11 @@ def _run_server(args: argparse.Namespace) -> int:
     weights = load_weights(args.initial_weights) if args.initial_weights else None
     evaluate_fn = _load_attr(args.evaluate_fn, "--evaluate-fn") if args.evaluate_fn else None
     server = Server(config, initial_weights=weights, evaluate_fn=evaluate_fn)
-    server.run()
+    try:
+        server.run()
+    except ClientsUnavailableError as exc:  # a restart can help, once clients can come
+        logging.getLogger("fedloom.server").error("the server stops: %s", exc)
+        return EXIT_STOPPED
     return EXIT_FINISHED if server.run_finished else EXIT_STOPPED
 
 

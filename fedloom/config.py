@@ -167,6 +167,9 @@ class ServerConfig:
                                                "port)")
     num_rounds: int = described(10, "rounds of training in the run")
     min_clients: int = described(2, "connected clients needed before a round starts")
+    min_clients_wait_s: float = described(
+        0.0, "seconds a round waits for min_clients before the server stops, to be "
+        "restarted when clients can come (exit status 75); 0: wait as long as it takes")
     fraction_fit: float = _selection_field("fraction_fit")
     min_fit_clients: int = _selection_field("min_fit_clients")
     fraction_evaluate: float = _selection_field("fraction_evaluate")
@@ -289,6 +292,8 @@ class ServerConfig:
             "must be a number of bytes per second >= 0 (0: no minimum)",
         )
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
+        check(math.isfinite(self.min_clients_wait_s) and self.min_clients_wait_s >= 0,
+              "min_clients_wait_s", "must be a number of seconds >= 0 (0: no limit)")
         check(self.round_retries >= 0, "round_retries", "must be >= 0 (0: a failed round "
                                                         "counts, and the run goes on)")
         check(self.max_num_examples >= 1, "max_num_examples", "must be at least 1")

@@ -16,6 +16,7 @@ application can catch one root. Messages say what went wrong and how to fix it.
     ├── AggregationError         a strategy cannot combine the updates it was given
     │   └── RoundAbortedError    a round ended without enough results to aggregate
     ├── SecureAggregationError   a secure-aggregation stage was refused or failed
+    ├── ClientsUnavailableError  too few clients connected within the server's wait limit
     └── PrivacyBudgetExhausted   the next round would spend more than the privacy budget
 
 Third-party errors are translated at the edge (``raise TransportError(...) from exc``).
@@ -113,6 +114,12 @@ class RoundAbortedError(AggregationError):
 
 class SecureAggregationError(FedloomError):
     """A secure-aggregation stage was refused or could not complete."""
+
+
+class ClientsUnavailableError(FedloomError):
+    """Fewer than the clients a round needs connected within ``min_clients_wait_s``.
+
+    The server stops with every committed round kept; started again, it resumes."""
 
 
 class PrivacyBudgetExhausted(FedloomError):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from fedloom.config import ServerConfig
-from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.errors import ClientsUnavailableError, MessageRejectedError, RejectReason
 from fedloom.messages import (
     PROTOCOL_VERSION,
     SERVER_CAPABILITIES,
@@ -183,9 +183,14 @@ class Fleet:
     async def wait_for(self, count: int, capability: str = Capability.FIT
                        ) -> list[ClientInfo]:
         """Wait until at least ``count`` connected clients have ``capability``; those
-        clients. Reports the wait (progress display, log) while it lasts."""
+        clients. Reports the wait (progress display, log) while it lasts.
+
+        Raises:
+            ClientsUnavailableError: ``min_clients_wait_s`` (when set) passed first.
+        """
         loop = asyncio.get_running_loop()
         started = loop.time()
+        limit = self.config.min_clients_wait_s
         announced, announced_at = -1, started
         while True:
             eligible = [c for c in self.registry.infos() if capability in c.capabilities]
@@ -193,6 +198,13 @@ class Fleet:
                 return eligible
             self._reporter.waiting(len(eligible), count)
             now = loop.time()
+            if limit and now - started >= limit:
+                raise ClientsUnavailableError(
+                    f"only {len(eligible)} of the {count} clients a round needs "
+                    f"connected{'' if capability == Capability.FIT else f' support {capability}'}"
+                    f" within min_clients_wait_s ({limit:g} s); the server stops with every "
+                    "committed round kept: start it again when the clients can come (it "
+                    "resumes), or lower min_clients")
             # In the logs too (text and JSON), not only on a terminal: when the count
             # changes, and every WAIT_LOG_S while it does not.
             if len(eligible) != announced or now - announced_at >= WAIT_LOG_S:
@@ -206,6 +218,9 @@ class Fleet:
             self.registry.changed.clear()
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel
             # that lands as a client joins, and the server then never stops.
+            pause = min(5.0, WAIT_LOG_S)
+            if limit:
+                pause = max(0.0, min(pause, started + limit - now))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(5.0, WAIT_LOG_S)):
+                async with asyncio.timeout(pause):
                     await self.registry.changed.wait()
