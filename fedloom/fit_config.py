@@ -23,6 +23,9 @@ CLIENT_LR = "eta_l"
 SEED = "seed"
 #: The round a task belongs to (int), in the fit and evaluate configs of the strategies.
 SERVER_ROUND = "server_round"
+#: Flower 1.42's spelling of `SERVER_ROUND`: every Flower strategy puts it in the train
+#: and evaluate configs, and ClientApps read it; the Flower bridge sends it too.
+FLOWER_SERVER_ROUND = "server-round"
 #: FedProx's proximal-term weight ``mu`` (float >= 0); echoed back as a fit metric
 #: of the same name by a client that applied it.
 PROXIMAL_MU = "proximal_mu"

@@ -52,6 +52,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerBaseStrategy
 
 from fedloom.errors import PrivacyBudgetExhausted
+from fedloom.fit_config import FLOWER_SERVER_ROUND
 from fedloom.simulations._records import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -226,6 +227,7 @@ class FlowerStrategy(FlowerBaseStrategy):
                 server_round=server_round,
                 defaults=defaults,
             )
+            fit_config[FLOWER_SERVER_ROUND] = server_round  # what Flower's strategies send
             content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: config_to_record(fit_config)})
             messages.append(
                 Message(content, dst_node_id=self._node_of_client[cid],
@@ -281,7 +283,8 @@ class FlowerStrategy(FlowerBaseStrategy):
             return []
         current = arrays_to_weights(arrays)
         plan = self.strategy.configure_evaluate(server_round, current, self._clients(grid))
-        record = config_to_record({**record_to_config(config), **plan.config})
+        record = config_to_record({**record_to_config(config), **plan.config,
+                                   FLOWER_SERVER_ROUND: server_round})
         content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: record})
         return [
             Message(content, dst_node_id=self._node_of_client[cid],

@@ -124,6 +124,8 @@ def plain_flower_app() -> ClientApp:
     def train(message: Message, context: Context) -> Message:
         arrays = message.content["arrays"]
         assert isinstance(arrays, ArrayRecord)
+        server_round = message.content["config"]["server-round"]  # as Flower's apps read it
+        assert isinstance(server_round, int) and server_round >= 1
         new = [a + 1.0 for a in arrays.to_numpy_ndarrays()]
         record = ArrayRecord({k: v for k, v in zip(arrays.keys(), ArrayRecord(new).values(),
                                                     strict=True)})
@@ -147,6 +149,7 @@ def test_plain_flower_client_app_under_the_bridge() -> None:
     assert len(train) == 4
     config = train[0].content["config"]
     assert config["lr"] == 0.1 and "seed" in config
+    assert [m.content["config"]["server-round"] for m in train] == [1, 1, 2, 2]
 
 
 def test_two_nodes_with_one_partition_are_refused() -> None:
