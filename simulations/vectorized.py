@@ -40,7 +40,6 @@ Example::
     fitter = VectorizedFitter.from_job(job, chunk_size=100)
     history = run_local(strategy, client_fn, job.initial_weights(), num_clients=100,
                         num_rounds=20, fitter=fitter)
-    fitter.close()
 """
 
 from __future__ import annotations
