@@ -1,13 +1,16 @@
-"""Client-fits per second: plain Flower, fedloom's Flower bridge, and the local engine.
+"""Client-fits per second: plain Flower, fedloom's Flower bridge, and fedloom's engines.
 
-The same job for all three: 100 clients holding IID shares of scikit-learn's digits
+The same job for every row: 100 clients holding IID shares of scikit-learn's digits
 (about 14 examples each), a 64-64-10 MLP, one local epoch of SGD (batch 32), one torch
-thread per client; rounds with 10 and with 100 clients each.
+thread per client (per worker process); rounds with 10 and with 100 clients each, and
+a row of 1,000 clients per round (the digits over 1,000 clients: 1 or 2 examples each;
+in-process rows only, ``--large-rounds 0`` skips it).
 
 - **plain Flower**: a ``ClientApp`` written the Flower way (``to_torch_state_dict``,
   train, ``ArrayRecord(model.state_dict())``) under Flower's message-API ``FedAvg``;
 - **fedloom bridge**: `FlowerStrategy(FedAvg)` over `to_client_app(TorchClient)`;
-- **local engine**: `run_local`, one process, no Ray.
+- **bare PyTorch loop**, **local**, **parallel** and **vectorized engine**: in this
+  process (`_sim_engines`), no Ray.
 
 Both Flower engines run in one ``run_simulation`` (one Ray start), phase after phase,
 alternating ``--repeats`` times, so a shared machine's changing load hits both alike;
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _sim_engines import Phase, in_process_phases
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -44,42 +48,13 @@ from flwr.simulation import run_simulation
 from fedloom.client_sdk.torch_trainer import TorchClient
 from fedloom.simulations._records import weights_to_arrays
 from fedloom.simulations.flower_strategy import FlowerStrategy
-from fedloom.simulations.history import RoundRecord
 from fedloom.simulations.job import Job
-from fedloom.simulations.local_engine import run_local
 from fedloom.simulations.runner import job_client_app
 from fedloom.simulations.scenario import ClientSpec, ModelSpec, Scenario
 from fedloom.strategies import FedAvg, SelectionConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BACKEND: dict[str, Any] = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
-
-
-class Phase:
-    """Timestamps of round ends for one (engine, clients-per-round) phase."""
-
-    def __init__(self, engine: str, per_round: int) -> None:
-        self.engine, self.per_round = engine, per_round
-        self.start = time.perf_counter()
-        self.ends: list[float] = []
-
-    def round_done(self, *_: Any) -> None:
-        self.ends.append(time.perf_counter())
-
-    def result(self) -> dict[str, Any]:
-        rounds = len(self.ends)
-        if rounds < 2:
-            raise ValueError("a phase needs at least 2 rounds (round 1 is warm-up)")
-        steady_s = self.ends[-1] - self.ends[0]
-        return {
-            "engine": self.engine,
-            "clients_per_round": self.per_round,
-            "rounds": rounds,
-            "first_round_s": self.ends[0] - self.start,
-            "steady_s": steady_s,
-            "steady_fits_per_s": (rounds - 1) * self.per_round / steady_s,
-            "first_round_end": self.ends[0],
-        }
 
 
 def make_job(num_clients: int) -> Job:
@@ -194,57 +169,48 @@ def run_flower_phases(
     return results, min(r["first_round_end"] for r in results) - started
 
 
-def run_local_phases(
-    job: Job, plan: list[tuple[int, int]], repeats: int
-) -> list[dict[str, Any]]:
-    n, results = job.scenario.num_clients, []
-    shared = job.make_model()
-    clients = {i: job.make_client(i, model=shared) for i in range(n)}
-    torch.set_num_threads(1)
-    for per_round, rounds in plan * repeats:
-        phase = Phase("local engine", per_round)
-
-        def on_round(record: RoundRecord, p: Phase = phase) -> None:
-            if record.round > 0:
-                p.round_done()
-
-        run_local(
-            FedAvg(selection=SelectionConfig(fraction_fit=per_round / n,
-                                             min_fit_clients=per_round,
-                                             fraction_evaluate=0.0, seed=0)),
-            clients.__getitem__, job.initial_weights(), num_clients=n, num_rounds=rounds,
-            fit_defaults=job.fit_defaults(),
-            on_round=on_round,
-        )
-        results.append(phase.result())
-    return results
+ORDER = ("plain Flower", "fedloom bridge", "bare PyTorch loop", "local engine",
+         "parallel engine", "vectorized engine")
 
 
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median (and range) of steady fits/s per (engine, clients per round)."""
+    """Median (and range) of steady fits/s per (engine, clients per round), with ratios
+    to plain Flower, the bare loop and the local engine at the same clients per round."""
     groups: dict[tuple[str, int], list[float]] = {}
     for r in results:
         key = (r["engine"], r["clients_per_round"])
         groups.setdefault(key, []).append(r["steady_fits_per_s"])
-    order = {"plain Flower": 0, "fedloom bridge": 1, "local engine": 2}
+
+    def rank(engine: str) -> int:
+        return next(i for i, name in enumerate(ORDER) if engine.startswith(name))
+
     rows: list[dict[str, Any]] = []
-    for (engine, k), samples in sorted(groups.items(), key=lambda g: (g[0][1], order[g[0][0]])):
+    for (engine, k), samples in sorted(groups.items(), key=lambda g: (g[0][1], rank(g[0][0]))):
         rows.append({"engine": engine, "clients_per_round": k, "samples": sorted(samples),
                      "median_fits_per_s": statistics.median(samples)})
-    plain: dict[int, float] = {r["clients_per_round"]: r["median_fits_per_s"] for r in rows
-             if r["engine"] == "plain Flower"}
-    for row in rows:
-        row["vs_plain_flower"] = row["median_fits_per_s"] / plain[row["clients_per_round"]]
+    for column, reference in (("vs_plain_flower", "plain Flower"),
+                              ("vs_bare_loop", "bare PyTorch loop"),
+                              ("vs_local_engine", "local engine")):
+        base = {r["clients_per_round"]: r["median_fits_per_s"] for r in rows
+                if r["engine"] == reference}
+        for row in rows:
+            k = row["clients_per_round"]
+            row[column] = row["median_fits_per_s"] / base[k] if k in base else None
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'engine':<16} {'per round':>9} {'median fits/s':>14} {'range':>13} "
-             f"{'vs plain':>9}"]
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}x" if value is not None else "-"
+
+    lines = [f"{'engine':<30} {'per round':>9} {'median fits/s':>14} {'range':>15} "
+             f"{'vs plain':>9} {'vs bare':>8} {'vs local':>9}"]
     for r in rows:
-        span = f"{r['samples'][0]:.1f}-{r['samples'][-1]:.1f}"
-        lines.append(f"{r['engine']:<16} {r['clients_per_round']:>9} "
-                     f"{r['median_fits_per_s']:>14.1f} {span:>13} {r['vs_plain_flower']:>8.2f}x")
+        span = f"{r['samples'][0]:.0f}-{r['samples'][-1]:.0f}"
+        lines.append(f"{r['engine']:<30} {r['clients_per_round']:>9} "
+                     f"{r['median_fits_per_s']:>14.1f} {span:>15} "
+                     f"{ratio(r['vs_plain_flower']):>9} {ratio(r['vs_bare_loop']):>8} "
+                     f"{ratio(r['vs_local_engine']):>9}")
     return "\n".join(lines)
 
 
@@ -254,16 +220,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds-small", type=int, default=15, help="rounds at 10 per round")
     parser.add_argument("--rounds-full", type=int, default=4, help="rounds at 100 per round")
     parser.add_argument("--repeats", type=int, default=3, help="alternations per engine")
+    parser.add_argument("--large-rounds", type=int, default=3,
+                        help="rounds at 1,000 clients per round (0: no such row)")
+    parser.add_argument("--workers", type=int, default=2, help="parallel engine's processes")
+    parser.add_argument("--chunk-size", type=int, default=100,
+                        help="vectorized engine's clients per batched computation")
     parser.add_argument("--quick", action="store_true", help="3 and 2 rounds, 1 repeat")
     parser.add_argument("--out", type=Path, default=RESULTS / "simulation.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds_small, args.rounds_full, args.repeats = 3, 2, 1
+        args.large_rounds = min(args.large_rounds, 2)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     n = args.clients
     plan = [(max(1, n // 10), args.rounds_small), (n, args.rounds_full)]
     job = make_job(n)
-    results = run_local_phases(job, plan, args.repeats)
+    results = in_process_phases(job, plan, args.repeats, args.workers, args.chunk_size)
+    if args.large_rounds > 0:
+        large = make_job(1000)
+        results += in_process_phases(large, [(1000, args.large_rounds)], args.repeats,
+                                     args.workers, args.chunk_size)
     flower_results, first_round_s = run_flower_phases(job, plan, args.repeats)
     results += flower_results
     rows = summarise(results)
@@ -275,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "simulation client-fits per second",
         "clients": n,
         "model_parameters": job.initial_weights().num_parameters,
-        "plan": {"clients_per_round_and_rounds": plan, "repeats": args.repeats},
+        "plan": {"clients_per_round_and_rounds": plan, "repeats": args.repeats,
+                 "large_rounds": args.large_rounds, "workers": args.workers,
+                 "chunk_size": args.chunk_size},
         "seconds_to_first_flower_round": first_round_s,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": sys.version.split()[0], "load_avg": os.getloadavg()},

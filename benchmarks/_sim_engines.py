@@ -1,0 +1,152 @@
+"""The in-process rows of `simulation.py`: the bare PyTorch loop and fedloom's engines.
+
+- **bare PyTorch loop** (the limit): the same fits with nothing around them — tensors
+  preloaded, the same MLP, per client: load the global weights into the module, a
+  fresh SGD (lr 0.05, momentum 0.9), one shuffled epoch at batch 32 with its loss read
+  back (as every engine reports ``train_loss``), then the update added into a torch
+  running mean. No configs, no metrics, no layout checks, no float64 sums;
+- **local engine**: `run_local` with its default fitter, one client after another;
+- **parallel engine**: `run_local` with `ParallelFitter` (``--workers`` processes);
+- **vectorized engine**: `run_local` with `VectorizedFitter` (``torch.func``).
+
+Every fedloom row runs the same FedAvg over the same job as the Flower rows; each
+phase times the rounds after its first, as `Phase` does for all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedloom.simulations.fitting import RoundFitter
+from fedloom.simulations.history import RoundRecord
+from fedloom.simulations.job import Job
+from fedloom.simulations.local_engine import run_local
+from fedloom.strategies import FedAvg, SelectionConfig
+
+
+class Phase:
+    """Timestamps of round ends for one (engine, clients-per-round) phase."""
+
+    def __init__(self, engine: str, per_round: int) -> None:
+        self.engine, self.per_round = engine, per_round
+        self.start = time.perf_counter()
+        self.ends: list[float] = []
+
+    def round_done(self, *_: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+    def result(self) -> dict[str, Any]:
+        rounds = len(self.ends)
+        if rounds < 2:
+            raise ValueError("a phase needs at least 2 rounds (round 1 is warm-up)")
+        steady_s = self.ends[-1] - self.ends[0]
+        return {
+            "engine": self.engine,
+            "clients_per_round": self.per_round,
+            "rounds": rounds,
+            "first_round_s": self.ends[0] - self.start,
+            "steady_s": steady_s,
+            "steady_fits_per_s": (rounds - 1) * self.per_round / steady_s,
+            "first_round_end": self.ends[0],
+        }
+
+
+def bare_loop_phase(job: Job, per_round: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """The limit: the phase's fits in a plain PyTorch loop (see the module docstring)."""
+    n = job.scenario.num_clients
+    data = [(torch.from_numpy(c.x), torch.from_numpy(c.y)) for c in job.clients]
+    model = job.make_model()
+    params = list(model.parameters())
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batch, generator = job.scenario.client.batch_size, torch.Generator()
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        global_params = [p.detach().clone() for p in params]
+    phase = Phase("bare PyTorch loop", per_round)
+    for server_round in range(rounds):
+        sums = [torch.zeros_like(p) for p in params]
+        total = 0
+        for index in rng.choice(n, per_round, replace=False):
+            x, y = data[index]
+            with torch.no_grad():
+                for p, g in zip(params, global_params, strict=True):
+                    p.copy_(g)
+            optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            generator.manual_seed(server_round * n + int(index))
+            order = torch.randperm(len(y), generator=generator)
+            train_loss = 0.0
+            for start in range(0, len(y), batch):
+                rows = order[start:start + batch]
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x[rows]), y[rows])
+                loss.backward()
+                optimizer.step()
+                train_loss += float(loss.detach()) * len(rows)
+            with torch.no_grad():
+                for s, p, g in zip(sums, params, global_params, strict=True):
+                    s.add_(p - g, alpha=len(y))
+            total += len(y)
+        with torch.no_grad():
+            for g, s in zip(global_params, sums, strict=True):
+                g.add_(s / total)
+        phase.round_done()
+    return phase.result()
+
+
+def engine_phase(
+    job: Job, name: str, fitter: RoundFitter | None, per_round: int, rounds: int
+) -> dict[str, Any]:
+    """``rounds`` of FedAvg over ``per_round`` sampled clients with ``fitter`` (None:
+    the local engine's own, one client after another)."""
+    n = job.scenario.num_clients
+    shared = job.make_model()
+    clients = {i: job.make_client(i, model=shared) for i in range(n)} if fitter is None else {}
+    phase = Phase(name, per_round)
+
+    def on_round(record: RoundRecord) -> None:
+        if record.round > 0:
+            phase.round_done()
+
+    run_local(
+        FedAvg(selection=SelectionConfig(fraction_fit=per_round / n, min_fit_clients=per_round,
+                                         fraction_evaluate=0.0, seed=0)),
+        clients.__getitem__, job.initial_weights(), num_clients=n, num_rounds=rounds,
+        fit_defaults=job.fit_defaults(), on_round=on_round, fitter=fitter,
+    )
+    return phase.result()
+
+
+def in_process_phases(
+    job: Job, plan: list[tuple[int, int]], repeats: int, workers: int, chunk_size: int,
+) -> list[dict[str, Any]]:
+    """Every in-process row for each (clients per round, rounds) of ``plan``, the rows
+    alternating within each repeat so load changes hit them alike."""
+    from fedloom.simulations.parallel import ParallelFitter
+    from fedloom.simulations.vectorized import VectorizedFitter
+
+    torch.set_num_threads(1)
+    parallel = ParallelFitter(job, workers)
+    vectorized = VectorizedFitter.from_job(job, chunk_size=chunk_size)
+    rows: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
+        ("bare PyTorch loop", lambda k, r: bare_loop_phase(job, k, r)),
+        ("local engine", lambda k, r: engine_phase(job, "local engine", None, k, r)),
+        (f"parallel engine ({workers} workers)",
+         lambda k, r: engine_phase(job, f"parallel engine ({workers} workers)", parallel, k, r)),
+        ("vectorized engine",
+         lambda k, r: engine_phase(job, "vectorized engine", vectorized, k, r)),
+    ]
+    results = []
+    try:
+        for rep in range(repeats):
+            for _, run in rows if rep % 2 == 0 else rows[::-1]:
+                for per_round, rounds in plan:
+                    results.append(run(per_round, rounds))
+    finally:
+        parallel.close()
+        vectorized.close()
+    return results
