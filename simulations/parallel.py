@@ -21,13 +21,18 @@ and, as ``__cause__``, the worker's traceback) and the round goes on. A worker t
 dies gives each of its unfinished tasks a `RuntimeError` naming its exit code and
 clients; a new worker replaces it at the next `fit`.
 
-Limits: each worker holds a whole copy of the job's data; a worker that hangs (neither
-answers nor exits) stalls the round, as a hanging client stalls `SerialFitter`. With
-the ``spawn`` and ``forkserver`` start methods the script that creates the fitter must
-guard its entry point with ``if __name__ == "__main__":``. Speed-up: with 2 CPU cores,
-the 100-client digits benchmark (about 14 examples and one batch per fit) runs about
-1.5 times as many fits per second on 2 workers as serially (the engine's own work per
-update, in this process, stays serial); fits of a 512-unit MLP, 1.8 times.
+Limits: each worker holds a whole copy of the job's data (and this process keeps the
+pickled job, to start replacements); a worker that hangs (neither answers nor exits)
+stalls the round, as a hanging client stalls `SerialFitter`; a result reaches the
+engine up to 5 ms, or one further fit, after its fit ends. The script that
+creates the fitter must guard its entry point with ``if __name__ == "__main__":``
+(both start methods import it afresh in each worker).
+
+Speed: the workers take the fits, but this process still reads every result and does
+the engine's own work on it (the delta, the aggregation), competing with the workers
+for the cores; so the gain grows with a fit's cost against its update's size, and a
+round's fixed costs stay serial. `benchmarks/simulation.py` measures it beside the
+serial engine (the figures are in benchmarks/README.md).
 
 Example::
 
@@ -71,8 +76,8 @@ if TYPE_CHECKING:
 START_METHODS = ("spawn", "forkserver")
 _STOP_TIMEOUT_S = 5.0
 #: A worker sends the results it holds once this long has passed since it last sent.
-#: Waking the parent costs both processes about 0.1-0.2 ms of CPU on a virtual machine,
-#: a third of a small model's fit: one message per fit would waste that much again.
+#: A message that wakes the parent costs both processes 0.1-0.2 ms of CPU on a virtual
+#: machine, a third of a small model's fit: one message per fit wastes that much.
 _FLUSH_S = 0.005
 
 
