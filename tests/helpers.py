@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -82,3 +83,18 @@ def fake_fleet_connection(address: str, rpc_timeout_s: float, task_stream: bool 
     transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024, max_model_bytes=4096)
     return Connection(ClientConfig(server_address=address, rpc_timeout_s=rpc_timeout_s,
                                    transfer=transfer, insecure=True, task_stream=task_stream))
+
+
+def committed_models(state_dir: str | Path) -> dict[int, Weights]:
+    """Every committed round's model of the newest run in ``state_dir``, by round (0:
+    the initial one), read from its verified checkpoint."""
+    from fedloom.server.checkpoint import load_checkpoint
+    from fedloom.server.store import RunStore
+
+    store = RunStore(Path(state_dir) / "fedloom.db", readonly=True)
+    try:
+        rows = store.rounds(store.runs()[-1].run_id)
+    finally:
+        store.close()
+    return {row.round: load_checkpoint(Path(state_dir) / row.checkpoint, row.sha256).weights
+            for row in rows}

@@ -13,14 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import committed_models
 
 from fedloom import Weights
 from fedloom.client_sdk import Client, start_client
 from fedloom.client_sdk import _compression as client_compression
 from fedloom.compression import Codec
 from fedloom.config import ClientConfig
-from fedloom.server.checkpoint import load_checkpoint
-from fedloom.server.store import RunStore
 
 
 @dataclasses.dataclass
@@ -87,10 +86,4 @@ def client_threads(address: str, clients: dict[str, tuple[Client, dict[str, Any]
 
 def rounds_committed(state_dir: str | Path) -> dict[int, Weights]:
     """Every committed round's model of the newest run, by round (0: the initial one)."""
-    store = RunStore(Path(state_dir) / "fedloom.db", readonly=True)
-    try:
-        run = store.runs()[-1]
-        return {row.round: load_checkpoint(Path(state_dir) / row.checkpoint, row.sha256).weights
-                for row in store.rounds(run.run_id)}
-    finally:
-        store.close()
+    return committed_models(state_dir)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from helpers import committed_models
 
 from fedloom import Weights
 from fedloom.client_sdk import Client, ClientRunner
@@ -22,8 +23,6 @@ from fedloom.config import ClientConfig
 from fedloom.messages import ResultHeader, Session, TaskHeader
 from fedloom.secagg import STAGE_OF, SecAggConfig, Stage, flatten
 from fedloom.server import Server
-from fedloom.server.checkpoint import load_checkpoint
-from fedloom.server.store import RunStore
 
 
 def secagg(**overrides: Any) -> SecAggConfig:
@@ -194,13 +193,7 @@ def mean_tolerance(weighted: np.ndarray, total_weight: float, count: int,
 
 
 def checkpoints(state_dir: str) -> dict[int, Weights]:
-    store = RunStore(Path(state_dir) / "fedloom.db")
-    try:
-        run = store.runs()[-1]
-        return {r.round: load_checkpoint(Path(state_dir) / r.checkpoint, r.sha256).weights
-                for r in store.rounds(run.run_id)}
-    finally:
-        store.close()
+    return committed_models(state_dir)
 
 
 def survivor_indices(server: Server, runners: list[HarnessRunner]) -> list[int]:
