@@ -74,8 +74,10 @@ class QuantizeCodec(Codec):
             beyond = np.isfinite(np.asarray(flat)).all()
             raise CompressionError(f"tensor {spec.name!r} holds " + (
                 "values beyond float32's range" if beyond else "non-finite values"))
-        per_level = self.levels / np.where(scales > 0, scales, np.float32(1.0))
-        magnitude *= per_level[:, None]
+        # Divide, then scale up: |x| / s <= 1 cannot overflow, where levels / s can (a
+        # block of subnormal values has a subnormal scale).
+        magnitude /= np.where(scales > 0, scales, np.float32(1.0))[:, None]
+        magnitude *= np.float32(self.levels)
         np.minimum(magnitude, self.levels, out=magnitude)  # float32 rounding of the scale
         codes = np.floor(magnitude)
         magnitude -= codes  # the fractional part: the probability of rounding up

@@ -227,3 +227,15 @@ def test_decoded_weights_decode_each_tensor_on_access() -> None:
     np.testing.assert_array_equal(lazy["a"], eager["a"])  # each tensor checked on its own
     with pytest.raises(CompressionError, match="finite and >= 0"):
         lazy["c"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantization_of_subnormal_blocks_stays_exact_in_range(bits: int) -> None:
+    # A block's scale can be subnormal: levels / scale overflows float32, |x| / scale not.
+    tiny = np.array([0.0, 1e-45, -3e-45, 7e-45, 0.0, -1e-44, 2e-45, 0.0], np.float32)
+    with np.errstate(over="raise", invalid="raise"):  # no overflow, no NaN on the way
+        got = _roundtrip(f"q{bits}", tiny, seed=4, block=4)
+    levels = (1 << (bits - 1)) - 1
+    scale = np.repeat(np.abs(tiny.reshape(-1, 4)).max(axis=1), 4)
+    assert (np.abs(got.astype(np.float64) - tiny) <= scale / levels * (1 + 1e-6) + 1e-45).all()
+    assert (got[tiny == 0] == 0).all() and (np.sign(got) * np.sign(tiny) >= 0).all()
