@@ -241,6 +241,7 @@ def test_a_refusal_on_the_upload_connection_is_translated(recorder) -> None:  # 
         header, payload = _result(SEPARATE_UPLOAD_MIN_BYTES)
         with pytest.raises(ResultRefusedError, match="refused for the test"):
             connection.push(header, payload)
-        assert _connections_to(address) == 1
+        # the refused upload's connection is closed too (in gRPC's background teardown)
+        assert _wait_for(lambda: _connections_to(address) == 1)
     finally:
         connection.close()
