@@ -30,10 +30,10 @@ payloads' sizes, encoded or float32) in its fit metrics.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
+from fedloom._compression_config import CompressionConfig
 from fedloom.compression import (
     DOWNLOAD_CODECS,
     UPLOAD_CODECS,
@@ -71,12 +71,8 @@ class CompressionSpec:
                 raise ConfigError(f"compression.{direction}",
                                   f"{name!r} is not one of {', '.join(allowed)}, or \"\" "
                                   f"for none{hint}")
-        if not 1 <= self.quantize_block <= 1 << 20:
-            raise ConfigError("compression.quantize_block",
-                              f"must be from 1 to {1 << 20}, got {self.quantize_block}")
-        if not (math.isfinite(self.topk_fraction) and 0.0 < self.topk_fraction <= 1.0):
-            raise ConfigError("compression.topk_fraction",
-                              f"must be in (0, 1], got {self.topk_fraction}")
+        # The settings' ranges are the server's (the same names, the same messages).
+        CompressionConfig(quantize_block=self.quantize_block, topk_fraction=self.topk_fraction)
 
     @property
     def enabled(self) -> bool:

@@ -46,7 +46,7 @@ from fedloom.errors import AggregationError
 from fedloom.payload import BlockReader, BlockSource
 from fedloom.stacked import WeightsRow
 from fedloom.strategies._base import Aggregator, MeanUpdate
-from fedloom.strategies._rows import fold_rows
+from fedloom.strategies._rows import fold_rows, windows
 from fedloom.types import ClientUpdate
 from fedloom.weights import TensorSpec, Weights
 
@@ -106,11 +106,6 @@ def cast_like(reference: np.ndarray, value64: np.ndarray) -> np.ndarray:
     return value64.astype(reference.dtype, copy=False)
 
 
-def _windows(size: int, width: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, size, width):
-        yield start, min(size, start + width)
-
-
 class _Sum:
     """A float64 running sum; a large one lives in its own anonymous mapping, so that
     `mean` can write the mean over its front and release the rest."""
@@ -141,7 +136,7 @@ class _Sum:
         tmp = np.empty(min(spec.size, WINDOW), np.float64)
         # Window by window: a window's bytes are read before anything overwrites them,
         # and the output (half as wide or less) never reaches bytes not yet read.
-        for start, end in _windows(spec.size, WINDOW):
+        for start, end in windows(spec.size, WINDOW):
             part = tmp[: end - start]
             np.divide(flat[start:end], total, out=part)
             out[start:end] = part
@@ -264,7 +259,7 @@ class WeightedMeanAggregator(Aggregator):
                     acc += np.multiply(flat, weight, dtype=np.float64)
                 continue
             tmp = np.empty(min(acc.size, WINDOW), np.float64)
-            for start, end in _windows(acc.size, WINDOW):
+            for start, end in windows(acc.size, WINDOW):
                 if fresh:
                     np.multiply(flat[start:end], weight, out=acc[start:end], dtype=np.float64)
                     continue

@@ -35,7 +35,7 @@ def fold_rows(rows: Sequence[tuple[WeightsRow, float]], specs: Sequence[TensorSp
         acc, fresh = sum_of(spec)
         array = stack.arrays[spec.name]
         block = (array if whole else array[index]).reshape(len(rows), -1)
-        for start, end in _windows(acc.size, max(1, WINDOW // len(rows))):
+        for start, end in windows(acc.size, max(1, WINDOW // len(rows))):
             part = weights @ block[:, start:end].astype(np.float64)
             if fresh:
                 acc[start:end] = part
@@ -43,6 +43,7 @@ def fold_rows(rows: Sequence[tuple[WeightsRow, float]], specs: Sequence[TensorSp
                 acc[start:end] += part
 
 
-def _windows(size: int, width: int) -> Iterator[tuple[int, int]]:
+def windows(size: int, width: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive windows of at most ``width`` over ``size`` elements."""
     for start in range(0, size, width):
         yield start, min(size, start + width)
