@@ -78,9 +78,11 @@ class Fleet:
                 self.drop(client_id, "replaced by a new session of its identity")
         elif peer:
             self.address_quarantine.check(peer)
+        # Unknown names are ignored (a newer client may know kinds this server does
+        # not); the reply lists what was granted, so the client learns what it will get.
+        granted = frozenset(request.capabilities & SERVER_CAPABILITIES)
         record, session = self.registry.join(
-            identity or request.name, request.capabilities & SERVER_CAPABILITIES,
-            identity=identity, peer=peer,
+            identity or request.name, granted, identity=identity, peer=peer,
         )
         grants = grant(self.config.compression, request, record.client_id)
         record.upload_codec, record.download_codec = grants.upload, grants.download
@@ -95,7 +97,7 @@ class Fleet:
         return JoinReply(
             session=session,
             protocol_version=PROTOCOL_VERSION,
-            capabilities=SERVER_CAPABILITIES,
+            capabilities=granted,
             run_id=self.run_id,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             long_poll_s=self.config.long_poll_s,
