@@ -5,8 +5,9 @@ An encoded update is refused, and its task fails, when it names a codec the sess
 not granted (FAILED_PRECONDITION), when its payload header is not the model's layout
 encoded with that codec (INVALID_ARGUMENT: refused before any byte arrives), or when,
 whole and verified, it does not decode (an index past its tensor, a code outside the
-levels: INVALID_ARGUMENT). The spooled upload stays encoded on disk; the strategy reads
-it through `fedloom.compression.DecodedWeights`, one decoded tensor at a time. Every
+levels: INVALID_ARGUMENT; checked on the parts, without a decode where they suffice).
+The spooled upload stays encoded on disk; the strategy reads it through
+`fedloom.compression.DecodedWeights`, one decoded tensor at a time. Every
 strategy therefore sees decoded deltas of the model's layout, and whatever clips does so
 to the decoded update: an update-norm bound, and central DP's clip to C, which the
 privacy guarantee rests on (a client's own clip comes before it encodes, and a codec may
@@ -20,9 +21,14 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
-from fedloom.compression import CodecSpec, CompressionError, DecodedWeights, choose, encoded_layout
+from fedloom.compression import (
+    CodecSpec,
+    CompressionError,
+    DecodedWeights,
+    check_encoded,
+    choose,
+    encoded_layout,
+)
 from fedloom.config import CompressionConfig
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import JoinRequest, ResultHeader
@@ -118,20 +124,12 @@ def decoded(codec: CodecSpec | None, model: Sequence[TensorSpec], payload: Weigh
     return DecodedWeights(codec.build(), model, payload)
 
 
-def _decode_each(update: Weights) -> None:
-    """Decode every tensor once, one at a time, keeping none."""
-    for name in update:
-        array = update[name]
-        # A float16 tensor's scale may exceed float16's range, though each part is finite.
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            raise CompressionError(f"tensor {name!r} decodes to non-finite values")
-
-
 async def check_decodes(codec: CodecSpec | None, model: Sequence[TensorSpec],
                         payload: Weights) -> Weights:
-    """The decoded view of a whole, verified upload, once every tensor has decoded
-    (off the event loop, one tensor at a time); `EncodingRefusedError` (INVALID) for
-    parts no honest encoder produces.
+    """The decoded view of a whole, verified upload, once its parts are known to decode
+    to finite values (`fedloom.compression.check_encoded`, off the event loop, without
+    decoding what the parts alone vouch for); `EncodingRefusedError` (INVALID) for parts
+    no honest encoder produces.
 
     Checked before the update is folded or acknowledged, so that a hostile payload fails
     its own task rather than the round's aggregation.
@@ -140,7 +138,7 @@ async def check_decodes(codec: CodecSpec | None, model: Sequence[TensorSpec],
     if codec is None:
         return update
     try:
-        await asyncio.to_thread(_decode_each, update)
+        await asyncio.to_thread(check_encoded, codec.build(), model, payload)
     except CompressionError as exc:
         raise EncodingRefusedError(RejectReason.INVALID,
                                    f"the update does not decode with {codec}: {exc}") from exc

@@ -67,6 +67,20 @@ class Codec(abc.ABC):
         """The tensor (1-D, ``spec``'s dtype) from its parts; `CompressionError` for parts
         no honest encoder produces."""
 
+    def check_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> None:
+        """Raise `CompressionError` exactly when ``decode_tensor`` would, or would give
+        a non-finite value; decodes nothing where the parts alone tell.
+
+        A receiver checks a whole update before it accepts it, and decodes it again
+        only as the strategy folds it: the check must not cost a second decode. This
+        default decodes (the reference behaviour the codecs' own checks are tested
+        against).
+        """
+        with np.errstate(over="ignore"):  # an overflow is what this looks for
+            values = self.decode_tensor(parts, spec)
+        if values.size and not np.isfinite(values).all():
+            raise CompressionError(f"tensor {spec.name!r} decodes to non-finite values")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -118,6 +132,17 @@ def decode(codec: Codec, specs: Sequence[TensorSpec],
         flat = codec.decode_tensor(parts, spec)
         out.append((spec.name, flat.reshape(spec.shape)))
     return Weights(out)
+
+
+def check_encoded(codec: Codec, specs: Sequence[TensorSpec],
+                  encoded: Mapping[str, np.ndarray]) -> None:
+    """Raise `CompressionError` unless every tensor of ``specs`` decodes from
+    ``encoded`` to finite values (`Codec.check_tensor`), one tensor at a time."""
+    for spec in specs:
+        if codec.applies(spec):
+            codec.check_tensor([_part(encoded, p) for p in codec.part_specs(spec)], spec)
+        else:
+            _part(encoded, spec)  # its dtype and shape; its bytes were checked on receipt
 
 
 def _part(encoded: Mapping[str, np.ndarray], spec: TensorSpec) -> np.ndarray:

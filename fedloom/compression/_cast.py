@@ -51,6 +51,11 @@ class Fp16Codec(Codec):
             raise CompressionError(f"part of {spec.name!r} holds non-finite values")
         return half.astype(spec.numpy_dtype)
 
+    def check_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> None:
+        (half,) = parts  # widening a finite half (to float32 or float64) stays finite
+        if not np.isfinite(half).all():
+            raise CompressionError(f"part of {spec.name!r} holds non-finite values")
+
 
 class Bf16Codec(Codec):
     """bfloat16, carried as the upper 16 bits of float32 (round to nearest even)."""
@@ -81,6 +86,16 @@ class Bf16Codec(Codec):
         if not np.isfinite(values).all():
             raise CompressionError(f"part of {spec.name!r} holds non-finite values")
         return values.astype(spec.numpy_dtype, copy=False)
+
+    def check_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> None:
+        if spec.dtype == "float16":  # narrowing may overflow: decode and look
+            super().check_tensor(parts, spec)
+            return
+        (upper,) = parts
+        # A bfloat16 is non-finite exactly when its 8 exponent bits are all ones.
+        exponent = np.uint16(0x7F80)
+        if upper.size and ((upper & exponent) == exponent).any():
+            raise CompressionError(f"part of {spec.name!r} holds non-finite values")
 
 
 def _widen(upper: np.ndarray) -> np.ndarray:

@@ -100,6 +100,30 @@ class QuantizeCodec(Codec):
         per_value = np.repeat(scales.astype(np.float64) / self.levels, self.block)[:size]
         return (codes.astype(np.float64) * per_value).astype(spec.numpy_dtype)
 
+    def check_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> None:
+        if spec.dtype == "float16":  # a float32 scale may overflow float16: decode and look
+            super().check_tensor(parts, spec)
+            return
+        scales, packed = parts
+        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+            raise CompressionError(f"the scales of {spec.name!r} must be finite and >= 0")
+        # |code * scale / L| <= scale (float32, finite): the decoded values are finite
+        # in float32 and float64 alike, so only the codes need a look.
+        if self.bits == 8:
+            if packed.size and int(packed.min()) < -self.levels:  # int8: only -128
+                raise CompressionError(
+                    f"the codes of {spec.name!r} must lie in [-{self.levels}, {self.levels}]")
+            return
+        size = spec.size
+        if size % 2 and packed.size and int(packed[-1] >> np.uint8(4)) != 8:
+            raise CompressionError("the padding nibble of a 4-bit payload must encode 0")
+        # A nibble of 0 is the code -8, outside [-7, 7]; every other nibble is a code.
+        low_zero = (packed & np.uint8(0x0F)) == 0
+        high_zero = (packed >> np.uint8(4)) == 0
+        if low_zero.any() or high_zero[: size // 2].any():
+            raise CompressionError(
+                f"the codes of {spec.name!r} must lie in [-{self.levels}, {self.levels}]")
+
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """Codes in [-7, 7] as ``code + 8`` in 4 bits, two per byte (low nibble first)."""

@@ -70,3 +70,17 @@ class TopKCodec(Codec):
         out = np.zeros(spec.size, spec.numpy_dtype)
         out[index.astype(np.int64)] = values
         return out
+
+    def check_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> None:
+        index, values = parts
+        if index.size:
+            wide = index.astype(np.int64)
+            if int(wide[-1]) >= spec.size or (index.size > 1 and not (np.diff(wide) > 0).all()):
+                raise CompressionError(
+                    f"the indices of {spec.name!r} must be strictly increasing and below "
+                    f"{spec.size}")
+        # Only the k values are cast (a float16 tensor may overflow); the zeros are finite.
+        with np.errstate(over="ignore"):
+            narrowed = values.astype(spec.numpy_dtype)
+        if not np.isfinite(narrowed).all():
+            raise CompressionError(f"tensor {spec.name!r} decodes to non-finite values")
