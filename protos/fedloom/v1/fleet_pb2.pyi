@@ -496,6 +496,10 @@ class NoTask(_message.Message):
     RETRY_AFTER_S_FIELD_NUMBER: _builtins.int
     RUN_FINISHED_FIELD_NUMBER: _builtins.int
     retry_after_s: _builtins.float
+    """Seconds to wait before the next Pull (or before opening a new Tasks stream). This
+    server always sends 0: it long-polls itself, so asking again at once is right.
+    A client honours any positive value, capped at long_poll_s.
+    """
     run_finished: _builtins.bool
     """the run is over: the client may leave"""
     def __init__(
@@ -643,7 +647,10 @@ class FitResult(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     num_examples: _builtins.int
     base_round: _builtins.int
-    """the round whose global weights the delta is from"""
+    """The committed round whose global model the task carried and the delta is from:
+    always TaskHeader.round - 1 (0: the initial model). Anything else is refused
+    (FAILED_PRECONDITION), so a delta can never be applied to the wrong model.
+    """
     @_builtins.property
     def metrics(self) -> Global___Record: ...
     def __init__(
