@@ -33,6 +33,7 @@ from fedloom.client_sdk._compression import UpdateEncoder
 from fedloom.client_sdk._progress import console_handler, log_task
 from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
+from fedloom.client_sdk.tls import HandshakeFailures
 from fedloom.config import ClientConfig
 from fedloom.errors import (
     FedloomError,
@@ -159,6 +160,8 @@ class ClientRunner:
     def run(self) -> ClientStats:
         backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
         failures_in_a_row = 0
+        # Refused handshakes look like any outage to the loop: explain them once.
+        handshakes = HandshakeFailures(self.config)
         previous: Session | None = None  # the session a re-join replaces
         while not self.stop.is_set():
             connection = Connection(self.config)
@@ -174,6 +177,7 @@ class ClientRunner:
                 )
                 backoff.reset()
                 failures_in_a_row = 0
+                handshakes.joined()
                 if previous is not None:
                     # The server may still hold it (a blink, not a restart): without a
                     # proven identity it cannot tell that this join replaces it.
@@ -189,6 +193,7 @@ class ClientRunner:
                 continue
             except TransportError as exc:
                 failures_in_a_row += 1
+                handshakes.failed(exc)
                 limit = self.config.max_reconnect_attempts
                 if limit is not None and failures_in_a_row > limit:
                     raise TransportError(
@@ -362,7 +367,8 @@ def start_client(
 
     Raises:
         AccessDeniedError: the server refused this client's credentials at Join.
-        ConfigError: no TLS settings (and not insecure), or a TLS file is unreadable.
+        ConfigError: no TLS settings (and not insecure), or a TLS file is unreadable,
+            or ``key`` is not the private key of ``cert`` (checked before connecting).
     """
     base = config or ClientConfig(server_address=server_address)
     settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)

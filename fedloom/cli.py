@@ -223,13 +223,17 @@ def _run_server(args: argparse.Namespace) -> int:
 
 def _run_client(args: argparse.Namespace) -> int:
     from fedloom.client_sdk import Client, start_client
+    from fedloom.client_sdk.tls import channel_credentials
 
     config = security_cli.client_config_from_args(args)  # TLS settings refused before the app
     codecs = {name: value for name, value in (("upload_codecs", args.upload_codecs),
                                               ("download_codecs", args.download_codecs),
-                                              ("state_dir", args.state_dir))
+                                              ("state_dir", args.state_dir),
+                                              ("max_reconnect_attempts",
+                                               args.max_reconnect_attempts))
               if value is not None}
     config = dataclasses.replace(config, **codecs)
+    channel_credentials(config)  # the TLS files checked before the app loads its model
     app = _load_attr(args.app, "--app")
     client = app() if callable(app) and not isinstance(app, Client) else app
     if not isinstance(client, Client):
@@ -292,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codecs to receive the model in, most wanted first")
     c.add_argument("--state-dir", help="folder for this client's own state (top-k's "
                    "error-feedback residual survives a restart there)")
+    c.add_argument("--max-reconnect-attempts", type=int, metavar="N",
+                   help="give up after N failed reconnects in a row (default: retry "
+                   "until stopped)")
     security_cli.add_client_flags(c)
     security_cli.add_certs_parser(sub)
     privacy_cli.add_parser(sub)

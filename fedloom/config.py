@@ -4,7 +4,9 @@ Frozen dataclasses validated in their constructors: a bad value raises `ConfigEr
 naming the setting and the fix; each field's help text is its metadata
 (`fedloom.settings.described`). `load_toml` reads a server TOML file whose top-level
 keys are `ServerConfig` fields (client selection among them) and whose ``[strategy]``
-table selects the strategy.
+table selects the strategy; a relative path in it (``state_dir``, ``tls.cert``,
+``tls.key``, ``tls.client_ca``, ``auth.tokens_file``) is relative to the file's folder
+(`fedloom._config_files`).
 
 .. code-block:: toml
 
@@ -22,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from fedloom._client_config import ClientConfig, TransferConfig
 from fedloom._compression_config import CompressionConfig, check_compression
+from fedloom._config_files import load_toml
 from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
 from fedloom.privacy._config import PrivacyConfig
@@ -380,14 +381,3 @@ def _check_security(insecure: bool, tls: TLSConfig, auth: AuthConfig) -> None:
         "auth.allow",
         "an allow-list needs identities: set tls.client_ca or auth.tokens_file",
     )
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file, turning parse errors into `ConfigError`."""
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError("--config", f"file {str(path)!r} not found") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
