@@ -498,7 +498,7 @@ class NoTask(_message.Message):
     retry_after_s: _builtins.float
     """Seconds to wait before the next Pull (or before opening a new Tasks stream). This
     server always sends 0: it long-polls itself, so asking again at once is right.
-    A client honours any positive value, capped at long_poll_s.
+    A client honours a positive value within a bound of its own (the SDK's: 60 s).
     """
     run_finished: _builtins.bool
     """the run is over: the client may leave"""
