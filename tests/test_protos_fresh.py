@@ -49,5 +49,7 @@ def test_import_walls() -> None:
         for path in (ROOT / folder).rglob("*.py"):
             if folder == "fedloom" and path.name == "cli.py":
                 continue
+            if folder == "protos" and path.relative_to(ROOT / folder).parts[0] == "conformance":
+                continue  # a development tool, not in the wheel: composes codec and strategies
             for line in path.read_text().splitlines():
                 assert not re.match(pattern.format(forbidden), line), f"{path}: {line}"
