@@ -2,7 +2,8 @@
 
 `to_client_app` builds a ``ClientApp`` that answers Flower's ``train`` and ``evaluate``
 messages by calling a fedloom client, plus the identity query (``query.fedloom_identity``)
-with which `FlowerStrategy` learns which partition each Flower node holds. Replies
+with which `FlowerStrategy` learns which partition each Flower node holds
+(`answers_identity_query` tells whether an app has that handler). Replies
 follow Flower's conventions (new weights under ``"arrays"``, a ``MetricRecord`` with
 ``"num-examples"``), so the app also serves Flower's own strategies.
 
@@ -36,6 +37,7 @@ from fedloom.client_sdk._client import Client
 from fedloom.errors import ConfigError
 from fedloom.simulations._records import (
     ARRAYS_KEY,
+    IDENTITY_MESSAGE_TYPE,
     METRICS_KEY,
     PARTITION_ID_KEY,
     arrays_to_weights,
@@ -69,6 +71,19 @@ def partition_id(context: Context) -> int:
             "--node-config 'partition-id=N'",
         )
     return int(value)
+
+
+def answers_identity_query(app: ClientApp) -> bool:
+    """Whether ``app`` has a handler for the bridge's identity query.
+
+    True for apps from `to_client_app` and for any app that registers
+    ``@app.query("fedloom_identity")`` itself; False for a plain Flower app, which would
+    fail on the query (and Flower would log that failure as an ERROR).
+    """
+    # Flower 1.42 keeps the handlers by message type and offers no public lookup;
+    # the flwr pin (<1.43) and the engine-equality tests guard this read.
+    handlers = getattr(app, "_registered_funcs", {})
+    return IDENTITY_MESSAGE_TYPE in handlers
 
 
 def to_client_app(client_fn: ClientFactory) -> ClientApp:

@@ -4,7 +4,10 @@
 under ``flwr.simulation.run_simulation`` (Ray backend: one machine, or a Ray cluster
 through ``init_args={"address": ...}``) and records rounds through the same
 `RoundRecorder` as the local engine. The ``ServerApp`` runs in a thread of this
-process, so the strategy object and the recorder are the caller's own.
+process, so the strategy object and the recorder are the caller's own. Nodes are asked
+their partition id only when the ClientApp answers that query
+(`flower_client.answers_identity_query`): a plain Flower ClientApp is not sent it, so it
+logs no error (see `flower_strategy`'s docstring).
 
 When Flower's simulation runtime fails (Ray does not start, a backend crashes),
 ``run_simulation`` raises but its ServerApp thread — not a daemon — would go on waiting
@@ -36,6 +39,7 @@ from flwr.supercore.run import Run
 from fedloom.simulations._records import arrays_to_weights, metrics_to_record, weights_to_arrays
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import SimulatedCompression
+from fedloom.simulations.flower_client import answers_identity_query
 from fedloom.simulations.flower_strategy import FlowerStrategy
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.strategies import Strategy
@@ -96,6 +100,7 @@ def run_flower(
         base_seed=base_seed,
         fit_defaults=fit_defaults,
         min_available_nodes=num_clients,
+        identify_nodes=answers_identity_query(client_app),
         on_fit_round=on_fit_round,
         on_evaluate_round=lambda _r, metrics: recorder.evaluate(metrics),
         clock=clock,

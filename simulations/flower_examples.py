@@ -18,7 +18,9 @@ Every node trains on its IID share of scikit-learn's digits (``partition-id`` of
 
 or deploy them with ``flwr run`` by naming them in an app's ``pyproject.toml``
 (``serverapp = "fedloom.simulations.flower_examples:fedloom_server_app"``). Run-config
-keys: ``num-rounds`` (default 3), ``fraction-train`` (0.5), ``seed`` (0).
+keys: ``num-rounds`` (default 3), ``fraction-train`` (0.5), ``seed`` (0), and for
+`fedloom_server_app` ``identify-nodes`` (false: its ClientApps are plain Flower ones,
+which are not sent the bridge's identity query; true over fedloom ClientApps).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def fedloom_server_main(grid: Grid, context: Context) -> None:
         FedAvg(selection=SelectionConfig(fraction_fit=fraction, min_fit_clients=1,
                                          fraction_evaluate=0.0, seed=seed)),
         base_seed=seed,
+        identify_nodes=bool(context.run_config.get("identify-nodes", False)),
     )
     strategy.start(grid, _initial_arrays(seed), num_rounds=int(_run_setting(context,
                    "num-rounds", 3)), train_config=ConfigRecord({LOCAL_EPOCHS: 1}))

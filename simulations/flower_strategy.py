@@ -8,7 +8,7 @@ What it adds to Flower's behaviour, by design:
   (Flower's own strategies use an unseeded ``random.sample``). To sample by partition
   rather than by Flower's random node ids, the bridge asks each new node once for its
   ``partition-id`` (the ``query.fedloom_identity`` message that `to_client_app`
-  answers) and presents it as `fedloom.simulations.plan.client_info`;
+  answers; see "Identity" below) and presents it as `plan.client_info`;
 - **a seed per (client, round)** in every fit config (`plan.client_fit_config`);
 - **deterministic aggregation order**: replies are folded in the plan's order, not in
   arrival order, so float sums do not depend on scheduling;
@@ -20,7 +20,8 @@ What it adds to Flower's behaviour, by design:
   answer first are sent a train message, as on the local engine;
 - **evaluate_every**: federated evaluation every that many rounds and in the last.
 
-Example — a ``ServerApp`` running fedloom's FedAvg over any ClientApp::
+Example — a ``ServerApp`` running fedloom's FedAvg over ClientApps from
+`to_client_app` (over plain Flower ClientApps, add ``identify_nodes=False``)::
 
     from flwr.app import ArrayRecord, ConfigRecord, Context
     from flwr.serverapp import Grid, ServerApp
@@ -36,9 +37,22 @@ Example — a ``ServerApp`` running fedloom's FedAvg over any ClientApp::
         result = strategy.start(grid, ArrayRecord(initial_state_dict), num_rounds=5,
                                 train_config=ConfigRecord({"local_epochs": 1}))
 
-A node whose ClientApp does not answer the identity query (a plain Flower app) is
-still used, under the client id ``node-<node id>`` and with its node id as the seed
-index: sampling is then seeded but depends on Flower's random node ids.
+Identity, and plain Flower ClientApps. Sampling by partition needs each node's
+``partition-id`` before the first round is sampled, and only the node knows it (its
+node config; the ServerApp sees Flower's random node ids and nothing else). So the
+bridge asks, with one query per new node, and only when ``identify_nodes`` says the
+ClientApps answer it: a plain Flower ClientApp has no handler for the query, and
+Flower logs such a message as an ERROR with a traceback in every node, which reads as
+a crash. `run_flower` knows its ClientApp and sets ``identify_nodes`` to
+`answers_identity_query` of it; a ``ServerApp`` of your own passes
+``identify_nodes=False`` for plain Flower ClientApps. Alternatives weighed and left:
+reading the identity off the first train replies comes too late (round 1 is sampled
+before any reply), and Flower's simulation keeps its node-to-partition map to itself.
+
+A node not identified (not asked, or no answer) is still used, under the client id
+``node-<node id>`` and with its node id as the seed index: sampling is then seeded but
+depends on Flower's random node ids, so two runs differ. A virtual clock needs
+identified nodes (its speed model is indexed by partition id).
 """
 
 from __future__ import annotations
@@ -94,6 +108,9 @@ class FlowerStrategy(FlowerBaseStrategy):
         fit_defaults: client settings sent with every fit (e.g. ``local_epochs``, ``lr``);
             the strategy's own fit config and Flower's ``train_config`` override them.
         min_available_nodes: wait for this many connected nodes before sampling.
+        identify_nodes: ask each new node its ``partition-id`` (the ClientApps must
+            answer the query: `to_client_app`'s do; see the module docstring). False
+            for plain Flower ClientApps: no query, nodes known by their node ids.
         identify_timeout: seconds to wait for nodes' answers to the identity query.
         on_fit_round: called as ``(server_round, result, num_failures)`` after each
             aggregation (progress displays, history, checkpoints).
@@ -116,6 +133,7 @@ class FlowerStrategy(FlowerBaseStrategy):
         base_seed: int = 0,
         fit_defaults: Mapping[str, Scalar] | None = None,
         min_available_nodes: int = 2,
+        identify_nodes: bool = True,
         identify_timeout: float = 60.0,
         on_fit_round: FitCallback | None = None,
         on_evaluate_round: EvaluateCallback | None = None,
@@ -124,12 +142,16 @@ class FlowerStrategy(FlowerBaseStrategy):
         num_rounds: int = 0,
         compression: SimulatedCompression | None = None,
     ) -> None:
+        if clock is not None and not identify_nodes:
+            raise ValueError("a clock times clients by partition id, which only the identity "
+                             "query gives: use identify_nodes=True with fedloom ClientApps")
         self.strategy = strategy
         self.compression = compression if compression is not None else SimulatedCompression(
             CompressionSpec(), base_seed)
         self.base_seed = base_seed
         self.fit_defaults: dict[str, Scalar] = dict(fit_defaults or {})
         self.min_available_nodes = min_available_nodes
+        self.identify_nodes = identify_nodes
         self.identify_timeout = identify_timeout
         self.on_fit_round = on_fit_round
         self.on_evaluate_round = on_evaluate_round
@@ -163,24 +185,11 @@ class FlowerStrategy(FlowerBaseStrategy):
         nodes = self._wait_for_nodes(grid)
         new = [n for n in nodes if n not in self._client_of_node]
         if new:
-            queries = [
-                Message(RecordDict(), dst_node_id=n, message_type=IDENTITY_MESSAGE_TYPE)
-                for n in new
-            ]
-            answered: dict[int, int] = {}
-            for reply in grid.send_and_receive(queries, timeout=self.identify_timeout):
-                if reply.has_error():
-                    continue
-                for record in reply.content.config_records.values():
-                    value = record.get(PARTITION_ID_KEY)
-                    if isinstance(value, int) and not isinstance(value, bool):
-                        answered[reply.metadata.src_node_id] = value
+            answered = self._identify(grid, new)
             for node in new:
                 if node in answered:
                     info, seed_index = client_info(answered[node]), answered[node]
                 else:
-                    logger.warning("node %d did not say its partition-id; using its node id",
-                                   node)
                     info, seed_index = ClientInfo(f"node-{node}", f"node-{node}"), node
                 if info.client_id in self._node_of_client:
                     raise ValueError(
@@ -192,6 +201,30 @@ class FlowerStrategy(FlowerBaseStrategy):
                 self._seed_index[info.client_id] = seed_index
         connected = set(nodes)
         return [info for node, info in self._client_of_node.items() if node in connected]
+
+    def _identify(self, grid: Grid, nodes: list[int]) -> dict[int, int]:
+        """The partition id of each of ``nodes`` that says it (see the module docstring)."""
+        if not self.identify_nodes:
+            logger.info("%d new nodes known by their Flower node ids (identify_nodes=False)",
+                        len(nodes))
+            return {}
+        queries = [
+            Message(RecordDict(), dst_node_id=n, message_type=IDENTITY_MESSAGE_TYPE)
+            for n in nodes
+        ]
+        answered: dict[int, int] = {}
+        for reply in grid.send_and_receive(queries, timeout=self.identify_timeout):
+            if reply.has_error():
+                continue
+            for record in reply.content.config_records.values():
+                value = record.get(PARTITION_ID_KEY)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    answered[reply.metadata.src_node_id] = value
+        for node in nodes:
+            if node not in answered:
+                logger.warning("node %d did not say its partition-id; using its node id (for "
+                               "plain Flower ClientApps, pass identify_nodes=False)", node)
+        return answered
 
     # -- train -----------------------------------------------------------------------
     def configure_train(

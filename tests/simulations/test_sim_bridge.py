@@ -172,10 +172,9 @@ def test_documented_examples_run_in_both_directions(server: str, client: str) ->
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                       run_config={"num-rounds": 2, "fraction-train": 0.5})
     getattr(flower_examples, server)(grid, context)
-    # (A plain Flower ClientApp answers the bridge's identity query with an error reply:
-    # the bridge then falls back to node ids.)
+    # fedloom_server_app sends a plain Flower ClientApp no identity query: no error reply.
     train = [r for r in grid.replies if r.metadata.message_type == "train"]
-    assert len(train) == 6 and not any(r.has_error() for r in train)
+    assert len(train) == 6 and not any(r.has_error() for r in grid.replies)
 
 
 def test_the_bridge_times_rounds_and_over_selects_as_the_local_engine() -> None:
