@@ -5,7 +5,8 @@
 - ``fedloom demo [--clients 8 --rounds 20 --seed 0 --out fedloom-out]``
 - ``fedloom simulate scenario.toml`` (see ``fedloom.simulations.cli``)
 - ``fedloom certs`` / ``fedloom tokens add NAME`` (see ``fedloom.security_cli``)
-- ``fedloom runs [RUN_ID] [--state-dir DIR] [--json]`` (past runs, per-round metrics)
+- ``fedloom runs [RUN_ID] [--state-dir DIR] [--json] [--clients]`` (past runs, per-round
+  and per-client metrics)
 - ``fedloom export --out FILE [--run RUN] [--round N]`` (a committed round's model)
 - ``fedloom privacy calibrate --epsilon 8 --rounds 100 ...`` (see ``fedloom.privacy_cli``)
 """
@@ -24,6 +25,7 @@ from typing import Any
 from fedloom import privacy_cli, security_cli
 from fedloom.config import (
     CompressionConfig,
+    MetricsConfig,
     RoundsConfig,
     ServerConfig,
     TransferConfig,
@@ -122,6 +124,16 @@ def _add_compression_flags(parser: argparse.ArgumentParser) -> None:
                                 f"{(','.join(default) or 'none') if listed else default})")
 
 
+def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for the [metrics] table (docs/operations.md)."""
+    group = parser.add_argument_group("metrics ([metrics] table: what the run store keeps)")
+    for field in dataclasses.fields(MetricsConfig):  # true/false settings
+        group.add_argument(_flag(f"metrics_{field.name}"), dest=f"metrics_{field.name}",
+                           type=_parse_bool, nargs="?", const=True, default=None,
+                           metavar="BOOL", help=f"{field_help(field)} (default: "
+                                                f"{str(field.default).lower()})")
+
+
 def _server_parser(sub: Any) -> None:
     from fedloom.strategies import describe_strategies  # numpy only; lists every setting
 
@@ -151,6 +163,7 @@ def _server_parser(sub: Any) -> None:
     _add_secagg_flags(p)
     _add_rounds_flags(p)
     _add_compression_flags(p)
+    _add_metrics_flags(p)
     privacy_cli.add_server_flags(p)
     security_cli.add_server_flags(p)
 
@@ -181,6 +194,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             data.setdefault("rounds", {})[key[7:]] = value
         elif key.startswith("compression_"):
             data.setdefault("compression", {})[key[12:]] = value
+        elif key.startswith("metrics_"):
+            data.setdefault("metrics", {})[key[8:]] = value
         elif key.startswith("privacy_") and key != "privacy_command":
             data.setdefault("privacy", {})[key[8:]] = value
         elif key.startswith(("tls_", "auth_")):  # security_cli's flags: [tls] / [auth]
@@ -268,7 +283,7 @@ def _state_dir(args: argparse.Namespace) -> str:
 def _run_runs(args: argparse.Namespace) -> int:
     from fedloom.server.run_report import print_runs
 
-    print_runs(_state_dir(args), args.run, json_output=args.json)
+    print_runs(_state_dir(args), args.run, json_output=args.json, clients=args.clients)
     return 0
 
 
@@ -310,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "else fedloom-state)")
     r.add_argument("--config", help="server TOML file whose state_dir to read")
     r.add_argument("--json", action="store_true", help="print everything as JSON")
+    r.add_argument("--clients", action="store_true", help="one run's per-client metrics, "
+                   "round by round (with --json: a clients list in each round)")
     r.set_defaults(log_level="WARNING")
     e = sub.add_parser("export", help="write a committed round's model as a safetensors file")
     e.add_argument("--out", required=True, help="the safetensors file to write")

@@ -30,6 +30,7 @@ from typing import Any
 from fedloom._client_config import ClientConfig, TransferConfig
 from fedloom._compression_config import CompressionConfig, check_compression
 from fedloom._config_files import load_toml
+from fedloom._metrics_config import MetricsConfig
 from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
 from fedloom.privacy._config import PrivacyConfig
@@ -40,6 +41,7 @@ __all__ = [
     "AuthConfig",
     "ClientConfig",
     "CompressionConfig",
+    "MetricsConfig",
     "RoundsConfig",
     "SelectionConfig",
     "ServerConfig",
@@ -235,6 +237,7 @@ class ServerConfig:
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
     rounds: RoundsConfig = dataclasses.field(default_factory=RoundsConfig)
     compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         check_address("address", self.address)

@@ -39,6 +39,7 @@ from typing import Any
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.server.async_buffer import BufferEntry, DurableBuffer, sync_file
+from fedloom.server.client_metrics import fit_row, records_per_client
 from fedloom.server.compression import EncodingRefusedError, broadcast, check_decodes
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
@@ -145,8 +146,12 @@ class AsyncRounds(RoundDriver):
         except AggregationError as exc:
             log.warning("version %d failed: %s; the global model is unchanged", server_round, exc)
             result = None
+        keep = records_per_client(parts.config, parts.strategy)
+        clients = [fit_row(parts.fleet.registry, e.row.client_id, e.row.num_examples,
+                           e.row.metrics) for e in buffer.entries] if keep else []
         return FitOutcome(result, num_sampled=buffer.count + buffer.num_failures,
-                          num_updates=buffer.count, num_failures=buffer.num_failures)
+                          num_updates=buffer.count, num_failures=buffer.num_failures,
+                          clients=clients)
 
     def model_ready(self, server_round: int) -> None:
         """Round ``server_round``'s model is installed: the free clients train it."""

@@ -22,6 +22,7 @@ from fedloom.config import ServerConfig
 from fedloom.server.fleet import Fleet
 from fedloom.server.model import GlobalModel
 from fedloom.server.progress import RoundReporter
+from fedloom.server.store import ClientRow
 from fedloom.server.tasks import TaskBook
 from fedloom.strategies import Strategy
 from fedloom.types import AggregateResult
@@ -55,6 +56,9 @@ class FitOutcome:
     num_cancelled: int = 0
     #: A secure round's details (attempts, survivors, stage times).
     secure_aggregation: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The accepted fit results, one row each, when the run keeps per-client metrics
+    #: (`fedloom.server.client_metrics`).
+    clients: list[ClientRow] = dataclasses.field(default_factory=list)
 
 
 class RoundDriver(abc.ABC):

@@ -9,10 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fedloom.messages import Capability, ResultHeader
+from fedloom.server.client_metrics import evaluate_rows, records_per_client
 from fedloom.server.driver import RoundParts
 from fedloom.server.plain_round import PhaseOwner, check_num_examples, issue_phase
 from fedloom.server.registry import ClientRecord
 from fedloom.server.rounds import RoundTasks
+from fedloom.server.store import ClientRow
 from fedloom.server.tasks import Task
 from fedloom.server.uploads import SpooledWeights, Upload
 from fedloom.types import EvaluateResult, Metrics, TaskKind
@@ -43,15 +45,17 @@ class EvaluatePhase(PhaseOwner):
         raise AssertionError("an evaluate result has no payload")
 
 
-async def federated_evaluate(parts: RoundParts, server_round: int) -> dict[str, Any]:
-    """Run the round's federated evaluation; its aggregated metrics ({} if skipped)."""
+async def federated_evaluate(parts: RoundParts, server_round: int
+                             ) -> tuple[dict[str, Any], list[ClientRow]]:
+    """Run the round's federated evaluation: its aggregated metrics ({} if skipped), and
+    a row per result when the run keeps per-client metrics."""
     config = parts.config
     # A client holding a task (asynchronous rounds keep clients training) is not asked.
     eligible = [c for c in parts.fleet.registry.infos()
                 if Capability.EVALUATE in c.capabilities and not parts.book.busy(c.client_id)]
     plan = parts.strategy.configure_evaluate(server_round, parts.model.weights, eligible)
     if not plan.client_ids:
-        return {}
+        return {}, []
     phase = RoundTasks(server_round, TaskKind.EVALUATE, config.min_evaluate_clients)
     owner = EvaluatePhase(parts, phase)
     issue_phase(parts, phase, owner, plan.client_ids, plan.config, config.evaluate_timeout_s)
@@ -62,8 +66,14 @@ async def federated_evaluate(parts: RoundParts, server_round: int) -> dict[str, 
     if not enough:
         log.warning("round %d: only %d evaluation results; skipping federated metrics",
                     server_round, len(phase.evaluations))
-        return {}
-    return dict(parts.strategy.aggregate_evaluate(server_round, phase.evaluations))
+        return {}, []
+    # In the aggregation thread: an evaluate metrics hook is the application's code, and
+    # the event loop must keep answering heartbeats while it runs.
+    loop = asyncio.get_running_loop()
+    metrics = dict(await loop.run_in_executor(
+        parts.executor, parts.strategy.aggregate_evaluate, server_round, phase.evaluations))
+    keep = records_per_client(parts.config, parts.strategy)
+    return metrics, evaluate_rows(parts.fleet.registry, phase.evaluations) if keep else []
 
 
 async def server_evaluate(parts: RoundParts, evaluate_fn: EvaluateFn | None,

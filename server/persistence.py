@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from fedloom.errors import CheckpointError, ConfigError
 from fedloom.records import RoundRecord
 from fedloom.server.checkpoint import load_checkpoint, save_weights, write_checkpoint
 from fedloom.server.crashpoints import crashpoint
-from fedloom.server.store import RoundRow, RunStore
+from fedloom.server.store import ClientRow, RoundRow, RunStore
 from fedloom.strategies import Strategy
 from fedloom.weights import Weights
 
@@ -160,8 +161,10 @@ class RunPersistence:
         weights: Weights,
         strategy_state: Any,
         started_at: float,
+        clients: Sequence[ClientRow] = (),
     ) -> None:
-        """The round's commit point: durable checkpoint, then one SQLite transaction."""
+        """The round's commit point: durable checkpoint, then one SQLite transaction
+        (the round's record and its ``clients``' rows)."""
         server_round = record.round
         relative = self.checkpoint_path(server_round)
         digest = write_checkpoint(
@@ -181,7 +184,8 @@ class RunPersistence:
                 record.to_dict(),
                 started_at,
                 time.time(),
-            )
+            ),
+            clients,
         )
         crashpoint("round_committed")
         self.completed_round = server_round

@@ -15,6 +15,7 @@ from typing import Any
 
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
+from fedloom.server.client_metrics import fit_row, records_per_client
 from fedloom.server.compression import (
     EncodingRefusedError,
     broadcast,
@@ -27,6 +28,7 @@ from fedloom.server.metrics import ServerMetrics
 from fedloom.server.registry import ClientRecord
 from fedloom.server.rounds import Aggregation, RoundTasks, updates_from_queue
 from fedloom.server.stragglers import over_select
+from fedloom.server.store import ClientRow
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.server.uploads import Spool, SpooledWeights, Upload
 from fedloom.types import AggregateResult, ClientUpdate, TaskKind
@@ -140,6 +142,12 @@ class FitPhase(PhaseOwner):
     async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
                    fingerprint: bytes) -> Upload | bool:
         try:
+    def __init__(self, parts: RoundParts, phase: RoundTasks) -> None:
+        super().__init__(parts, phase)
+        #: A row per accepted update, when the run keeps per-client metrics.
+        self.clients: list[ClientRow] | None = (
+            [] if records_per_client(parts.config, parts.strategy) else None)
+
             return start_fit_upload(self.parts, client, task, header, fingerprint)
         except EncodingRefusedError as exc:
             self.refused(task, exc)
@@ -169,6 +177,9 @@ class FitPhase(PhaseOwner):
         self.progress()
 
     def abandoned(self, upload: Upload) -> None:
+        if self.clients is not None:
+            self.clients.append(fit_row(self.parts.fleet.registry, task.client_id,
+                                        header.num_examples, header.metrics))
         # A client that left mid-upload kept its task open for the upload; with the
         # upload gone, the task fails now, not at the deadline.
         task = upload.task
@@ -211,4 +222,5 @@ class PlainRounds(RoundDriver):
             owner.close()
             self.clean_spool()
         return FitOutcome(result, num_sampled=len(phase.tasks), num_updates=phase.num_accepted,
-                          num_failures=len(phase.failures), num_cancelled=phase.num_cancelled)
+                          num_failures=len(phase.failures), num_cancelled=phase.num_cancelled,
+                          clients=owner.clients or [])

@@ -24,7 +24,12 @@ def _pick(record: RoundRecord, key: str) -> Any:
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:
-    return "-" if value is None else format(value, spec)
+    if value is None:
+        return "-"
+    # A strategy's metrics hook may report a loss or accuracy that is not a number.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return format(value, spec)
 
 
 class RoundReporter:

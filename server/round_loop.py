@@ -19,6 +19,7 @@ from typing import Any
 from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.records import RoundRecord
 from fedloom.server.async_rounds import AsyncRounds
+from fedloom.server.client_metrics import why_not_per_client
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.evaluation import EvaluateFn, federated_evaluate, server_evaluate
 from fedloom.server.metrics import ServerMetrics
@@ -50,6 +51,9 @@ class RoundLoop:
         self.history: list[RoundRecord] = persistence.history()
         self.next_round = persistence.completed_round + 1
         self.stopped_reason = ""  # why the run ended before num_rounds (the privacy budget)
+        unkept = why_not_per_client(parts.config, parts.strategy)
+        if unkept and parts.config.metrics.per_client:
+            log.info("per-client metrics are not recorded: %s", unkept)
 
     @property
     def over(self) -> bool:
@@ -109,6 +113,7 @@ class RoundLoop:
         """Install the new model (if any), evaluate, and commit the round."""
         parts, result = self.parts, outcome.result
         sections: dict[str, Any] = {}
+        clients = list(outcome.clients)
         if result is not None and result.weights is None:
             log.warning("round %d produced no model: %s", server_round, result.reason)
             sections["reason"] = result.reason
@@ -118,7 +123,8 @@ class RoundLoop:
             sections["fit"] = dict(result.metrics)
             last = parts.config.rounds.last_round(parts.config.num_rounds)
             if parts.config.rounds.evaluates(server_round, last):
-                sections["evaluate"] = await federated_evaluate(parts, server_round)
+                sections["evaluate"], evaluated = await federated_evaluate(parts, server_round)
+                clients.extend(evaluated)
                 sections["server"] = await server_evaluate(parts, self.evaluate_fn,
                                                            server_round, parts.model.weights)
         else:
@@ -133,7 +139,7 @@ class RoundLoop:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
             parts.executor, self.persistence.commit, record, parts.model.weights,
-            parts.strategy.state_dict(), started)
+            parts.strategy.state_dict(), started, clients)
         self.driver.committed(server_round)
         self.history.append(record)
         epsilon = record.fit.get("privacy_epsilon")

@@ -14,6 +14,15 @@ The database is opened read-only, so the command is safe beside a running server
 Loss and accuracy come from server-side evaluation when the server has an
 ``evaluate_fn``, else from federated evaluation. ``--json`` prints everything the
 store holds (each round's fit, evaluate and server metrics) as one JSON document.
+
+``--clients`` shows one run's per-client metrics (``[metrics] per_client``), a line per
+client and phase of each round; with ``--json`` each round gets a ``clients`` list::
+
+    $ fedloom runs 20260105-103102 --clients
+    run 20260105-103102-3f2a9c (finished, 20 of 20 rounds committed): per-client metrics
+    ROUND  PHASE     CLIENT    EXAMPLES  LOSS    METRICS
+    1      fit       hospital  1200      -       train_loss=0.8312
+    1      evaluate  hospital  300       0.4120  accuracy=0.8833
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedloom.errors import ConfigError
-from fedloom.server.store import RoundRow, RunRecord, RunStore
+from fedloom.server.store import ClientRow, RoundRow, RunRecord, RunStore
 
 DATABASE = "fedloom.db"
 
@@ -125,6 +134,55 @@ def rounds_table(store: RunStore, run: RunRecord) -> str:
     return f"{title}\n" + _table([*header, "LOSS", "ACCURACY", *extra], rows)
 
 
+def _metric_text(value: Any) -> str:
+    if isinstance(value, float):
+        return format(value, ".4g")
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    """``name=value`` pairs by name (the wire does not keep a client's order)."""
+    return " ".join(f"{k}={_metric_text(v)}" for k, v in sorted(metrics.items()))
+
+
+def unrecorded_reason(run: RunRecord) -> str:
+    """Why a run's configuration kept no per-client metrics ("" when it kept them)."""
+    config = run.config
+    if not (config.get("metrics") or {}).get("per_client", True):
+        return "metrics.per_client = false"
+    if (config.get("secure_aggregation") or {}).get("enabled"):
+        return "secure aggregation keeps only aggregates"
+    if (config.get("privacy") or {}).get("mode", "off") != "off":
+        return "differential privacy keeps only aggregates"
+    return ""
+
+
+def clients_table(store: RunStore, run: RunRecord) -> str:
+    """One line per client and phase of each committed round of ``run``."""
+    title = f"run {run.run_id} ({run.status}): per-client metrics"
+    rows = [
+        [str(server_round), c.phase, c.client_name or c.client_id, str(c.num_examples),
+         _number(c.loss), _metrics_text(c.metrics)]
+        for server_round, clients in store.client_rows(run.run_id).items() for c in clients
+    ]
+    if not rows:
+        why = unrecorded_reason(run) or "none recorded"
+        return f"{title}\nno per-client metrics ({why})"
+    return f"{title}\n" + _table(
+        ["ROUND", "PHASE", "CLIENT", "EXAMPLES", "LOSS", "METRICS"], rows)
+
+
+def _client_json(row: ClientRow) -> dict[str, Any]:
+    return {"phase": row.phase, "client_id": row.client_id, "client_name": row.client_name,
+            "num_examples": row.num_examples, "loss": row.loss, "metrics": row.metrics}
+
+
+def _json_default(value: Any) -> Any:
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
 def find_run(store: RunStore, prefix: str) -> RunRecord:
     """The run whose id is ``prefix`` or starts with it (ConfigError if none or several)."""
     matches = [r for r in store.runs() if r.run_id.startswith(prefix)]
@@ -138,45 +196,44 @@ def find_run(store: RunStore, prefix: str) -> RunRecord:
     return matches[0]
 
 
-def as_json(store: RunStore, run: RunRecord | None) -> dict[str, Any]:
-    """Every run (or one), each with its committed rounds and their metrics."""
+def as_json(store: RunStore, run: RunRecord | None, clients: bool = False) -> dict[str, Any]:
+    """Every run (or one), each with its committed rounds and their metrics (and, with
+    ``clients``, each round's per-client rows)."""
     runs = [run] if run is not None else store.runs()
-    return {
-        "runs": [
-            {
-                "run_id": r.run_id,
-                "status": r.status,
-                "num_rounds": r.num_rounds,
-                "created_at": r.created_at,
-                "config": r.config,
-                "rounds": [
-                    {
-                        "round": x.round,
-                        "status": x.status,
-                        "started_at": x.started_at,
-                        "finished_at": x.finished_at,
-                        "checkpoint": x.checkpoint,
-                        "metrics": x.metrics,
-                    }
-                    for x in store.rounds(r.run_id)
-                ],
-            }
-            for r in runs
-        ]
-    }
+    return {"runs": [_run_json(store, r, clients) for r in runs]}
+
+
+def _run_json(store: RunStore, r: RunRecord, clients: bool) -> dict[str, Any]:
+    per_client = store.client_rows(r.run_id) if clients else {}
+    rounds = []
+    for x in store.rounds(r.run_id):
+        entry = {"round": x.round, "status": x.status, "started_at": x.started_at,
+                 "finished_at": x.finished_at, "checkpoint": x.checkpoint,
+                 "metrics": x.metrics}
+        if clients:
+            entry["clients"] = [_client_json(c) for c in per_client.get(x.round, [])]
+        rounds.append(entry)
+    return {"run_id": r.run_id, "status": r.status, "num_rounds": r.num_rounds,
+            "created_at": r.created_at, "config": r.config, "rounds": rounds}
 
 
 def print_runs(
-    state_dir: str | Path, run_id: str = "", *, json_output: bool = False, out: TextIO | None = None
+    state_dir: str | Path, run_id: str = "", *, json_output: bool = False,
+    clients: bool = False, out: TextIO | None = None,
 ) -> None:
-    """What ``fedloom runs`` prints: all runs, or one run's rounds (``run_id`` prefix)."""
+    """What ``fedloom runs`` prints: all runs, or one run's rounds (``run_id`` prefix),
+    or with ``clients`` that run's per-client metrics."""
+    if clients and not run_id:
+        raise ConfigError("--clients", "shows one run: name it (fedloom runs RUN_ID --clients)")
     out = out or sys.stdout
     store = open_store(state_dir)
     try:
         run = find_run(store, run_id) if run_id else None
         if json_output:
-            json.dump(as_json(store, run), out, indent=2, default=str)
+            json.dump(as_json(store, run, clients), out, indent=2, default=_json_default)
             out.write("\n")
+        elif run is not None and clients:
+            out.write(clients_table(store, run) + "\n")
         else:
             out.write((rounds_table(store, run) if run else runs_table(store)) + "\n")
     finally:

@@ -2,7 +2,9 @@
 
 A round is committed in one transaction after its checkpoint file is durable, so the
 database never names a file that is not whole. On restart, the latest committed round
-of an unfinished run says where to resume.
+of an unfinished run says where to resume. A round's per-client metrics
+(``client_metrics``, `ClientRow`) are written in the round's own transaction: a round
+is recorded with all of them or not at all.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,18 @@ CREATE TABLE IF NOT EXISTS rounds (
     started_at REAL NOT NULL,
     finished_at REAL NOT NULL,
     PRIMARY KEY (run_id, round)
+);
+CREATE TABLE IF NOT EXISTS client_metrics (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    round INTEGER NOT NULL,
+    phase TEXT NOT NULL CHECK (phase IN ('fit', 'evaluate')),
+    position INTEGER NOT NULL,
+    client_id TEXT NOT NULL,
+    client_name TEXT NOT NULL,
+    num_examples INTEGER NOT NULL,
+    loss REAL,
+    metrics TEXT NOT NULL,
+    PRIMARY KEY (run_id, round, phase, position)
 );
 CREATE TABLE IF NOT EXISTS buffered_updates (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -71,6 +86,32 @@ class RoundRow:
     metrics: dict[str, Any]
     started_at: float
     finished_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientRow:
+    """One client's result in a round's ``phase`` ("fit" or "evaluate"), as it sent it:
+    its examples, its metrics, and (evaluate) its loss. ``position`` orders a round's
+    rows of a phase (the order they were accepted)."""
+
+    phase: str
+    client_id: str
+    client_name: str
+    num_examples: int
+    metrics: dict[str, Any]
+    loss: float | None = None
+    position: int = 0
+
+
+def _metrics_json(metrics: dict[str, Any]) -> str:
+    """Client metrics as JSON: a ``bytes`` value becomes ``{"bytes_hex": ...}``."""
+    return json.dumps({k: {"bytes_hex": v.hex()} if isinstance(v, bytes) else v
+                       for k, v in metrics.items()})
+
+
+def _metrics_from_json(text: str) -> dict[str, Any]:
+    return {k: bytes.fromhex(v["bytes_hex"]) if isinstance(v, dict) else v
+            for k, v in json.loads(text).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +191,16 @@ class RunStore:
             self._db.execute("BEGIN")
             self._db.execute("UPDATE runs SET status = 'finished' WHERE run_id = ?", (run_id,))
 
-    def commit_round(self, record: RoundRow) -> None:
-        """Record a round whose checkpoint file is already durable (one transaction)."""
+    def commit_round(self, record: RoundRow, clients: Sequence[ClientRow] = ()) -> None:
+        """Record a round whose checkpoint file is already durable, with its clients'
+        rows (one transaction)."""
+        client_rows = [(record.run_id, record.round, c.phase, position, c.client_id,
+                        c.client_name, c.num_examples, c.loss, _metrics_json(c.metrics))
+                       for position, c in enumerate(clients)]
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany(
+                "INSERT INTO client_metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", client_rows)
             self._db.execute(
                 "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -172,9 +219,10 @@ class RunStore:
         """Drop round records after ``server_round`` (their checkpoints are unusable)."""
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute(
-                "DELETE FROM rounds WHERE run_id = ? AND round > ?", (run_id, server_round)
-            )
+            for table in ("rounds", "client_metrics"):
+                self._db.execute(
+                    f"DELETE FROM {table} WHERE run_id = ? AND round > ?", (run_id, server_round)
+                )
 
     def buffer_update(self, run_id: str, row: BufferedRow) -> int:
         """Record an acknowledged asynchronous update (its file is already durable)."""
@@ -212,6 +260,27 @@ class RunStore:
             "SELECT * FROM rounds WHERE run_id = ? ORDER BY round", (run_id,)
         ).fetchall()
         return [self._round(r) for r in rows]
+
+    def client_rows(self, run_id: str) -> dict[int, list[ClientRow]]:
+        """The run's per-client rows by round (fit, then evaluate, each in order)."""
+        if not self._has_table("client_metrics"):  # a database older than the table
+            return {}
+        rows = self._db.execute(
+            "SELECT round, phase, client_id, client_name, num_examples, metrics, loss, "
+            "position FROM client_metrics WHERE run_id = ? ORDER BY round, phase != 'fit', "
+            "position", (run_id,)
+        ).fetchall()
+        out: dict[int, list[ClientRow]] = {}
+        for r in rows:
+            out.setdefault(r[0], []).append(
+                ClientRow(r[1], r[2], r[3], r[4], _metrics_from_json(r[5]), r[6], r[7]))
+        return out
+
+    def _has_table(self, name: str) -> bool:
+        row = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+        ).fetchone()
+        return row is not None
 
     def latest_round(self, run_id: str) -> RoundRow | None:
         row = self._db.execute(

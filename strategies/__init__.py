@@ -12,7 +12,9 @@ bounds update norms for any of them; `clip_update` is the client-side form.
 `CentralDPStrategy` (built by `apply_privacy` from a ``[privacy]`` table) makes a
 mean-based strategy differentially private. `aggregate_secure_mean` hands a secure
 round's mean (SecAgg+: the server holds only the sum) to a mean-based strategy, and
-`check_secure_strategy` refuses the others.
+`check_secure_strategy` refuses the others. Every strategy takes Flower's
+``fit_metrics_aggregation_fn`` and ``evaluate_metrics_aggregation_fn`` hooks (a
+`MetricsAggregationFn`; when they are called: `strategies._metrics`).
 """
 
 from fedloom.config import SelectionConfig
@@ -33,6 +35,7 @@ from fedloom.strategies._holding import HoldingAggregator
 from fedloom.strategies._krum import Krum, KrumAggregator, MultiKrum
 from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.strategies._median import CoordinateMedianAggregator, FedMedian
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._momentum import FedAvgM, ServerMomentum
 from fedloom.strategies._norm_bound import NormBoundedStrategy, clip_update, update_norm
 from fedloom.strategies._optimizers import ServerSGD, add_delta
@@ -79,6 +82,7 @@ __all__ = [
     "Krum",
     "KrumAggregator",
     "MeanUpdate",
+    "MetricsAggregationFn",
     "MultiKrum",
     "NormBoundedStrategy",
     "SelectionConfig",

@@ -39,6 +39,7 @@ from fedloom.strategies._holding import (
     stack,
 )
 from fedloom.strategies._krum import check_count, krum_scores, select_multikrum
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._optimizers import ServerSGD
 from fedloom.types import Scalar
 from fedloom.weights import Weights
@@ -134,6 +135,10 @@ class Bulyan(ComposedStrategy):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -145,6 +150,8 @@ class Bulyan(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             BulyanAggregator(num_malicious_nodes, selection_rule, enforce_preconditions),
@@ -152,4 +159,6 @@ class Bulyan(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )

@@ -10,7 +10,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from fedloom.config import SelectionConfig
 from fedloom.fit_config import SERVER_ROUND
 from fedloom.strategies._base import Aggregator, ServerOptimizer, StateDict
-from fedloom.strategies._metrics import weighted_metric_means
+from fedloom.strategies._metrics import (
+    SERVER_MEAN_IDS,
+    MetricsAggregationFn,
+    aggregate_metrics,
+    weighted_metric_means,
+)
 from fedloom.strategies._sampling import ClientSampler
 from fedloom.types import (
     AggregateResult,
@@ -37,6 +42,12 @@ class ComposedStrategy:
             part of `state_dict`.
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook, ``[(num_examples, metrics), ...] ->
+            metrics``, over the clients' fit metrics (Python only; see
+            `strategies._metrics` for when it is called and how a failure is handled).
+            Default: the examples-weighted mean of each numeric metric.
+        evaluate_metrics_aggregation_fn: the same over the clients' evaluate metrics
+            (without the loss, which is always the weighted mean).
     """
 
     def __init__(
@@ -47,13 +58,21 @@ class ComposedStrategy:
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
+        for name, hook in (("fit_metrics_aggregation_fn", fit_metrics_aggregation_fn),
+                           ("evaluate_metrics_aggregation_fn", evaluate_metrics_aggregation_fn)):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{name} must be a callable or None, got {type(hook).__name__}")
         self.aggregator = aggregator
         self.optimizer = optimizer
         self.selection = selection if selection is not None else SelectionConfig()
         self.fit_config: dict[str, Scalar] = dict(fit_config or {})
         self.evaluate_config: dict[str, Scalar] = dict(evaluate_config or {})
         self.sampler = ClientSampler(self.selection.seed)
+        self.fit_metrics_aggregation_fn = fit_metrics_aggregation_fn
+        self.evaluate_metrics_aggregation_fn = evaluate_metrics_aggregation_fn
 
     def __repr__(self) -> str:
         return (
@@ -77,18 +96,23 @@ class ComposedStrategy:
         self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
     ) -> AggregateResult:
         self.aggregator.start(current)
-        records: list[tuple[int, Metrics]] = []
+        num_examples = 0
+        from_clients: list[tuple[int, Metrics]] = []  # a server-made mean has no metrics
         for update in updates:
             self.aggregator.accumulate(update)
-            records.append((update.num_examples, update.metrics))
+            num_examples += update.num_examples
+            if update.client_id not in SERVER_MEAN_IDS:
+                from_clients.append((update.num_examples, update.metrics))
         mean = self.aggregator.finalize()
         if mean.delta is None:
             return AggregateResult(None, num_updates=mean.num_updates, reason=mean.reason)
+        # Before the step: the optimizer's state is the last thing a round changes.
+        metrics = aggregate_metrics(self.fit_metrics_aggregation_fn,
+                                    "fit_metrics_aggregation_fn", server_round, from_clients)
         step = self.optimizer.step_in_place if mean.owned else self.optimizer.step
         new_weights = step(current, mean.delta)
-        metrics: dict[str, Scalar] = dict(weighted_metric_means(records))
         metrics["num_updates"] = mean.num_updates
-        metrics["num_examples"] = sum(n for n, _ in records)
+        metrics["num_examples"] = num_examples
         return AggregateResult(new_weights, metrics, num_updates=mean.num_updates)
 
     # -- evaluate --------------------------------------------------------------------
@@ -102,13 +126,20 @@ class ComposedStrategy:
         return EvaluatePlan(chosen, {**self.evaluate_config, SERVER_ROUND: server_round})
 
     def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:
-        records: list[tuple[int, Metrics]] = []
-        for r in results:
-            records.append((r.num_examples, {**r.metrics, "loss": r.loss}))
+        records = [(r.num_examples, r.metrics, r.loss) for r in results]
         if not records:
             return {}
-        metrics: dict[str, Scalar] = dict(weighted_metric_means(records))
-        metrics["num_examples"] = sum(n for n, _ in records)
+        hook = self.evaluate_metrics_aggregation_fn
+        metrics: dict[str, Scalar]
+        if hook is None:  # the loss averages with the rest, under its own name
+            metrics = dict(weighted_metric_means((n, {**m, "loss": loss})
+                                                 for n, m, loss in records))
+        else:
+            metrics = aggregate_metrics(hook, "evaluate_metrics_aggregation_fn",
+                                        server_round, [(n, m) for n, m, _ in records])
+            metrics["loss"] = weighted_metric_means(
+                (n, {"loss": loss}) for n, _, loss in records)["loss"]
+        metrics["num_examples"] = sum(n for n, _, _ in records)
         return metrics
 
     # -- state -----------------------------------------------------------------------

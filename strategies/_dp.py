@@ -47,6 +47,7 @@ from fedloom.privacy import PrivacyAccountant, PrivacyConfig, RoundEvent
 from fedloom.strategies._base import StateDict
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._metrics import DP_MEAN_ID, warn_unused_fit_hook
 from fedloom.strategies._norm_bound import MODE_KEY
 from fedloom.strategies._secure_mean import MEAN_STRATEGIES
 from fedloom.types import (
@@ -62,8 +63,6 @@ from fedloom.types import (
 )
 from fedloom.weights import Weights
 
-#: The client id of the noised mean handed to the inner strategy.
-DP_MEAN_ID = "dp-mean"
 #: The fit metric with the client's norm before it clipped (`TorchClient` reports it).
 REPORTED_NORM_KEY = UPDATE_NORM
 
@@ -80,6 +79,8 @@ def check_dp_strategy(inner: Any) -> ComposedStrategy:
             f"({MEAN_STRATEGIES}); robust rules choose among individual updates, and no "
             "noise calibrated to one client's influence covers that",
         )
+    warn_unused_fit_hook(inner, "[privacy]: client fit metrics are functions of their data, "
+                                "outside the privacy guarantee")
     return inner
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from fedloom.config import SelectionConfig
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._optimizers import ServerSGD
 from fedloom.types import Scalar
 
@@ -30,6 +31,8 @@ class FedAvg(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             WeightedMeanAggregator(),
@@ -37,4 +40,6 @@ class FedAvg(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )

@@ -29,6 +29,7 @@ from fedloom.strategies._adaptive import (
 )
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.types import Config, Scalar
 
 #: The fit-config key that carries the client learning rate ``eta_l``.
@@ -46,6 +47,8 @@ class _FedOpt(ComposedStrategy):
         selection: SelectionConfig | None,
         fit_config: Mapping[str, Scalar] | None,
         evaluate_config: Mapping[str, Scalar] | None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None,
     ) -> None:
         if not (math.isfinite(eta_l) and eta_l > 0):
             raise ConfigError("eta_l", f"must be a positive number, got {eta_l}")
@@ -55,6 +58,8 @@ class _FedOpt(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )
         self.eta_l = float(eta_l)
 
@@ -77,6 +82,10 @@ class FedAdagrad(_FedOpt):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -90,6 +99,8 @@ class FedAdagrad(_FedOpt):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             ServerAdagrad(eta=eta, beta_1=beta_1, beta_2=0.0, tau=tau,
@@ -98,6 +109,8 @@ class FedAdagrad(_FedOpt):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )
 
 
@@ -118,6 +131,10 @@ class FedAdam(_FedOpt):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -133,6 +150,8 @@ class FedAdam(_FedOpt):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             ServerAdam(eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
@@ -142,6 +161,8 @@ class FedAdam(_FedOpt):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )
 
 
@@ -160,6 +181,10 @@ class FedYogi(_FedOpt):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -174,6 +199,8 @@ class FedYogi(_FedOpt):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             ServerYogi(eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
@@ -182,4 +209,6 @@ class FedYogi(_FedOpt):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )

@@ -21,6 +21,7 @@ from fedloom.errors import ConfigError
 from fedloom.fit_config import PROXIMAL_MU
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._optimizers import ServerSGD
 from fedloom.types import AggregateResult, ClientUpdate, Config, Scalar
 from fedloom.weights import Weights
@@ -45,6 +46,10 @@ class FedProx(ComposedStrategy):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -54,6 +59,8 @@ class FedProx(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         if not (math.isfinite(proximal_mu) and proximal_mu >= 0):
             raise ConfigError("proximal_mu", f"must be a number >= 0, got {proximal_mu}")
@@ -63,6 +70,8 @@ class FedProx(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )
         self.proximal_mu = float(proximal_mu)
 

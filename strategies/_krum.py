@@ -34,6 +34,7 @@ from fedloom.strategies._holding import (
     per_tensor,
     stack,
 )
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._optimizers import ServerSGD
 from fedloom.types import Scalar
 from fedloom.weights import Weights
@@ -142,6 +143,10 @@ class Krum(ComposedStrategy):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -152,6 +157,8 @@ class Krum(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             KrumAggregator(num_malicious_nodes, 1, False, enforce_preconditions),
@@ -159,6 +166,8 @@ class Krum(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )
 
 
@@ -180,6 +189,10 @@ class MultiKrum(ComposedStrategy):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -192,6 +205,8 @@ class MultiKrum(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             KrumAggregator(num_malicious_nodes, num_nodes_to_select, weighted_by_examples,
@@ -200,4 +215,6 @@ class MultiKrum(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )

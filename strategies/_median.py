@@ -18,6 +18,7 @@ from fedloom.config import SelectionConfig
 from fedloom.strategies._base import MeanUpdate
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._holding import HoldingAggregator, per_tensor, stack
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._optimizers import ServerSGD
 from fedloom.types import Scalar
 from fedloom.weights import Weights
@@ -42,6 +43,10 @@ class FedMedian(ComposedStrategy):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -50,6 +55,8 @@ class FedMedian(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             CoordinateMedianAggregator(),
@@ -57,4 +64,6 @@ class FedMedian(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )

@@ -19,6 +19,7 @@ from fedloom.errors import ConfigError
 from fedloom.strategies._base import ServerOptimizer, StateDict
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._metrics import MetricsAggregationFn
 from fedloom.strategies._optimizers import add_delta
 from fedloom.strategies._state import (
     Buffers,
@@ -103,6 +104,10 @@ class FedAvgM(ComposedStrategy):
         selection: which clients each round samples (default: `SelectionConfig()`).
         fit_config: extra entries sent to every client with each fit task.
         evaluate_config: extra entries sent with each evaluate task.
+        fit_metrics_aggregation_fn: Flower's hook over the clients' fit metrics
+            (see `ComposedStrategy`; default: weighted means).
+        evaluate_metrics_aggregation_fn: Flower's hook over the clients' evaluate
+            metrics (see `ComposedStrategy`; default: weighted means).
     """
 
     def __init__(
@@ -113,6 +118,8 @@ class FedAvgM(ComposedStrategy):
         selection: SelectionConfig | None = None,
         fit_config: Mapping[str, Scalar] | None = None,
         evaluate_config: Mapping[str, Scalar] | None = None,
+        fit_metrics_aggregation_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggregation_fn: MetricsAggregationFn | None = None,
     ) -> None:
         super().__init__(
             WeightedMeanAggregator(),
@@ -120,4 +127,6 @@ class FedAvgM(ComposedStrategy):
             selection=selection,
             fit_config=fit_config,
             evaluate_config=evaluate_config,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
         )

@@ -73,6 +73,9 @@ NORM_BOUND_SETTINGS: dict[str, inspect.Parameter] = {
                                          annotation=NormBoundMode),
 }
 _COMMON = ("fit_config", "evaluate_config", *NORM_BOUND_SETTINGS)
+#: Constructor arguments that are Python callables (Flower's metrics hooks): passed to
+#: the constructor, never configured in ``[strategy]``.
+PYTHON_ONLY_SETTINGS = ("fit_metrics_aggregation_fn", "evaluate_metrics_aggregation_fn")
 
 
 def _lookup(name: str) -> type[ComposedStrategy]:
@@ -94,6 +97,7 @@ def strategy_settings(name: str) -> dict[str, inspect.Parameter]:
     out = {
         k: p.replace(annotation=hints.get(k, p.annotation)) for k, p in params.items()
         if k != "self" and p.kind is p.KEYWORD_ONLY and k != "selection"
+        and k not in PYTHON_ONLY_SETTINGS
     }
     out.update(NORM_BOUND_SETTINGS)
     return out
@@ -119,6 +123,11 @@ def build_strategy(config: StrategyConfig, selection: SelectionConfig | None = N
                 f"strategy.{key}", "is client selection, a top-level server setting (in a "
                 "scenario: clients_per_round, evaluate_clients_per_round, seed); move it out "
                 "of [strategy]"
+            )
+        if key in PYTHON_ONLY_SETTINGS:
+            raise ConfigError(
+                f"strategy.{key}", "is a Python function, not a setting: build the strategy "
+                f"in Python ({cls.__name__}({key}=...)) and pass it as Server(strategy=...)"
             )
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)

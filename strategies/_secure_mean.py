@@ -23,12 +23,13 @@ from fedloom.errors import ConfigError
 from fedloom.secagg import SecAggConfig, SecAggResult, unflatten
 from fedloom.strategies._base import Strategy
 from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._metrics import SECURE_MEAN_ID, warn_unused_fit_hook
 from fedloom.strategies._norm_bound import NormBoundedStrategy
 from fedloom.types import AggregateResult, ClientUpdate
 from fedloom.weights import Weights
 
 #: The client id of the one update a secure round hands to the strategy.
-AGGREGATE_ID = "secure-aggregate"
+AGGREGATE_ID = SECURE_MEAN_ID
 MEAN_STRATEGIES = "fedavg, fedavgm, fedprox, fedadagrad, fedadam or fedyogi"
 
 
@@ -64,6 +65,8 @@ def check_secure_strategy(strategy: Strategy, config: SecAggConfig) -> None:
             f"mean-based strategy ({MEAN_STRATEGIES}) or set secure_aggregation.enabled = "
             "false",
         )
+    warn_unused_fit_hook(inner, "secure aggregation: the server never sees a client's fit "
+                                "metrics, only sums")
 
 
 def delta_like(flat: np.ndarray, current: Weights) -> Weights:

@@ -8,7 +8,13 @@ import pytest
 
 from fedloom import ConfigError, ServerConfig, StrategyConfig
 from fedloom.cli import build_parser, server_config_from_args
-from fedloom.config import ClientConfig, SelectionConfig, TransferConfig, from_mapping
+from fedloom.config import (
+    ClientConfig,
+    MetricsConfig,
+    SelectionConfig,
+    TransferConfig,
+    from_mapping,
+)
 from fedloom.server.app import Server, grpc_server_options
 from fedloom.settings import field_help
 from fedloom.strategies import build_strategy
@@ -27,6 +33,10 @@ from fedloom.strategies import build_strategy
         ({"chunk_timeout_s": 0.0}, "chunk_timeout_s"),
         ({"transfer": {"stream_window_bytes": 1000}}, "stream_window_bytes"),
         ({"transfer": {"stream_window_bytes": 2**31}}, "stream_window_bytes"),
+        ({"metrics": {"per_client": 1}}, "metrics.per_client"),
+        ({"metrics": {"per_client": "no"}}, "metrics.per_client"),
+        ({"metrics": {"per_clients": False}}, "metrics.per_clients"),
+        ({"metrics": True}, "metrics"),
     ],
 )
 def test_bad_server_settings_name_the_setting(overrides, setting) -> None:
@@ -108,7 +118,8 @@ def test_server_selection_fields_share_the_selection_defaults_and_help() -> None
         assert field_help(server[field.name]) == field_help(field) != ""
 
 
-@pytest.mark.parametrize("cls", [ServerConfig, TransferConfig, ClientConfig, SelectionConfig])
+@pytest.mark.parametrize("cls", [ServerConfig, TransferConfig, ClientConfig, SelectionConfig,
+                                 MetricsConfig])
 def test_every_scalar_setting_has_help_the_cli_prints(cls, capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["server", "--help"])
@@ -126,3 +137,22 @@ def test_client_config_has_no_long_poll_setting() -> None:
     assert "long_poll_s" not in {f.name for f in dataclasses.fields(ClientConfig)}
     with pytest.raises(TypeError):
         ClientConfig(server_address="h:1", insecure=True, long_poll_s=2.0)  # type: ignore[call-arg]
+
+
+def test_the_metrics_table_from_toml_and_flags(tmp_path) -> None:
+    assert ServerConfig(insecure=True).metrics.per_client  # on by default
+    path = tmp_path / "server.toml"
+    path.write_text("[metrics]\nper_client = false\n")
+    args = build_parser().parse_args(["server", "--config", str(path), "--insecure"])
+    assert server_config_from_args(args).metrics == MetricsConfig(per_client=False)
+    for flags, expected in ((["--metrics-per-client"], True),
+                            (["--metrics-per-client", "false"], False)):
+        args = build_parser().parse_args(["server", "--config", str(path), "--insecure",
+                                          *flags])
+        assert server_config_from_args(args).metrics.per_client is expected
+    with pytest.raises(ConfigError, match="did you mean 'per_client'") as info:
+        from_mapping(ServerConfig, {"metrics": {"per_clients": False}})
+    assert info.value.setting == "metrics.per_clients"
+    with pytest.raises(ConfigError, match="must be true or false, got 'yes'") as info:
+        MetricsConfig(per_client="yes")  # type: ignore[arg-type]
+    assert info.value.setting == "metrics.per_client"
