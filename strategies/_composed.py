@@ -137,8 +137,8 @@ class ComposedStrategy:
         else:
             metrics = aggregate_metrics(hook, "evaluate_metrics_aggregation_fn",
                                         server_round, [(n, m) for n, m, _ in records])
-            metrics["loss"] = weighted_metric_means(
-                (n, {"loss": loss}) for n, _, loss in records)["loss"]
+            loss = weighted_metric_means((n, {"loss": loss}) for n, _, loss in records)
+            metrics.update(loss)  # absent only if every loss was beyond float range
         metrics["num_examples"] = sum(n for n, _, _ in records)
         return metrics
 

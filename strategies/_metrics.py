@@ -59,7 +59,15 @@ MAX_HOOK_ENTRIES = MAX_ENTRIES - 32
 
 
 def weighted_metric_means(records: Iterable[tuple[int, Metrics]]) -> dict[str, float]:
-    """Weighted mean of every numeric (non-bool) metric over the records that have it."""
+    """Weighted mean of every numeric (non-bool) metric over the records that have it.
+
+    Clients choose their metrics, so the result is kept within what a round's metrics
+    may hold, whatever they send: a mean that overflows (huge values times many
+    examples) is formed again as a convex combination, which cannot, and at most
+    `MAX_HOOK_ENTRIES` keys are kept, those reported with the most examples (then by
+    name); the rest are dropped with a warning.
+    """
+    records = list(records)
     sums: dict[str, float] = {}
     weights: dict[str, int] = {}
     for num_examples, metrics in records:
@@ -68,7 +76,22 @@ def weighted_metric_means(records: Iterable[tuple[int, Metrics]]) -> dict[str, f
                 continue
             sums[key] = sums.get(key, 0.0) + float(value) * num_examples
             weights[key] = weights.get(key, 0) + num_examples
-    return {key: sums[key] / weights[key] for key in sums}
+    means = {}
+    for key, total in sums.items():
+        mean = total / weights[key]
+        if not math.isfinite(mean):
+            mean = math.fsum(float(m[key]) * (n / weights[key]) for n, m in records
+                             if isinstance(m.get(key), int | float)
+                             and not isinstance(m.get(key), bool))
+        if math.isfinite(mean):
+            means[key] = mean
+    if len(means) > MAX_HOOK_ENTRIES:
+        kept = sorted(means, key=lambda k: (-weights[k], k))[:MAX_HOOK_ENTRIES]
+        logger.warning("clients reported %d distinct numeric metrics; the %d reported with "
+                       "the most examples are averaged, the rest dropped", len(means),
+                       MAX_HOOK_ENTRIES)
+        means = {key: means[key] for key in kept}
+    return means
 
 
 def aggregate_metrics(
