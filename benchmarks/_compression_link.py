@@ -163,6 +163,8 @@ def phases(carried: list[Any], rounds: int) -> dict[str, float] | None:
     found: dict[str, list[float]] = {"download_s": [], "client_gap_s": [], "upload_s": [],
                                      "server_gap_s": []}
     for _, _, ups, downs in carried:
+        if len(downs) == rounds - 1:  # round 1's model, compressed below MIN_TRANSFER
+            downs = [[0.0, 0.0, 0], *downs]  # (its phases are not counted)
         if len(ups) != rounds or len(downs) != rounds:
             return None
         for k in range(1, rounds):

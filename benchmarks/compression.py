@@ -20,21 +20,25 @@ with error feedback; q8 updates with an fp16 broadcast (and top-k 5%, for scale)
    token-bucket proxy (20 Mbit/s client to server, 100 Mbit/s back); a 10M-parameter
    float32 model, clients that add small noise to it, 5 fit-only rounds; float32 against
    q8 updates with an fp16 broadcast (server ``[compression] upload = ["q8"],
-   download = ["fp16"]``, the clients asking for them). Seconds per round: the median of
+   download = ["fp16"]``, the clients asking for them), and the same with the zstd
+   stage added both ways (``q8+zstd``, ``fp16+zstd``). Seconds per round: the median of
    the rounds after the first, split by the proxies' byte timings into download,
    client gap, upload and server gap.
+4. **The zstd stage** (`_compression_zstd`): each codec's payload with and without
+   zstd, on real trained updates of both digits models (and the broadcast), the round
+   trip asserted bit-identical; compress / decompress MB/s.
 
 Targets (printed PASS / FAIL): q8 >= 3.5x fewer uplink bytes within 1 accuracy point
 of float32; top-k 1% with error feedback >= 20x fewer within 2 points; the limited-link
 round >= 3x faster with q8 up + fp16 down.
 
-    python benchmarks/compression.py            # ~10.5 min on 2 cores: compression.json, .png
+    python benchmarks/compression.py            # ~11.5 min on 2 cores: compression.json, .png
     python benchmarks/compression.py --quick    # ~45 s smoke run: compression-quick.json
     python benchmarks/compression.py --parts link --link-rounds 8
 
 ``--quick`` runs 10 and 5 rounds on one seed, a 64-2000-10 MLP, a 1M-value throughput
-tensor and a 2.5M-parameter link model: its figures check that everything runs, not
-the targets. Run one benchmark at a time (benchmarks/README.md).
+tensor, a 2.5M-parameter link model and 2 updates per model for zstd: its figures check
+that everything runs, not the targets. Run one benchmark at a time (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOLERANCE = {"q8": 0.01, "topk": 0.02}  # accuracy below float32's, as a fraction
-PARTS = ("accuracy", "throughput", "link")
+PARTS = ("accuracy", "throughput", "link", "zstd")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--link-clients", type=int, default=2)
     parser.add_argument("--up-mbit", type=float, default=20.0)
     parser.add_argument("--down-mbit", type=float, default=100.0)
+    parser.add_argument("--zstd-clients", type=int, default=5,
+                        help="trained updates per model for the zstd ratios")
     parser.add_argument("--out", type=Path, default=RESULTS / "compression.json")
     return parser
 
@@ -81,6 +87,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.seeds, args.rounds, args.large_hidden, args.extend = [0], 10, 2_000, 1
     args.throughput_params, args.repeats = 1_000_000, 3
     args.link_params, args.link_rounds = 2_500_000, 3
+    args.zstd_clients = 2
     if args.out == RESULTS / "compression.json":
         args.out = RESULTS / "compression-quick.json"
 
@@ -109,16 +116,23 @@ def run_accuracy(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_link(args: argparse.Namespace) -> list[dict[str, Any]]:
     from _compression_link import run_link_case
 
-    cases = [("float32", (), ()), ("q8 up + fp16 down", ("q8",), ("fp16",))]
+    cases = [("float32", (), ()), ("q8 up + fp16 down", ("q8",), ("fp16",)),
+             ("q8+zstd up + fp16+zstd down", ("q8+zstd",), ("fp16+zstd",))]
     out = []
     for label, upload, download in cases:
         case = run_link_case(args.link_params, args.link_rounds, args.link_clients,
                              args.up_mbit, args.down_mbit, upload, download)
         case["label"] = label
         out.append(case)
-        print(f"  link: {label:<18} {case['round_s']:.2f} s per round "
+        print(f"  link: {label:<27} {case['round_s']:.2f} s per round "
               f"({case['wall_s']:.0f} s)", flush=True)
     return out
+
+
+def run_zstd_part(args: argparse.Namespace) -> dict[str, Any]:
+    from _compression_zstd import run_zstd
+
+    return run_zstd((64, args.large_hidden), args.zstd_clients, args.repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     codecs = (throughput(args.throughput_params, args.repeats)
               if "throughput" in args.parts else [])
     link = run_link(args) if "link" in args.parts else []
+    zstd = run_zstd_part(args) if "zstd" in args.parts else None
     checks = targets(tasks, link, TOLERANCE)
     wall = time.perf_counter() - started
     report = {
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count()},
         "args": {k: str(v) for k, v in vars(args).items()},
-        "tasks": tasks, "throughput": codecs, "link": link, "targets": checks,
+        "tasks": tasks, "throughput": codecs, "link": link, "zstd": zstd, "targets": checks,
         "wall_s": round(wall, 1),
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
     if link:
         print(link_table(link))
+        print()
+    if zstd:
+        from _compression_zstd import zstd_table
+
+        print(zstd_table(zstd))
         print()
     print_checks(checks)
     print(f"\nwrote {args.out} and {png} ({wall:.0f} s)")

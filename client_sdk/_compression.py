@@ -1,6 +1,7 @@
 """Compression on the client's side (docs/compression.md): decode the model a task
 carries with the download codec this session was granted, and encode each update with
-the granted upload codec.
+the granted upload codec, then compress it with zstd when that stage was granted too and
+the frame is smaller (otherwise it goes uncompressed: a grant is a permission).
 
 Top-k updates go through error feedback (`fedloom.compression.ErrorFeedback`): what a
 round's top-k leaves out is added to the next round's update. The residual is the
@@ -12,13 +13,21 @@ new run (another ``run_id``) starts from zero and deletes the old run's file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from pathlib import Path
 
 import numpy as np
 
-from fedloom.compression import CodecSpec, CompressionError, ErrorFeedback, decode, encode
+from fedloom.compression import (
+    CodecSpec,
+    CompressionError,
+    ErrorFeedback,
+    compress,
+    decode,
+    encode,
+)
 from fedloom.errors import TransportError
 from fedloom.messages import TaskHeader
 from fedloom.payload import PayloadInfo, serialize, serialize_difference
@@ -59,11 +68,20 @@ class UpdateEncoder:
         self._feedback: tuple[str, ErrorFeedback] | None = None  # (run id, its residual)
         self._rng = np.random.default_rng()  # stochastic rounding: fresh OS entropy
 
-    def update(self, run_id: str, codec: CodecSpec | None, new: Weights, base: Weights
-               ) -> tuple[memoryview, PayloadInfo, CodecSpec | None]:
-        """The payload of ``new - base``, its header, and the codec it is encoded with
-        (None: plain, also when the codec cannot carry this update, e.g. fp16 and a
-        value beyond its range)."""
+    def update(self, run_id: str, codec: CodecSpec | None, new: Weights, base: Weights,
+               zstd: bool = False) -> tuple[memoryview, PayloadInfo, CodecSpec | None]:
+        """The payload of ``new - base`` as it travels, its header, and the codec it is
+        encoded with (None: plain, also when the codec cannot carry this update, e.g.
+        fp16 and a value beyond its range). With ``zstd`` the payload is the zstd frame
+        when that is smaller (its header's ``wire_bytes`` then says so)."""
+        payload, info, used = self._encoded(run_id, codec, new, base)
+        frame = compress(payload) if zstd else None
+        if frame is None:
+            return payload, info, used
+        return memoryview(frame), dataclasses.replace(info, wire_bytes=len(frame)), used
+
+    def _encoded(self, run_id: str, codec: CodecSpec | None, new: Weights, base: Weights
+                 ) -> tuple[memoryview, PayloadInfo, CodecSpec | None]:
         if codec is not None:
             delta = new.subtract(base)
             try:

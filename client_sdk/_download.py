@@ -1,6 +1,8 @@
 """Reading one task from the server's task stream: its header, then its weights, chunk by
 chunk, verified against the header's digest before they are used (and then decoded, when
-the task is encoded with this session's download codec)."""
+the task is encoded with this session's download codec). Weights sent zstd-compressed
+are decompressed as their chunks arrive, with the same bounds as the server's
+(`fedloom.compression.ZstdReceiver`: no more output than the header declares)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import numpy as np
 
 from fedloom.client_sdk._compression import decode_model
 from fedloom.client_sdk._watchdog import Watchdog
-from fedloom.compression import CodecSpec
+from fedloom.compression import CodecSpec, ZstdReceiver
+from fedloom.compression._zstd import PIECE_BYTES
 from fedloom.config import ClientConfig
 from fedloom.errors import MessageRejectedError, ResultRefusedError, TransportError
 from fedloom.messages import NoTask, TaskHeader
@@ -37,6 +40,7 @@ class BufferSink:
 def receive_task(
     stream: Iterator[pb.PullResponse], watchdog: Watchdog, config: ClientConfig,
     run_id: str | None, whole_stream: bool, download_codec: CodecSpec | None = None,
+    download_zstd: bool = False,
 ) -> tuple[TaskHeader, Weights] | NoTask:
     """Read one task: its header, then its chunks (to the end of a Pull's stream;
     on the Tasks stream, as many bytes as the header announces).
@@ -44,7 +48,8 @@ def receive_task(
     ``run_id`` is the run this client joined (None: not checked); ``watchdog`` is
     touched on every message and, once the header is in, given the client's RPC timeout
     as the longest wait between chunks. ``download_codec`` is the codec this session was
-    granted: an encoded task must name it (`decode_model`).
+    granted: an encoded task must name it (`decode_model`); a compressed one needs
+    ``download_zstd``, the stage's grant.
     """
     first = next(stream, None)
     watchdog.touch()
@@ -71,17 +76,23 @@ def receive_task(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"the model is {info.total_bytes} bytes; this client accepts at most {limit}",
         )
+    if info.wire_bytes and not download_zstd:
+        raise TransportError("the server sent the model zstd-compressed, but this session was "
+                             "not granted the zstd stage")
     watchdog.idle_s = config.rpc_timeout_s  # between chunks, from now on
     sink = BufferSink(info.total_bytes)
-    receiver = PayloadReceiver(
+    receiver: PayloadReceiver | ZstdReceiver = PayloadReceiver(
         info.specs,
         info.total_bytes,
         info.sha256,
         sink,
-        max_chunk_bytes=config.transfer.max_message_bytes,
+        max_chunk_bytes=PIECE_BYTES if info.wire_bytes else config.transfer.max_message_bytes,
     )
+    if info.wire_bytes:
+        receiver = ZstdReceiver(receiver, info.wire_bytes,
+                                max_chunk_bytes=config.transfer.max_message_bytes)
     try:
-        while whole_stream or receiver.received < info.total_bytes:
+        while whole_stream or receiver.received < info.wire_size:
             message = next(stream, None)
             if message is None:
                 break  # finish() says whether the payload is whole

@@ -27,6 +27,7 @@ from fedloom.client_sdk._download import receive_task
 from fedloom.client_sdk._rpc_errors import translate
 from fedloom.client_sdk._watchdog import Watchdog
 from fedloom.client_sdk.tls import open_channel
+from fedloom.compression import stage_name
 from fedloom.config import ClientConfig
 from fedloom.errors import (
     AccessDeniedError,
@@ -229,8 +230,10 @@ class Connection:
     ) -> tuple[TaskHeader, Weights] | NoTask:
         """Read one task (`receive_task`); open the upload channel its result will need."""
         run_id = self.grant.run_id if self.grant is not None else None
-        granted = self.grant.download_codec if self.grant is not None else None
-        outcome = receive_task(stream, watchdog, self.config, run_id, whole_stream, granted)
+        grant = self.grant
+        outcome = receive_task(stream, watchdog, self.config, run_id, whole_stream,
+                               grant.download_codec if grant is not None else None,
+                               grant is not None and grant.download_zstd)
         if isinstance(outcome, NoTask):
             return outcome
         task, _weights = outcome
@@ -297,11 +300,14 @@ class Connection:
 
 
 def _check_codec_grants(grant: JoinReply, config: ClientConfig) -> None:
-    """A server may grant only a codec this client asked for (or none)."""
-    for granted, asked in ((grant.upload_codec, config.upload_codecs),
-                           (grant.download_codec, config.download_codecs)):
-        if granted is not None and granted.name not in asked:
-            raise TransportError(f"the server granted codec {granted}, which this client did "
+    """A server may grant only a codec (and zstd stage) this client asked for, or none."""
+    for granted, zstd, asked in (
+            (grant.upload_codec, grant.upload_zstd, config.upload_codecs),
+            (grant.download_codec, grant.download_zstd, config.download_codecs)):
+        name = stage_name(granted.name if granted is not None else "", zstd)
+        if name and name not in asked:
+            shown = f"{granted}{'+zstd' if zstd else ''}" if granted is not None else name
+            raise TransportError(f"the server granted codec {shown}, which this client did "
                                  f"not ask for (it asked for {list(asked)})")
 
 

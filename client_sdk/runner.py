@@ -277,7 +277,7 @@ class ClientRunner:
                 joined = self._joined
                 payload, info, codec = self._encoder.update(
                     joined.run_id if joined else "", joined.upload_codec if joined else None,
-                    fit.weights, weights)
+                    fit.weights, weights, zstd=joined is not None and joined.upload_zstd)
                 self.stats.fits += 1
                 return ResultHeader(
                     session,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fedloom.compression import DOWNLOAD_CODECS, UPLOAD_CODECS
+from fedloom.compression import DOWNLOAD_CODECS, UPLOAD_CODECS, require_zstd, stage_names
 from fedloom.payload import DEFAULT_CHUNK_SIZE
 from fedloom.settings import check, check_address, described
 
@@ -86,10 +86,11 @@ class ClientConfig:
         "docs/privacy.md)")
     upload_codecs: tuple[str, ...] = described(
         (), "codecs to send updates in, most wanted first; the server grants the first it "
-        f"accepts, or none ({', '.join(UPLOAD_CODECS)}; docs/compression.md)")
+        f"accepts, or none ({', '.join(UPLOAD_CODECS)}; each may end in +zstd for the "
+        "lossless zstd stage, and zstd alone compresses plain float32; docs/compression.md)")
     download_codecs: tuple[str, ...] = described(
         (), "codecs to receive the model in, most wanted first "
-        f"({', '.join(DOWNLOAD_CODECS)})")
+        f"({', '.join(DOWNLOAD_CODECS)}, with or without +zstd, or zstd)")
     state_dir: str = described(
         "", "folder for this client's own state (top-k's error-feedback residual, which "
         "then survives a restart); empty: kept in memory only")
@@ -119,9 +120,11 @@ def _check_codecs(c: ClientConfig) -> None:
     for setting, allowed in (("upload_codecs", UPLOAD_CODECS),
                              ("download_codecs", DOWNLOAD_CODECS)):
         names = getattr(c, setting)
-        check(isinstance(names, list | tuple) and all(n in allowed for n in names), setting,
-              f"must list codecs among {', '.join(map(repr, allowed))}, got {names!r}")
+        check(isinstance(names, list | tuple) and all(n in stage_names(allowed) for n in names),
+              setting, f"must list codecs among {', '.join(map(repr, allowed))} (each may end "
+              f"in '+zstd', or 'zstd' alone), got {names!r}")
         object.__setattr__(c, setting, tuple(names))
+        require_zstd(setting, names)
 
 
 def _check_client_tls(c: ClientConfig) -> None:

@@ -26,7 +26,8 @@ from fedloom.weights import TensorSpec
 #: digests, and drops the graph seed; a share-keys task lists every participant's keys;
 #: share commitments; the consistency stage; unmask carries confirmations, not the
 #: dropped clients). Compression (docs/compression.md) adds only optional fields to
-#: version 5: a peer that knows nothing of them asks for, grants and sends no codec.
+#: version 5: a peer that knows nothing of them asks for, grants and sends no codec (and
+#: no zstd stage).
 PROTOCOL_VERSION = 5
 
 
@@ -71,7 +72,8 @@ class JoinRequest:
 @dataclasses.dataclass(frozen=True, slots=True)
 class JoinReply:
     """The server's answer to a Join; ``upload_codec`` / ``download_codec`` are the codecs
-    granted to the session (None: plain float32)."""
+    granted to the session (None: plain float32), ``upload_zstd`` / ``download_zstd``
+    whether the zstd stage may follow them."""
 
     session: Session
     protocol_version: int
@@ -84,6 +86,8 @@ class JoinReply:
     max_model_bytes: int
     upload_codec: CodecSpec | None = None
     download_codec: CodecSpec | None = None
+    upload_zstd: bool = False
+    download_zstd: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +106,8 @@ class TaskHeader:
 
     With a `codec` (a fit or evaluate task to a client granted a download codec), the
     payload `weights` describes is the model encoded with it, and `decoded` is the
-    model's own layout, which that payload decodes into.
+    model's own layout, which that payload decodes into. A ``weights.wire_bytes``
+    other than 0 says that the payload travels zstd-compressed (granted at Join).
     """
 
     task_id: str
@@ -130,7 +135,8 @@ class ResultHeader:
     (`num_examples`, `loss`), a secure-aggregation stage reply (`secagg`; for the
     masked input a `MaskedInputHeader`, with the masked vector described by `update`),
     or a failure (`failure` holds the client's message). A fit's `codec` (None: plain)
-    says how its delta is encoded: `update` then describes the encoded layout.
+    says how its delta is encoded: `update` then describes the encoded layout; an
+    ``update.wire_bytes`` other than 0 says that it travels zstd-compressed.
     """
 
     session: Session

@@ -31,15 +31,26 @@ DEFAULT_CHUNK_SIZE = 1 << 20  # 1 MiB
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PayloadInfo:
-    """A payload's layout, size and SHA-256 digest: what a header announces."""
+    """A payload's layout, size and SHA-256 digest: what a header announces.
+
+    ``wire_bytes`` is 0 when the chunks carry the payload itself, else the size of the
+    zstd stream they carry instead (`fedloom.compression.ZstdReceiver`); the layout, size
+    and digest always describe the payload once decompressed.
+    """
 
     specs: tuple[TensorSpec, ...]
     total_bytes: int
     sha256: bytes
+    wire_bytes: int = 0
 
     @classmethod
     def describe(cls, specs: Sequence[TensorSpec], payload: bytes | memoryview) -> PayloadInfo:
         return cls(tuple(specs), len(payload), digest(payload))
+
+    @property
+    def wire_size(self) -> int:
+        """The bytes the chunks carry: the zstd stream's, or the payload's."""
+        return self.wire_bytes or self.total_bytes
 
 
 def payload_size(specs: Sequence[TensorSpec]) -> int:

@@ -1,6 +1,8 @@
 """The compression fields of the Fleet protocol (docs/compression.md), for
-`fedloom.protos.codec`: a codec's `Encoding`, a Join's codec requests, and the check that
-an encoded task's payload is the model encoded with its codec.
+`fedloom.protos.codec`: a codec's `Encoding` (and its zstd stage), a Join's codec
+requests, and the check that an encoded task's payload is the model encoded with its
+codec. In the domain types the zstd stage of a header is its payload's ``wire_bytes``
+(not 0: compressed); on the wire ``Encoding.zstd`` says it too, and the two must agree.
 
 Like every ``_from_proto`` of the codec, these treat their input as hostile and raise
 `MessageRejectedError` (reason INVALID) saying what was wrong.
@@ -13,6 +15,7 @@ from typing import Any
 
 from fedloom.compression import CODECS, CodecSpec, CompressionError, encoded_layout
 from fedloom.errors import MessageRejectedError, RejectReason
+from fedloom.messages import JoinReply
 from fedloom.payload import PayloadInfo
 from fedloom.protos.fedloom.v1.fleet_pb2 import Encoding as ProtoEncoding
 from fedloom.protos.fedloom.v1.fleet_pb2 import JoinResponse as ProtoJoinResponse
@@ -29,26 +32,51 @@ def _invalid(message: str) -> MessageRejectedError:
     return MessageRejectedError(RejectReason.INVALID, message)
 
 
-def encoding_to_proto(spec: CodecSpec) -> ProtoEncoding:
-    return ProtoEncoding(codec=spec.name, block=spec.block, fraction=spec.fraction)
+def encoding_to_proto(spec: CodecSpec | None, zstd: bool = False) -> ProtoEncoding:
+    if spec is None:
+        return ProtoEncoding(zstd=zstd)
+    return ProtoEncoding(codec=spec.name, block=spec.block, fraction=spec.fraction, zstd=zstd)
 
 
-def encoding_from_proto(encoding: ProtoEncoding, what: str) -> CodecSpec:
-    """The codec ``encoding`` names; INVALID for an unknown one or bad settings."""
-    name = encoding.codec
+def encoding_from_proto(encoding: ProtoEncoding, what: str) -> tuple[CodecSpec | None, bool]:
+    """The codec ``encoding`` names (None: no codec) and whether the zstd stage follows;
+    INVALID for an unknown codec, bad settings, or neither a codec nor the stage."""
+    name, zstd = encoding.codec, bool(encoding.zstd)
+    if not name:
+        if not zstd:
+            raise _invalid(f"{what} names no codec and no zstd stage (leave it unset)")
+        if encoding.block or encoding.fraction:
+            raise _invalid(f"{what} has codec settings but no codec")
+        return None, True
     if name not in CODECS:
         raise _invalid(f"{what} names codec {name[:32]!r}; known: {', '.join(CODECS)}")
     try:
-        return CodecSpec(name, int(encoding.block), float(encoding.fraction))
+        return CodecSpec(name, int(encoding.block), float(encoding.fraction)), zstd
     except CompressionError as exc:
         raise _invalid(f"{what}: {exc}") from exc
 
 
-def optional_encoding(message: object, field: str, what: str) -> CodecSpec | None:
-    """``message.field`` as a `CodecSpec`, or None when the field is unset."""
+def optional_encoding(message: object, field: str, what: str) -> tuple[CodecSpec | None, bool]:
+    """``message.field`` as (codec, zstd), or (None, False) when the field is unset."""
     if not message.HasField(field):  # type: ignore[attr-defined]
-        return None
+        return None, False
     return encoding_from_proto(getattr(message, field), what)
+
+
+def header_encoding(codec: CodecSpec | None, payload: PayloadInfo | None
+                    ) -> ProtoEncoding | None:
+    """The `Encoding` of a task or result header: its codec, and the zstd stage when
+    its payload travels compressed (None: a plain payload, no field)."""
+    zstd = payload is not None and payload.wire_bytes > 0
+    if codec is None and not zstd:
+        return None
+    return encoding_to_proto(codec, zstd)
+
+
+def _check_stage(zstd: bool, payload: PayloadInfo | None, what: str) -> None:
+    if zstd != (payload is not None and payload.wire_bytes > 0):
+        raise _invalid(f"{what}: wire_bytes is set exactly when the encoding names the zstd "
+                       "stage")
 
 
 def asked_codecs(names: Iterable[str], what: str) -> tuple[str, ...]:
@@ -62,13 +90,23 @@ def asked_codecs(names: Iterable[str], what: str) -> tuple[str, ...]:
     return asked
 
 
-def grants_to_proto(upload: CodecSpec | None, download: CodecSpec | None,
-                    response: ProtoJoinResponse) -> None:
-    """Set a Join reply's granted codecs (left unset: none granted)."""
-    if upload is not None:
-        response.upload_encoding.CopyFrom(encoding_to_proto(upload))
-    if download is not None:
-        response.download_encoding.CopyFrom(encoding_to_proto(download))
+def grants_to_proto(reply: JoinReply, response: ProtoJoinResponse) -> None:
+    """Set a Join reply's granted codecs and stages (left unset: none granted)."""
+    if reply.upload_codec is not None or reply.upload_zstd:
+        response.upload_encoding.CopyFrom(encoding_to_proto(reply.upload_codec,
+                                                            reply.upload_zstd))
+    if reply.download_codec is not None or reply.download_zstd:
+        response.download_encoding.CopyFrom(encoding_to_proto(reply.download_codec,
+                                                              reply.download_zstd))
+
+
+def grants_from_proto(response: ProtoJoinResponse) -> dict[str, Any]:
+    """A Join reply's grants, as `JoinReply`'s fields."""
+    upload, upload_zstd = optional_encoding(response, "upload_encoding", "the upload grant")
+    download, download_zstd = optional_encoding(response, "download_encoding",
+                                                "the download grant")
+    return {"upload_codec": upload, "upload_zstd": upload_zstd,
+            "download_codec": download, "download_zstd": download_zstd}
 
 
 def task_encoding(header: ProtoTaskHeader, secure: bool, weights: PayloadInfo,
@@ -79,23 +117,28 @@ def task_encoding(header: ProtoTaskHeader, secure: bool, weights: PayloadInfo,
     the bytes every participant receives)."""
     if len(header.decoded_tensors) > max_tensors:
         raise _invalid(f"{len(header.decoded_tensors)} decoded tensors; at most {max_tensors}")
-    encoding = optional_encoding(header, "encoding", "the task's weights")
+    encoding, zstd = optional_encoding(header, "encoding", "the task's weights")
     decoded = tuple(parse_spec(s) for s in header.decoded_tensors)
+    if secure and header.HasField("encoding"):
+        raise _invalid("a secure-aggregation stage carries the model unencoded")
+    _check_stage(zstd, weights, "the task's weights")
     if encoding is None:
         if decoded:
-            raise _invalid("decoded_tensors belong to an encoded task (no encoding is set)")
+            raise _invalid("decoded_tensors belong to an encoded task (no encoding is set, or it "
+                           "names no codec)")
         return None, ()
-    if secure:
-        raise _invalid("a secure-aggregation stage carries the model unencoded")
     check_encoded_task(encoding, decoded, weights)
     return encoding, decoded
 
 
-def result_encoding(header: ProtoResultHeader, kind: Any) -> CodecSpec | None:
-    """A result's codec (None: plain); only a fit result's update may be encoded."""
-    encoding = optional_encoding(header, "encoding", "the update")
-    if encoding is not None and kind != "fit":
+def result_encoding(header: ProtoResultHeader, kind: Any, update: PayloadInfo | None
+                    ) -> CodecSpec | None:
+    """A result's codec (None: plain); only a fit result's update may be encoded (or
+    compressed), and its ``wire_bytes`` must agree with the encoding's zstd stage."""
+    encoding, zstd = optional_encoding(header, "encoding", "the update")
+    if header.HasField("encoding") and kind != "fit":
         raise _invalid("only a fit result's update may be encoded")
+    _check_stage(zstd, update, "the update")
     return encoding
 
 

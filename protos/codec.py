@@ -20,9 +20,9 @@ from fedloom.messages import JoinReply, JoinRequest, NoTask, ResultHeader, Sessi
 from fedloom.payload import PayloadInfo
 from fedloom.protos._encoding_codec import (
     asked_codecs,
-    encoding_to_proto,
+    grants_from_proto,
     grants_to_proto,
-    optional_encoding,
+    header_encoding,
     result_encoding,
     task_encoding,
 )
@@ -139,6 +139,7 @@ def payload_to_proto(info: PayloadInfo) -> ProtoPayloadHeader:
         tensors=[spec_to_proto(s) for s in info.specs],
         total_bytes=info.total_bytes,
         sha256=info.sha256,
+        wire_bytes=info.wire_bytes,
     )
 
 
@@ -154,7 +155,11 @@ def payload_from_proto(header: ProtoPayloadHeader) -> PayloadInfo:
     needed = sum(s.nbytes for s in specs)
     if header.total_bytes != needed:
         raise _invalid(f"payload header says {header.total_bytes} bytes; its tensors need {needed}")
-    return PayloadInfo(specs, int(header.total_bytes), bytes(header.sha256))
+    if header.wire_bytes >= max(header.total_bytes, 1):
+        raise _invalid(f"a zstd stream of {header.wire_bytes} bytes for a payload of "
+                       f"{header.total_bytes}: compressed payloads must be smaller (send it plain)")
+    return PayloadInfo(specs, int(header.total_bytes), bytes(header.sha256),
+                       int(header.wire_bytes))
 
 
 def chunks_for_push(pieces: Iterable[tuple[int, bytes]]) -> Iterable[ProtoPushRequest]:
@@ -216,7 +221,7 @@ def join_reply_to_proto(reply: JoinReply) -> ProtoJoinResponse:
         max_message_bytes=reply.max_message_bytes,
         max_model_bytes=reply.max_model_bytes,
     )
-    grants_to_proto(reply.upload_codec, reply.download_codec, response)
+    grants_to_proto(reply, response)
     return response
 
 
@@ -241,8 +246,7 @@ def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
         chunk_size=int(reply.chunk_size),
         max_message_bytes=int(reply.max_message_bytes),
         max_model_bytes=int(reply.max_model_bytes),
-        upload_codec=optional_encoding(reply, "upload_encoding", "the upload grant"),
-        download_codec=optional_encoding(reply, "download_encoding", "the download grant"),
+        **grants_from_proto(reply),
     )
 
 
@@ -256,8 +260,9 @@ def task_to_proto(task: TaskHeader) -> ProtoPullResponse:
         weights=payload_to_proto(task.weights),
         decoded_tensors=[spec_to_proto(s) for s in task.decoded],
     )
-    if task.codec is not None:
-        header.encoding.CopyFrom(encoding_to_proto(task.codec))
+    encoding = header_encoding(task.codec, task.weights)
+    if encoding is not None:
+        header.encoding.CopyFrom(encoding)
     config = record_to_proto(task.config)
     if task.kind is TaskKind.FIT:
         header.fit.CopyFrom(ProtoFitTask(config=config))
@@ -320,8 +325,9 @@ def result_to_proto(result: ResultHeader) -> ProtoPushRequest:
     )
     if result.update is not None:
         header.update.CopyFrom(payload_to_proto(result.update))
-    if result.codec is not None:
-        header.encoding.CopyFrom(encoding_to_proto(result.codec))
+    encoding = header_encoding(result.codec, result.update)
+    if encoding is not None:
+        header.encoding.CopyFrom(encoding)
     metrics = record_to_proto(result.metrics)
     if result.kind is TaskKind.FIT:
         header.fit.CopyFrom(
@@ -346,7 +352,7 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
     kind = header.WhichOneof("kind")
     update = payload_from_proto(header.update) if header.HasField("update") else None
     rnd = int(header.round)
-    encoding = result_encoding(header, kind)
+    encoding = result_encoding(header, kind, update)
     if kind == "fit":
         if update is None:
             raise _invalid("a fit result must carry an update payload header")

@@ -228,7 +228,10 @@ class AsyncRounds(RoundDriver):
 
     def abandoned(self, upload: Upload) -> None:
         task = upload.task
-        if task.client_id not in self.parts.fleet.registry:
+        if upload.refusal is not None:  # a compressed stream that did not hold up
+            log.warning("client %s: %s", task.client_id, upload.refusal)
+            self.end(task, f"update refused: {upload.refusal}")
+        elif task.client_id not in self.parts.fleet.registry:
             self.end(task, "the client left while its upload was failing")
 
     def failed(self, task: Task, message: str) -> None:
@@ -326,7 +329,8 @@ class AsyncRounds(RoundDriver):
         server_round = model.version + 1
         record = parts.fleet.registry.get(client_id)
         info, payload, codec, decoded = broadcast(
-            model, record.download_codec if record is not None else None)
+            model, record.download_codec if record is not None else None,
+            record is not None and record.download_zstd)
         header = TaskHeader(
             task_id=secrets.token_hex(16), run_id=parts.run_id, round=server_round,
             kind=TaskKind.FIT, config=self._fit_config(server_round),

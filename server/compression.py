@@ -1,12 +1,17 @@
 """Compression on the server's side (docs/compression.md): grants at Join, the encoded
-broadcast a task carries, and the checks an encoded update passes before it is folded.
+(and zstd-compressed) broadcast a task carries, and the checks an encoded update passes
+before it is folded.
 
 An encoded update is refused, and its task fails, when it names a codec the session was
 not granted (FAILED_PRECONDITION), when its payload header is not the model's layout
 encoded with that codec (INVALID_ARGUMENT: refused before any byte arrives), or when,
 whole and verified, it does not decode (an index past its tensor, a code outside the
 levels: INVALID_ARGUMENT; checked on the parts, without a decode where they suffice).
-The spooled upload stays encoded on disk; the strategy reads it through
+A zstd-compressed update is refused when the session was not granted the stage
+(FAILED_PRECONDITION, before any byte); its stream is decompressed as it arrives
+(`fedloom.server.uploads`), and one that does not decompress to its header's payload
+fails its task (INVALID_ARGUMENT). The spooled upload stays encoded on disk (no longer
+compressed); the strategy reads it through
 `fedloom.compression.DecodedWeights`, one decoded tensor at a time. Every
 strategy therefore sees decoded deltas of the model's layout, and whatever clips does so
 to the decoded update: an update-norm bound, and central DP's clip to C, which the
@@ -28,6 +33,8 @@ from fedloom.compression import (
     check_encoded,
     choose,
     encoded_layout,
+    split_stage,
+    stage_name,
 )
 from fedloom.config import CompressionConfig
 from fedloom.errors import MessageRejectedError, RejectReason
@@ -45,21 +52,25 @@ class EncodingRefusedError(MessageRejectedError):
 
 @dataclasses.dataclass(frozen=True)
 class Grants:
-    """The codecs granted to one session (None: plain float32)."""
+    """The codecs granted to one session (None: plain float32), and whether the zstd
+    stage may follow each."""
 
     upload: CodecSpec | None = None
     download: CodecSpec | None = None
+    upload_zstd: bool = False
+    download_zstd: bool = False
 
 
 def grant(config: CompressionConfig, request: JoinRequest, client: str) -> Grants:
-    """The first codec per direction that the client asks for and the server accepts.
+    """The first name per direction (a codec, with or without ``+zstd``, or ``zstd``)
+    that the client asks for and the server accepts.
 
     A client asking for nothing (every client before compression existed) is granted
     nothing. One asking only for codecs the server does not accept is granted nothing
     either, not refused: it sends and receives plain float32, and the log says why.
     """
-    upload = choose(request.upload_codecs, config.upload_specs)
-    download = choose(request.download_codecs, config.download_specs)
+    upload = choose(request.upload_codecs, config.upload)
+    download = choose(request.download_codecs, config.download)
     for direction, asked, granted, accepted in (
             ("upload", request.upload_codecs, upload, config.upload),
             ("download", request.download_codecs, download, config.download)):
@@ -69,17 +80,36 @@ def grant(config: CompressionConfig, request: JoinRequest, client: str) -> Grant
                      direction, list(accepted) or "none",
                      "uploads" if direction == "upload" else "downloads",
                      extra={"client": client, "direction": direction})
-    return Grants(upload, download)
+    up_codec, up_zstd = split_stage(upload or "")
+    down_codec, down_zstd = split_stage(download or "")
+    return Grants(config.spec(up_codec) if up_codec else None,
+                  config.spec(down_codec) if down_codec else None, up_zstd, down_zstd)
 
 
-def broadcast(model: GlobalModel, codec: CodecSpec | None
+def broadcast(model: GlobalModel, codec: CodecSpec | None, zstd: bool = False
               ) -> tuple[PayloadInfo, memoryview, CodecSpec | None, tuple[TensorSpec, ...]]:
-    """What a task to a client granted download ``codec`` carries: the payload's header,
-    the payload, and (when encoded) the codec and the model's own layout."""
+    """What a task to a client granted download ``codec`` (and ``zstd``) carries: the
+    payload's header, the payload (the zstd frame, when granted and smaller), and (when
+    encoded) the codec and the model's own layout."""
     encoded = model.encoded(codec) if codec is not None else None
-    if codec is None or encoded is None:
-        return model.info, model.payload, None, ()
-    return encoded[0], encoded[1], codec, model.info.specs
+    used = codec if encoded is not None else None
+    frame = model.compressed(used) if zstd else None
+    info, payload = frame or encoded or (model.info, model.payload)
+    return info, payload, used, model.info.specs if used is not None else ()
+
+
+def check_zstd(granted: bool, header: ResultHeader) -> None:
+    """Refuse a zstd-compressed update from a session not granted the stage.
+
+    Raises:
+        EncodingRefusedError: FAILED_PRECONDITION.
+    """
+    if header.update is not None and header.update.wire_bytes and not granted:
+        used = stage_name(header.codec.name if header.codec else "", True)
+        raise EncodingRefusedError(
+            RejectReason.STALE,
+            f"the update is zstd-compressed ({used}), but this session was not granted the "
+            "zstd stage at Join; send it uncompressed, or join again asking for it")
 
 
 def check_encoding(granted: CodecSpec | None, header: ResultHeader,

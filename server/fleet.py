@@ -86,6 +86,7 @@ class Fleet:
         )
         grants = grant(self.config.compression, request, record.client_id)
         record.upload_codec, record.download_codec = grants.upload, grants.download
+        record.upload_zstd, record.download_zstd = grants.upload_zstd, grants.download_zstd
         log.info(
             "client %s (%s) joined; %d connected", record.client_id, record.info.name,
             len(self.registry),
@@ -106,6 +107,8 @@ class Fleet:
             max_model_bytes=t.max_model_bytes,
             upload_codec=grants.upload,
             download_codec=grants.download,
+            upload_zstd=grants.upload_zstd,
+            download_zstd=grants.download_zstd,
         )
 
     def strike(self, record: ClientRecord, reason: RejectReason) -> None:

@@ -6,15 +6,18 @@ a new model lets go of the old payload before building the new one (two copies a
 peak, not three). A model broadcast with a download codec (``[compression] download``)
 is encoded once per model version and codec, when the first task needs it, and shared
 by every client granted that codec; installing a new model drops those payloads too.
+The zstd frame of a broadcast (plain or encoded) is built the same way: once per model
+version and codec, for the clients granted the stage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 
-from fedloom.compression import CodecSpec, CompressionError, encode
+from fedloom.compression import CodecSpec, CompressionError, compress, encode
 from fedloom.payload import PayloadInfo, deserialize, serialize
 from fedloom.server.persistence import RunPersistence
 from fedloom.weights import Weights
@@ -38,6 +41,7 @@ class GlobalModel:
         # Nothing else runs on the loop until this returns: drop the old payload first.
         self.payload = memoryview(b"")
         self._encoded: dict[CodecSpec, tuple[PayloadInfo, memoryview] | None] = {}
+        self._frames: dict[CodecSpec | None, tuple[PayloadInfo, memoryview] | None] = {}
         self.weights = self._persistence.weights = weights
         payload = serialize(weights)
         self.weights = deserialize(weights.specs(), payload)
@@ -66,3 +70,14 @@ class GlobalModel:
                 payload = serialize(weights)
                 self._encoded[spec] = (PayloadInfo.describe(weights.specs(), payload), payload)
         return self._encoded[spec]
+
+    def compressed(self, spec: CodecSpec | None) -> tuple[PayloadInfo, memoryview] | None:
+        """The broadcast encoded with ``spec`` (None: plain) as a zstd frame, built on
+        first use; None when the frame would not be smaller (the payload goes as it is)."""
+        if spec not in self._frames:
+            encoded = self.encoded(spec) if spec is not None else None
+            info, payload = encoded or (self.info, self.payload)
+            frame = compress(payload)
+            self._frames[spec] = None if frame is None else (
+                dataclasses.replace(info, wire_bytes=len(frame)), memoryview(frame))
+        return self._frames[spec]

@@ -21,14 +21,15 @@ from fedloom.server.compression import (
     broadcast,
     check_decodes,
     check_encoding,
+    check_zstd,
 )
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.registry import ClientRecord
 from fedloom.server.rounds import Aggregation, RoundTasks, updates_from_queue
-from fedloom.server.stragglers import over_select
 from fedloom.server.store import ClientRow
+from fedloom.server.stragglers import over_select
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.server.uploads import Spool, SpooledWeights, Upload
 from fedloom.types import AggregateResult, ClientUpdate, TaskKind
@@ -46,7 +47,8 @@ def issue_phase(parts: RoundParts, phase: RoundTasks, owner: Any, client_ids: tu
         record = parts.fleet.registry.get(client_id)
         if record is None:
             continue
-        info, payload, codec, decoded = broadcast(parts.model, record.download_codec)
+        info, payload, codec, decoded = broadcast(parts.model, record.download_codec,
+                                                  record.download_zstd)
         header = TaskHeader(
             task_id=secrets.token_hex(16), run_id=parts.run_id, round=phase.round,
             kind=phase.kind, config=config, deadline_s=deadline_s, weights=info,
@@ -88,6 +90,7 @@ def start_fit_upload(parts: RoundParts, client: ClientRecord, task: Task,
         raise MessageRejectedError(
             RejectReason.TOO_LARGE, f"update of {header.update.total_bytes} bytes exceeds "
             f"max_model_bytes ({transfer.max_model_bytes})")
+    check_zstd(client.upload_zstd, header)
     if header.codec is not None:
         check_encoding(client.upload_codec, header, task.header.model_specs)
     else:
@@ -139,15 +142,15 @@ class PhaseOwner:
 class FitPhase(PhaseOwner):
     """The fit tasks of one plain round: checks each update's header, then folds it."""
 
-    async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
-                   fingerprint: bytes) -> Upload | bool:
-        try:
     def __init__(self, parts: RoundParts, phase: RoundTasks) -> None:
         super().__init__(parts, phase)
         #: A row per accepted update, when the run keeps per-client metrics.
         self.clients: list[ClientRow] | None = (
             [] if records_per_client(parts.config, parts.strategy) else None)
 
+    async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
+                   fingerprint: bytes) -> Upload | bool:
+        try:
             return start_fit_upload(self.parts, client, task, header, fingerprint)
         except EncodingRefusedError as exc:
             self.refused(task, exc)
@@ -174,16 +177,19 @@ class FitPhase(PhaseOwner):
         update = ClientUpdate(task.client_id, delta, header.num_examples, header.base_round,
                               header.metrics)
         self.phase.accept_update(task, update, upload.fingerprint)
-        self.progress()
-
-    def abandoned(self, upload: Upload) -> None:
         if self.clients is not None:
             self.clients.append(fit_row(self.parts.fleet.registry, task.client_id,
                                         header.num_examples, header.metrics))
+        self.progress()
+
+    def abandoned(self, upload: Upload) -> None:
         # A client that left mid-upload kept its task open for the upload; with the
         # upload gone, the task fails now, not at the deadline.
         task = upload.task
-        if task.client_id not in self.parts.fleet.registry and not self.phase.closed:
+        if upload.refusal is not None and task.status is TaskStatus.PENDING \
+                and not self.phase.closed:
+            self.refused(task, upload.refusal)  # a compressed stream that did not hold up
+        elif task.client_id not in self.parts.fleet.registry and not self.phase.closed:
             self.phase.fail(task, "the client left while its upload was failing")
 
 

@@ -30,6 +30,9 @@ class ClientRecord:
     #: The codecs granted at Join (`fedloom.server.compression.grant`); None: plain.
     upload_codec: CodecSpec | None = None
     download_codec: CodecSpec | None = None
+    #: Whether the zstd stage was granted too, per direction.
+    upload_zstd: bool = False
+    download_zstd: bool = False
 
     @property
     def client_id(self) -> str:

@@ -6,6 +6,13 @@ arrive). Once whole and verified it becomes `SpooledWeights`: a `Weights` that r
 each tensor from the file only when asked, and that aggregators read block by block
 (`fedloom.payload.BlockSource`) so an update is never loaded whole. An `Upload` ties a
 spool to the task whose result it carries.
+
+A zstd-compressed upload (docs/compression.md) is decompressed as its chunks arrive
+(`fedloom.compression.ZstdReceiver`) into the same checks and the same file: the spool
+holds the payload, never the stream, and no more than a chunk in and a piece out is in
+memory at once. A compressed upload refused for what its stream holds (not zstd, more
+output than its header declares, short, another digest) records the refusal
+(`Upload.refusal`) so that its task's owner fails the task, as for a codec's refusal.
 """
 
 from __future__ import annotations
@@ -17,8 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from fedloom.compression import ZstdReceiver
+from fedloom.compression._zstd import PIECE_BYTES
+from fedloom.errors import MessageRejectedError
 from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, PayloadReceiver
+from fedloom.server.compression import EncodingRefusedError
 from fedloom.server.tasks import Task
 from fedloom.weights import TensorSpec, Weights
 
@@ -130,13 +141,16 @@ class Spool:
         self.path = Path(name)
         self._file = _FileSink(fd)  # chunks are large already: a buffer only adds a copy
         self._info = info
-        self._receiver = PayloadReceiver(
+        self._receiver: PayloadReceiver | ZstdReceiver = PayloadReceiver(
             info.specs,
             info.total_bytes,
             info.sha256,
             self._file,
-            max_chunk_bytes=max_chunk_bytes,
+            max_chunk_bytes=PIECE_BYTES if info.wire_bytes else max_chunk_bytes,
         )
+        if info.wire_bytes:  # the chunks carry a zstd stream of the payload
+            self._receiver = ZstdReceiver(self._receiver, info.wire_bytes,
+                                          max_chunk_bytes=max_chunk_bytes)
 
     def feed(self, offset: int, data: bytes) -> None:
         self._receiver.feed(offset, data)
@@ -168,21 +182,35 @@ class Upload:
         self.header = header
         self.spool = spool
         self.fingerprint = fingerprint  # the result's (`fedloom.server.tasks`), once folded
+        #: Why a compressed upload was refused for its stream (its task then fails).
+        self.refusal: EncodingRefusedError | None = None
         self._done = False
         task.in_flight = True
 
     @property
     def size(self) -> int:
-        """The payload's size, as its header declares it."""
+        """The bytes its chunks carry, as its header declares them (the zstd stream's,
+        when compressed): what the transfer turns, pace and chunk rule count."""
         assert self.header.update is not None  # an upload carries a payload
-        return self.header.update.total_bytes
+        return self.header.update.wire_size
 
     @property
     def received(self) -> int:
         return self.spool.received
 
     def feed(self, offset: int, data: bytes) -> None:
-        self.spool.feed(offset, data)
+        try:
+            self.spool.feed(offset, data)
+        except MessageRejectedError as exc:
+            raise self._refused(exc) from None
+
+    def _refused(self, exc: MessageRejectedError) -> MessageRejectedError:
+        """``exc`` as the refusal of a compressed upload's stream (it fails the task)."""
+        assert self.header.update is not None
+        if not self.header.update.wire_bytes:
+            return exc
+        self.refusal = EncodingRefusedError(exc.reason, f"the update's zstd stream: {exc}")
+        return self.refusal
 
     async def finish(self) -> None:
         """Verify size and digest, then hand the payload to the task's owner to fold.
@@ -191,6 +219,10 @@ class Upload:
         assert owner is not None
         try:
             payload = self.spool.finish()
+        except MessageRejectedError as exc:
+            refused = self._refused(exc)
+            self.abandon()
+            raise refused from None
         except BaseException:
             self.abandon()
             raise
@@ -199,8 +231,9 @@ class Upload:
         await owner.fold(self, payload)
 
     def abandon(self) -> None:
-        """Drop what arrived (a broken stream); the client may push again. Idempotent,
-        and nothing once `finish` has begun the fold."""
+        """Drop what arrived (a broken stream; the client may push again), or a refused
+        compressed stream (`refusal`: the owner fails the task). Idempotent, and nothing
+        once `finish` has begun the fold."""
         if self._done:
             return
         self._done = True

@@ -4,8 +4,8 @@ A scenario's ``[compression]`` table names one codec per direction, as a client 
 the server for them (docs/compression.md), with the server's settings::
 
     [compression]
-    upload = "q8"          # "", "fp16", "bf16", "q8", "q4" or "topk"
-    download = "fp16"      # "", "fp16" or "bf16"
+    upload = "q8"          # "", "fp16", "bf16", "q8", "q4" or "topk"; "q8+zstd", "zstd", ...
+    download = "fp16"      # "", "fp16" or "bf16"; "fp16+zstd", "zstd", ...
     quantize_block = 256   # q8, q4: values per scale
     topk_fraction = 0.01   # topk: share of each tensor's values sent
 
@@ -18,13 +18,16 @@ codecs (`fedloom.compression`):
 - **upload**: each delta is encoded and decoded again before the strategy sees it;
   top-k goes through error feedback, one residual per client kept across rounds (the
   SDK's behaviour with a ``state_dir``). The stochastic rounding of q8/q4 draws from a
-  generator seeded by (run seed, client, round), so every engine draws the same.
+  generator seeded by (run seed, client, round), so every engine draws the same;
+- **zstd** (a name ending in ``+zstd``, or ``"zstd"`` alone): lossless, so it changes
+  nothing the strategy sees; the payloads are compressed for real (level 1, as the SDK
+  and the server do) to count their bytes, and sent uncompressed when that is smaller.
 
 Both engines apply it (the Flower bridge on the replies it receives: the same
 arithmetic the client would do, since a simulated residual never leaves the process),
 so the engines still agree round for round. Each round records the bytes a client
 sends and receives (``upload_bytes_per_client``, ``download_bytes_per_client``: the
-payloads' sizes, encoded or float32) in its fit metrics.
+payloads' sizes as they travel, encoded or float32, compressed or not) in its fit metrics.
 """
 
 from __future__ import annotations
@@ -39,12 +42,17 @@ from fedloom.compression import (
     UPLOAD_CODECS,
     CodecSpec,
     ErrorFeedback,
+    compress,
     decode,
     encode,
+    require_zstd,
+    split_stage,
+    stage_names,
 )
 from fedloom.compression._quantize import DEFAULT_BLOCK
 from fedloom.compression._spec import DEFAULT_TOPK_FRACTION
 from fedloom.errors import ConfigError
+from fedloom.payload import serialize
 from fedloom.types import ClientUpdate, Metrics, Scalar
 from fedloom.weights import TensorSpec, Weights
 
@@ -54,7 +62,8 @@ DOWNLOAD_BYTES = "download_bytes_per_client"
 
 @dataclasses.dataclass(frozen=True)
 class CompressionSpec:
-    """A scenario's ``[compression]``: one codec per direction ("" for none)."""
+    """A scenario's ``[compression]``: one codec per direction ("" for none), each with
+    or without the zstd stage."""
 
     upload: str = ""
     download: str = ""
@@ -64,13 +73,15 @@ class CompressionSpec:
     def __post_init__(self) -> None:
         for direction, allowed in (("upload", UPLOAD_CODECS), ("download", DOWNLOAD_CODECS)):
             name = getattr(self, direction)
-            if name and name not in allowed:
+            if name and name not in stage_names(allowed):
                 hint = (" (quantizing or sparsifying the model itself would change it, "
                         "not round it: those codecs are for updates)"
-                        if direction == "download" and name in UPLOAD_CODECS else "")
+                        if direction == "download" and split_stage(name)[0] in UPLOAD_CODECS
+                        else "")
                 raise ConfigError(f"compression.{direction}",
-                                  f"{name!r} is not one of {', '.join(allowed)}, or \"\" "
-                                  f"for none{hint}")
+                                  f"{name!r} is not one of {', '.join(allowed)} (each may "
+                                  f"end in +zstd, or zstd alone), or \"\" for none{hint}")
+            require_zstd(f"compression.{direction}", [name])
         # The settings' ranges are the server's (the same names, the same messages).
         CompressionConfig(quantize_block=self.quantize_block, topk_fraction=self.topk_fraction)
 
@@ -79,9 +90,11 @@ class CompressionSpec:
         return bool(self.upload or self.download)
 
     def codec(self, name: str) -> CodecSpec | None:
-        if not name:
+        """The codec of ``name`` (None: none; the zstd stage is not a codec)."""
+        codec, _ = split_stage(name)
+        if not codec:
             return None
-        return CodecSpec.of(name, block=self.quantize_block, fraction=self.topk_fraction)
+        return CodecSpec.of(codec, block=self.quantize_block, fraction=self.topk_fraction)
 
 
 class SimulatedCompression:
@@ -96,6 +109,8 @@ class SimulatedCompression:
         self.base_seed = base_seed
         self.upload = spec.codec(spec.upload)
         self.download = spec.codec(spec.download)
+        self.upload_zstd = split_stage(spec.upload)[1]
+        self.download_zstd = split_stage(spec.download)[1]
         self._feedback: dict[int, ErrorFeedback] = {}
         self._download_bytes = 0
         self._upload_bytes, self._uploads = 0, 0
@@ -104,18 +119,19 @@ class SimulatedCompression:
     def broadcast(self, weights: Weights) -> Weights:
         """The model every client of the round receives (decoded)."""
         if self.download is None:
-            self._download_bytes = weights.nbytes
+            self._download_bytes = _sent_bytes(weights, self.download_zstd)
             return weights
         codec = self.download.build()
         encoded = encode(codec, weights, np.random.default_rng(0))  # casts draw nothing
-        self._download_bytes = encoded.nbytes
+        self._download_bytes = _sent_bytes(encoded, self.download_zstd)
         return decode(codec, weights.specs(), encoded)
 
     def update(self, update: ClientUpdate, client_index: int, server_round: int
                ) -> ClientUpdate:
         """``update`` (a delta from the broadcast) as the server decodes it."""
         if self.upload is None:
-            self._count_upload(self._plain_bytes(update.delta))
+            self._count_upload(_sent_bytes(update.delta, True) if self.upload_zstd
+                               else self._plain_bytes(update.delta))
             return update
         rng = np.random.default_rng([self.base_seed, client_index, server_round])
         if self.upload.name == "topk":
@@ -127,7 +143,7 @@ class SimulatedCompression:
         else:
             codec = self.upload.build()
             encoded = encode(codec, update.delta, rng)
-        self._count_upload(encoded.nbytes)
+        self._count_upload(_sent_bytes(encoded, self.upload_zstd))
         delta = decode(codec, update.delta.specs(), encoded)
         return dataclasses.replace(update, delta=delta)
 
@@ -150,3 +166,13 @@ class SimulatedCompression:
         if specs is not self._layout[0]:
             self._layout = (specs, sum(spec.nbytes for spec in specs))
         return self._layout[1]
+
+
+def _sent_bytes(weights: Weights, zstd: bool) -> int:
+    """The bytes ``weights`` travel as: its payload, or its zstd frame when the stage is
+    on and the frame is smaller (as the SDK and the server send it)."""
+    if not zstd:
+        return weights.nbytes
+    payload = serialize(weights)
+    frame = compress(payload)
+    return len(frame) if frame is not None else len(payload)

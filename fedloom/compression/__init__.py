@@ -10,6 +10,10 @@ codec      what is sent                                 bytes per float32      u
 ``topk``   the largest ``fraction`` of each tensor      8 * fraction           no
 =========  ===========================================  =====================  =========
 
+After any codec (or none), a lossless **zstd stage** may compress the payload's bytes
+(``"q8+zstd"``, ``"zstd"`` alone: `split_stage`, `compress`, `ZstdReceiver`; needs the
+optional zstandard package).
+
 Each codec turns a tensor into fixed-layout parts (`Codec`, `encode`, `decode`,
 `encoded_layout`), so an encoded update is an ordinary `Weights`; `DecodedWeights`
 decodes one tensor per access, so a receiver never holds a whole decoded update. `ErrorFeedback`
@@ -46,6 +50,14 @@ from fedloom.compression._spec import (
     make_codec,
 )
 from fedloom.compression._topk import TopKCodec
+from fedloom.compression._zstd import (
+    ZstdReceiver,
+    compress,
+    require_zstd,
+    split_stage,
+    stage_name,
+    stage_names,
+)
 
 __all__ = [
     "CODECS",
@@ -60,11 +72,17 @@ __all__ = [
     "Fp16Codec",
     "QuantizeCodec",
     "TopKCodec",
+    "ZstdReceiver",
     "check_encoded",
     "choose",
+    "compress",
     "decode",
     "encode",
     "encoded_bytes",
     "encoded_layout",
     "make_codec",
+    "require_zstd",
+    "split_stage",
+    "stage_name",
+    "stage_names",
 ]

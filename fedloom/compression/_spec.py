@@ -101,12 +101,9 @@ class CodecSpec:
         return f"{self.name}({settings})" if settings else self.name
 
 
-def choose(asked: Iterable[str], accepted: Iterable[CodecSpec]) -> CodecSpec | None:
-    """The first codec in ``asked`` (a client's order of preference) that ``accepted``
+def choose(asked: Iterable[str], accepted: Iterable[str]) -> str | None:
+    """The first name in ``asked`` (a client's order of preference) that ``accepted``
     holds, or None: names the receiver does not know are skipped, not refused, so a
-    newer client may ask for codecs an older server lacks."""
-    by_name = {spec.name: spec for spec in accepted}
-    for name in asked:
-        if name in by_name:
-            return by_name[name]
-    return None
+    newer client may ask for codecs (or stages, ``"q8+zstd"``) an older server lacks."""
+    accepted = set(accepted)
+    return next((name for name in asked if name in accepted), None)

@@ -116,7 +116,7 @@ def test_check_encoded_walks_every_tensor(codec_name) -> None:  # type: ignore[n
     encoded = encode(codec, model, np.random.default_rng(1))
     check_encoded(codec, model.specs(), encoded)  # honest: passes
     # Break the last floating tensor's first part: the check must get that far.
-    last = [s for s in encoded_layout(codec, model.specs()) if s.name.startswith("b|")][0]
+    last = next(s for s in encoded_layout(codec, model.specs()) if s.name.startswith("b|"))
     broken = {name: np.array(encoded[name]) for name in encoded}
     bad = np.full(last.shape, 0, last.numpy_dtype)
     if codec_name in ("fp16",):

@@ -20,7 +20,9 @@ Compression (docs/compression.md) adds only optional fields to version 5: a clie
 asks for codecs at Join (JoinRequest.upload_codecs, download_codecs), the server grants
 at most one per direction (JoinResponse.upload_encoding, download_encoding), and the
 headers of encoded payloads name their Encoding. A peer that knows nothing of these
-fields asks for, grants and sends nothing encoded.
+fields asks for, grants and sends nothing encoded. The lossless zstd stage (a name
+such as "q8+zstd", or "zstd" alone, at Join; Encoding.zstd; PayloadHeader.wire_bytes)
+is optional in the same way.
 """
 
 from collections import abc as _abc
@@ -147,29 +149,39 @@ Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
 
 @_typing.final
 class Encoding(_message.Message):
-    """A codec and its settings (fedloom.compression.CodecSpec); the server fixes the settings."""
+    """A codec and its settings (fedloom.compression.CodecSpec), and whether the zstd stage
+    follows it; the server fixes the settings.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CODEC_FIELD_NUMBER: _builtins.int
     BLOCK_FIELD_NUMBER: _builtins.int
     FRACTION_FIELD_NUMBER: _builtins.int
+    ZSTD_FIELD_NUMBER: _builtins.int
     codec: _builtins.str
-    """"fp16", "bf16", "q8", "q4" or "topk" """
+    """"fp16", "bf16", "q8", "q4" or "topk"; "" for none (then zstd is true: a plain
+    float32 payload whose only stage is zstd).
+    """
     block: _builtins.int
     """q8, q4: values sharing one scale (0 for the others)"""
     fraction: _builtins.float
     """topk: share of each tensor's values sent (0 for the others)"""
+    zstd: _builtins.bool
+    """The lossless zstd stage after the codec. In a grant: the session may use it. In a
+    task or result header: the payload travels zstd-compressed (PayloadHeader.wire_bytes).
+    """
     def __init__(
         self,
         *,
         codec: _builtins.str = ...,
         block: _builtins.int = ...,
         fraction: _builtins.float = ...,
+        zstd: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "codec", b"codec", "fraction", b"fraction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "codec", b"codec", "fraction", b"fraction", "zstd", b"zstd"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -187,8 +199,15 @@ class PayloadHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    WIRE_BYTES_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     sha256: _builtins.bytes
+    wire_bytes: _builtins.int
+    """0: the chunks carry the payload itself. Otherwise (only with an Encoding whose zstd
+    is true) they carry the payload compressed with zstd, wire_bytes long and fewer than
+    total_bytes: chunk offsets and sizes count these bytes; total_bytes and sha256 still
+    describe the payload once decompressed.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
     def __init__(
@@ -197,10 +216,11 @@ class PayloadHeader(_message.Message):
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         total_bytes: _builtins.int = ...,
         sha256: _builtins.bytes = ...,
+        wire_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sha256", b"sha256", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sha256", b"sha256", "tensors", b"tensors", "total_bytes", b"total_bytes", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -213,8 +233,9 @@ class Chunk(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
-    """byte offset in the payload; chunks arrive in order"""
+    """byte offset in the payload (in its zstd stream, when"""
     data: _builtins.bytes
+    """compressed); chunks arrive in order"""
     def __init__(
         self,
         *,

@@ -20,7 +20,9 @@ Compression (docs/compression.md) adds only optional fields to version 5: a clie
 asks for codecs at Join (JoinRequest.upload_codecs, download_codecs), the server grants
 at most one per direction (JoinResponse.upload_encoding, download_encoding), and the
 headers of encoded payloads name their Encoding. A peer that knows nothing of these
-fields asks for, grants and sends nothing encoded.
+fields asks for, grants and sends nothing encoded. The lossless zstd stage (a name
+such as "q8+zstd", or "zstd" alone, at Join; Encoding.zstd; PayloadHeader.wire_bytes)
+is optional in the same way.
 """
 
 from collections import abc as _abc
