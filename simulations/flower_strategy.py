@@ -99,6 +99,10 @@ FitCallback = Callable[[int, AggregateResult, int], None]
 EvaluateCallback = Callable[[int, Metrics], None]
 
 
+#: Times the identity query is sent to nodes that have not answered it yet.
+IDENTIFY_ATTEMPTS = 5
+
+
 class FlowerStrategy(FlowerBaseStrategy):
     """Adapts a fedloom `Strategy` to Flower's message-API ``Strategy``.
 
@@ -111,7 +115,8 @@ class FlowerStrategy(FlowerBaseStrategy):
         identify_nodes: ask each new node its ``partition-id`` (the ClientApps must
             answer the query: `to_client_app`'s do; see the module docstring). False
             for plain Flower ClientApps: no query, nodes known by their node ids.
-        identify_timeout: seconds to wait for nodes' answers to the identity query.
+        identify_timeout: seconds to wait for nodes' answers to the identity query (a
+            node that answers with an error is asked again within them).
         on_fit_round: called as ``(server_round, result, num_failures)`` after each
             aggregation (progress displays, history, checkpoints).
         on_evaluate_round: called as ``(server_round, metrics)`` after each federated
@@ -134,7 +139,7 @@ class FlowerStrategy(FlowerBaseStrategy):
         fit_defaults: Mapping[str, Scalar] | None = None,
         min_available_nodes: int = 2,
         identify_nodes: bool = True,
-        identify_timeout: float = 60.0,
+        identify_timeout: float = 120.0,
         on_fit_round: FitCallback | None = None,
         on_evaluate_round: EvaluateCallback | None = None,
         clock: SyncClock | None = None,
@@ -208,22 +213,33 @@ class FlowerStrategy(FlowerBaseStrategy):
             logger.info("%d new nodes known by their Flower node ids (identify_nodes=False)",
                         len(nodes))
             return {}
-        queries = [
-            Message(RecordDict(), dst_node_id=n, message_type=IDENTITY_MESSAGE_TYPE)
-            for n in nodes
-        ]
+        # A node asked while the machine is busy (Ray still starting workers) may answer
+        # with an error or not in time: ask the silent ones again, within one deadline.
         answered: dict[int, int] = {}
-        for reply in grid.send_and_receive(queries, timeout=self.identify_timeout):
-            if reply.has_error():
-                continue
-            for record in reply.content.config_records.values():
-                value = record.get(PARTITION_ID_KEY)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    answered[reply.metadata.src_node_id] = value
-        for node in nodes:
-            if node not in answered:
-                logger.warning("node %d did not say its partition-id; using its node id (for "
-                               "plain Flower ClientApps, pass identify_nodes=False)", node)
+        pending = list(nodes)
+        deadline = time.monotonic() + self.identify_timeout
+        for _ in range(IDENTIFY_ATTEMPTS):
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                break
+            queries = [Message(RecordDict(), dst_node_id=n, message_type=IDENTITY_MESSAGE_TYPE)
+                       for n in pending]
+            for reply in grid.send_and_receive(queries, timeout=remaining):
+                if reply.has_error():
+                    continue
+                for record in reply.content.config_records.values():
+                    value = record.get(PARTITION_ID_KEY)
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        answered[reply.metadata.src_node_id] = value
+            pending = [n for n in pending if n not in answered]
+        if pending and self.clock is not None:
+            raise RuntimeError(
+                f"nodes {pending[:5]} did not say their partition-id within "
+                f"{self.identify_timeout:g} s (identify_timeout); the virtual clock needs "
+                "every node's: are the ClientApps fedloom's (to_client_app)?")
+        for node in pending:
+            logger.warning("node %d did not say its partition-id; using its node id (for "
+                           "plain Flower ClientApps, pass identify_nodes=False)", node)
         return answered
 
     # -- train -----------------------------------------------------------------------
