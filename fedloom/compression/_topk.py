@@ -59,12 +59,7 @@ class TopKCodec(Codec):
 
     def decode_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> np.ndarray:
         index, values = parts
-        if index.size:
-            wide = index.astype(np.int64)
-            if int(wide[-1]) >= spec.size or (index.size > 1 and not (np.diff(wide) > 0).all()):
-                raise CompressionError(
-                    f"the indices of {spec.name!r} must be strictly increasing and below "
-                    f"{spec.size}")
+        _check_indices(index, spec)
         if not np.isfinite(values).all():
             raise CompressionError(f"the values of {spec.name!r} must be finite")
         out = np.zeros(spec.size, spec.numpy_dtype)
@@ -73,14 +68,19 @@ class TopKCodec(Codec):
 
     def check_tensor(self, parts: Sequence[np.ndarray], spec: TensorSpec) -> None:
         index, values = parts
-        if index.size:
-            wide = index.astype(np.int64)
-            if int(wide[-1]) >= spec.size or (index.size > 1 and not (np.diff(wide) > 0).all()):
-                raise CompressionError(
-                    f"the indices of {spec.name!r} must be strictly increasing and below "
-                    f"{spec.size}")
+        _check_indices(index, spec)
         # Only the k values are cast (a float16 tensor may overflow); the zeros are finite.
         with np.errstate(over="ignore"):
             narrowed = values.astype(spec.numpy_dtype)
         if not np.isfinite(narrowed).all():
             raise CompressionError(f"tensor {spec.name!r} decodes to non-finite values")
+
+
+def _check_indices(index: np.ndarray, spec: TensorSpec) -> None:
+    """Refuse indices that are not strictly increasing or fall outside the tensor."""
+    if index.size:
+        wide = index.astype(np.int64)
+        if int(wide[-1]) >= spec.size or (index.size > 1 and not (np.diff(wide) > 0).all()):
+            raise CompressionError(
+                f"the indices of {spec.name!r} must be strictly increasing and below "
+                f"{spec.size}")

@@ -5,9 +5,7 @@ metrics hooks as a real server records them."""
 from __future__ import annotations
 
 import json
-import logging
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +20,6 @@ from fedloom.server.store import ClientRow, RoundRow, RunStore
 from fedloom.strategies import FedAvg
 
 NUM_CLIENTS = 3
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """`main` configures the root logger; put it back for the tests that follow."""
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    yield
-    root.setLevel(level)
-    for handler in [h for h in root.handlers if h not in handlers]:
-        root.removeHandler(handler)
 
 
 class ReportingClient(ScriptedClient):

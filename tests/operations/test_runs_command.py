@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,17 +11,6 @@ from helpers import ScriptedClient, run_clients, small_weights
 
 from fedloom.cli import main
 from fedloom.server import Server
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """`main` configures the root logger; put it back for the tests that follow."""
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    yield
-    root.setLevel(level)
-    for handler in [h for h in root.handlers if h not in handlers]:
-        root.removeHandler(handler)
 
 
 def _one_run(server_config, **overrides) -> tuple[str, str]:  # type: ignore[no-untyped-def]
