@@ -48,6 +48,7 @@ log = logging.getLogger("fedloom.server")
 
 def grpc_server_options(config: ServerConfig) -> list[tuple[str, Any]]:
     t = config.transfer
+    pending = max(1_000, 2 * config.max_clients)  # a client has one or two calls waiting
     return [
         ("grpc.max_receive_message_length", t.max_message_bytes),
         ("grpc.max_send_message_length", t.max_message_bytes),
@@ -60,6 +61,12 @@ def grpc_server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.max_ping_strikes", 3),
         # Never share a port with another process silently.
         ("grpc.so_reuseport", 0),
+        # Calls that arrived and wait for the event loop to pick them up: past gRPC's
+        # default of 1,000, it refuses more and more of them (the client sees CANCELLED),
+        # and a round's results from a thousand clients, with their heartbeats, come as
+        # one burst. Past twice the clients' share, a flood is still refused.
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
         # Fixed stream windows (gRPC's initial size, or `stream_window_bytes`): with BDP
         # probing, every upload waiting for its turn (server/transfer_slots.py) filled a
         # window of megabytes in gRPC's buffers, so memory grew with the clients. Larger
