@@ -18,8 +18,12 @@ from helpers import committed_models
 from fedloom import Weights
 from fedloom.client_sdk import Client, start_client
 from fedloom.client_sdk import _compression as client_compression
+from fedloom.client_sdk.connection import Connection
 from fedloom.compression import Codec
 from fedloom.config import ClientConfig
+from fedloom.messages import PROTOCOL_VERSION, JoinReply, JoinRequest, NoTask, TaskHeader
+from fedloom.server.fleet import Fleet
+from fedloom.types import TaskKind
 
 
 @dataclasses.dataclass
@@ -87,3 +91,39 @@ def client_threads(address: str, clients: dict[str, tuple[Client, dict[str, Any]
 def rounds_committed(state_dir: str | Path) -> dict[int, Weights]:
     """Every committed round's model of the newest run, by round (0: the initial one)."""
     return committed_models(state_dir)
+
+
+def joined(address: str, cases: dict[str, tuple[Any, ...]], **settings: Any
+           ) -> dict[str, Connection]:
+    """A joined `Connection` per case, asking for the codecs its first item names."""
+    connections = {}
+    for name, (asked, *_rest) in cases.items():
+        connection = Connection(client_config(address, upload_codecs=asked, **settings))
+        connection.join(name)
+        connections[name] = connection
+    return connections
+
+
+def next_fit_task(connection: Connection) -> TaskHeader:
+    """The connection's next task, heartbeating while there is none: a fit task."""
+    outcome = connection.pull()
+    while isinstance(outcome, NoTask):
+        connection.heartbeat()
+        outcome = connection.pull()
+    task, _ = outcome
+    assert task.kind is TaskKind.FIT and connection.session is not None
+    return task
+
+
+def join_fleet(fleet: Fleet, upload: tuple[str, ...] = (), download: tuple[str, ...] = ()
+               ) -> JoinReply:
+    """Join ``fleet`` asking for these codecs; the session's record holds the grants
+    the reply states."""
+    request = JoinRequest(PROTOCOL_VERSION, frozenset({"fit"}), "site", "", upload, download)
+    reply = fleet.join(request)
+    record = fleet.registry.get(reply.session.client_id)
+    assert record is not None
+    assert (record.upload_codec, record.download_codec, record.upload_zstd,
+            record.download_zstd) == (reply.upload_codec, reply.download_codec,
+                                      reply.upload_zstd, reply.download_zstd)
+    return reply

@@ -13,15 +13,20 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from compression_support import EncodeLog, client_config, client_threads, rounds_committed
+from compression_support import (
+    EncodeLog,
+    client_threads,
+    joined,
+    next_fit_task,
+    rounds_committed,
+)
 from helpers import ScriptedClient, small_weights
 
 from fedloom import Weights
-from fedloom.client_sdk.connection import Connection
 from fedloom.compression import CodecSpec, decode, encode
 from fedloom.config import CompressionConfig
 from fedloom.errors import ResultRefusedError
-from fedloom.messages import NoTask, ResultHeader
+from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.server import Server
 from fedloom.types import TaskKind
@@ -79,11 +84,7 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
                                                          topk_fraction=0.5))
     log = EncodeLog(monkeypatch)
     handle = Server(config, initial_weights=small_weights()).start()
-    connections = {}
-    for name, (asked, *_rest) in HOSTILE.items():
-        connection = Connection(client_config(handle.address, upload_codecs=asked))
-        connection.join(name)
-        connections[name] = connection
+    connections = joined(handle.address, HOSTILE)
     honest = {f"h{i}": ScriptedClient(seed=i, num_examples=10 + i) for i in range(2)}
     statuses: dict[str, grpc.StatusCode | None] = {}
     try:
@@ -91,12 +92,7 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
                 handle.address, {n: (c, {"upload_codecs": ("q8",)}) for n, c in honest.items()}):
             for name, (_, claimed, payload_weights, _status) in HOSTILE.items():
                 connection = connections[name]
-                outcome = connection.pull()
-                while isinstance(outcome, NoTask):
-                    connection.heartbeat()
-                    outcome = connection.pull()
-                task, _ = outcome
-                assert task.kind is TaskKind.FIT and connection.session is not None
+                task = next_fit_task(connection)
                 payload = serialize(payload_weights)
                 result = ResultHeader(connection.session, task.task_id, task.round, TaskKind.FIT,
                                       num_examples=EXAMPLES, base_round=task.round - 1,

@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 import pytest
+from compression_support import join_fleet
 from helpers import small_weights
 
 from fedloom.client_sdk._compression import decode_model
@@ -45,20 +46,11 @@ def _fleet(tmp_path, **compression) -> Fleet:  # type: ignore[no-untyped-def]
     return Fleet(config, "run-1")
 
 
-def _join(fleet: Fleet, upload: tuple[str, ...] = (), download: tuple[str, ...] = ()
-          ) -> JoinReply:
-    request = JoinRequest(PROTOCOL_VERSION, frozenset({"fit"}), "site", "", upload, download)
-    reply = fleet.join(request)
-    record = fleet.registry.get(reply.session.client_id)
-    assert record is not None
-    assert (record.upload_codec, record.download_codec) == (reply.upload_codec,
-                                                             reply.download_codec)
-    return reply
 
 
 def test_a_client_that_asks_nothing_is_granted_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     fleet = _fleet(tmp_path, upload=("q8", "topk"), download=("fp16",))
-    reply = _join(fleet)
+    reply = join_fleet(fleet)
     assert reply.upload_codec is None and reply.download_codec is None
     # As an old client sends it: no codec fields at all on the wire.
     old = codec.join_request_from_proto(pb.JoinRequest(protocol_version=PROTOCOL_VERSION,
@@ -70,17 +62,17 @@ def test_a_client_that_asks_nothing_is_granted_nothing(tmp_path) -> None:  # typ
 
 def test_the_first_accepted_codec_in_the_clients_order_is_granted(tmp_path) -> None:  # type: ignore[no-untyped-def]
     fleet = _fleet(tmp_path, upload=("q8", "topk"), download=("bf16", "fp16"))
-    reply = _join(fleet, upload=("q2", "topk", "q8"), download=("fp16", "bf16"))
+    reply = join_fleet(fleet, upload=("q2", "topk", "q8"), download=("fp16", "bf16"))
     assert reply.upload_codec == TOPK  # "q2" is unknown: skipped, not refused
     assert reply.download_codec == FP16
-    assert _join(fleet, upload=("q8",)).upload_codec == Q8  # the server's block
+    assert join_fleet(fleet, upload=("q8",)).upload_codec == Q8  # the server's block
 
 
 def test_asking_for_codecs_the_server_does_not_accept_grants_none_and_says_why(
         tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     fleet = _fleet(tmp_path, upload=("q8",))
     with caplog.at_level(logging.INFO, logger="fedloom.server"):
-        reply = _join(fleet, upload=("topk", "q4"), download=("fp16",))
+        reply = join_fleet(fleet, upload=("topk", "q4"), download=("fp16",))
     assert reply.upload_codec is None and reply.download_codec is None
     lines = [r.getMessage() for r in caplog.records if "none granted" in r.getMessage()]
     assert len(lines) == 2

@@ -15,16 +15,20 @@ import grpc
 import numpy as np
 import pytest
 import zstandard
-from compression_support import client_config, client_threads, rounds_committed
+from compression_support import (
+    client_threads,
+    joined,
+    next_fit_task,
+    rounds_committed,
+)
 from helpers import ScriptedClient
 
 from fedloom import Weights
-from fedloom.client_sdk.connection import Connection
 from fedloom.compression import CodecSpec, compress, decode, encode
 from fedloom.compression import _zstd as zstd_stage
 from fedloom.config import CompressionConfig, TransferConfig
 from fedloom.errors import ResultRefusedError
-from fedloom.messages import NoTask, ResultHeader
+from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, serialize
 from fedloom.server import Server
 from fedloom.types import TaskKind
@@ -108,12 +112,7 @@ def test_each_hostile_stream_is_refused_and_the_round_completes_without_it(
                            compression=CompressionConfig(upload=("q8+zstd", "q8", "zstd"),
                                                          quantize_block=64))
     handle = Server(config, initial_weights=_model()).start()
-    connections = {}
-    for name, (asked, *_rest) in cases.items():
-        connection = Connection(client_config(handle.address, upload_codecs=asked,
-                                              transfer=TRANSFER))
-        connection.join(name)
-        connections[name] = connection
+    connections = joined(handle.address, cases, transfer=TRANSFER)
     honest = {f"h{i}": ScriptedClient(seed=i, num_examples=10 + i) for i in range(2)}
     statuses: dict[str, grpc.StatusCode | None] = {}
     try:
@@ -121,12 +120,7 @@ def test_each_hostile_stream_is_refused_and_the_round_completes_without_it(
                 handle.address, {n: (c, {"transfer": TRANSFER}) for n, c in honest.items()}):
             for name, (_, claimed, (info, sent), _status) in cases.items():
                 connection = connections[name]
-                outcome = connection.pull()
-                while isinstance(outcome, NoTask):
-                    connection.heartbeat()
-                    outcome = connection.pull()
-                task, _ = outcome
-                assert task.kind is TaskKind.FIT and connection.session is not None
+                task = next_fit_task(connection)
                 result = ResultHeader(connection.session, task.task_id, task.round, TaskKind.FIT,
                                       num_examples=EXAMPLES, base_round=task.round - 1,
                                       update=info, codec=claimed)

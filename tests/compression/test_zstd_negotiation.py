@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from compression_support import join_fleet
 from helpers import small_weights
 
 from fedloom.cli import build_parser, server_config_from_args
@@ -16,7 +17,6 @@ from fedloom.errors import ConfigError, MessageRejectedError, RejectReason, Tran
 from fedloom.messages import (
     PROTOCOL_VERSION,
     JoinReply,
-    JoinRequest,
     ResultHeader,
     Session,
     TaskHeader,
@@ -36,14 +36,7 @@ REPLY = JoinReply(SESSION, PROTOCOL_VERSION, frozenset({"fit"}), "run-1", 5.0, 2
 def _join(tmp_path, asked_up=(), asked_down=(), **accepted) -> JoinReply:  # type: ignore[no-untyped-def]
     config = ServerConfig(insecure=True, state_dir=str(tmp_path),
                           compression=CompressionConfig(quantize_block=64, **accepted))
-    fleet = Fleet(config, "run-1")
-    reply = fleet.join(JoinRequest(PROTOCOL_VERSION, frozenset({"fit"}), "site", "",
-                                   tuple(asked_up), tuple(asked_down)))
-    record = fleet.registry.get(reply.session.client_id)
-    assert record is not None
-    assert (record.upload_zstd, record.download_zstd) == (reply.upload_zstd,
-                                                           reply.download_zstd)
-    return reply
+    return join_fleet(Fleet(config, "run-1"), tuple(asked_up), tuple(asked_down))
 
 
 def test_the_stage_is_granted_with_its_codec_in_the_clients_order(tmp_path) -> None:  # type: ignore[no-untyped-def]

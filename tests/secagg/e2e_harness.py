@@ -162,6 +162,16 @@ def stop_runners(runners: list[HarnessRunner], threads: list[threading.Thread]) 
         t.join(10)
 
 
+def run_to_end(handle: Any, clients: list[Client], pki: Any, timeout_s: float = 60.0
+               ) -> tuple[list[Any], list[HarnessRunner]]:
+    """Run ``clients`` (well-behaved runners) against a started server until its run
+    ends; its history, and the runners."""
+    runners, threads = start_runners(handle.address, clients, pki=pki)
+    history = handle.wait(timeout_s)
+    stop_runners(runners, threads)
+    return history, runners
+
+
 def plaintext(clients: list[RecordingClient], survivors: list[int], server_round: int,
               config: SecAggConfig) -> tuple[np.ndarray, np.ndarray, float]:
     """(weighted mean, weighted sum, total weight) of the survivors' clipped deltas."""

@@ -8,7 +8,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from e2e_harness import RecordingClient, secagg, start_runners, stop_runners
+from e2e_harness import RecordingClient, run_to_end, secagg
 from helpers import small_weights
 
 from fedloom.server import Server
@@ -38,9 +38,7 @@ def test_a_secure_run_records_no_client_rows_and_never_calls_the_fit_hook(
     server = Server(config, initial_weights=small_weights(), strategy=strategy)
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=10 * (i + 1)) for i in range(6)]
-    runners, threads = start_runners(handle.address, clients, pki=pki)
-    history = handle.wait(60)
-    stop_runners(runners, threads)
+    history, _ = run_to_end(handle, clients, pki)
     assert [r.status for r in history] == ["ok", "ok"]
     assert fit_calls == [] and [len(c) for c in evaluate_calls] == [6, 6]
     assert history[0].fit == {"num_updates": 6, "num_examples": 210}  # sums only

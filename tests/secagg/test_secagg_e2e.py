@@ -19,6 +19,7 @@ from e2e_harness import (
     checkpoints,
     mean_tolerance,
     plaintext,
+    run_to_end,
     secagg,
     start_runners,
     stop_runners,
@@ -44,9 +45,7 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
     fits_before = fits._value.get()
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=10 * (i + 1)) for i in range(6)]
-    runners, threads = start_runners(handle.address, clients, pki=pki)
-    history = handle.wait(60)
-    stop_runners(runners, threads)
+    history, runners = run_to_end(handle, clients, pki)
     assert [r.status for r in history] == ["ok", "ok"]
     assert [r.num_updates for r in history] == [6, 6]
     assert fits._value.get() - fits_before == 12  # secure fits count like plain ones
@@ -228,9 +227,7 @@ def test_fedadam_composes_with_secure_aggregation(
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
     clients = [RecordingClient(seed=i, num_examples=10 + i) for i in range(5)]
-    runners, threads = start_runners(handle.address, clients, pki=pki)
-    history = handle.wait(60)
-    stop_runners(runners, threads)
+    history, _ = run_to_end(handle, clients, pki)
     assert history[0].status == "ok"
     initial = small_weights()
     updates = []
