@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -54,23 +55,60 @@ def rotation_signs(seed: bytes, length: int) -> np.ndarray:
     return 1.0 - 2.0 * bits.astype(np.float64)
 
 
-def _walsh_hadamard_inplace(values: np.ndarray) -> None:
-    """Apply the (unnormalized) Walsh-Hadamard transform to ``values`` in place.
+#: The first log2(_BLOCK) butterfly levels run as one matrix product with the dense
+#: Hadamard matrix of that order: BLAS does them several times faster than numpy's
+#: strided passes over short blocks.
+_BLOCK = 64
 
-    One vectorized butterfly per level: viewing the array as blocks ``(a, b)`` of
-    width ``h`` gives ``(a + b, a - b)``; ``log2(n)`` levels, O(n log n) in all.
+
+@functools.lru_cache(maxsize=8)
+def _dense_hadamard(order: int, dtype: str) -> np.ndarray:
+    """Sylvester's ``H_order`` (entries ±1, exact in any float dtype), read-only."""
+    matrix = np.ones((1, 1), dtype=dtype)
+    while matrix.shape[0] < order:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    matrix.setflags(write=False)
+    return matrix
+
+
+def walsh_hadamard(values: np.ndarray) -> np.ndarray:
+    """The (unnormalized) Walsh-Hadamard transform of ``values``, as a new array.
+
+    ``values``: 1-D float32 or float64 of a power-of-two length; the result has its
+    dtype. The levels of the transform are independent factors of a Kronecker
+    product, so they may run in any order: the first ``log2(_BLOCK)`` as one matrix
+    product over contiguous blocks, the rest as radix-4 butterflies (two levels per
+    pass, ``(a, b, c, d) -> (a+b+c+d, a-b+c-d, a+b-c-d, a-b-c+d)``), and a last
+    radix-2 level when an odd number remains. O(n log n) in all.
     """
     n = values.shape[0]
-    half = 1
-    scratch = np.empty(n // 2, dtype=values.dtype)
-    while half < n:
-        blocks = values.reshape(-1, 2, half)
-        first, second = blocks[:, 0, :], blocks[:, 1, :]
-        saved = scratch.reshape(-1, half)
-        np.copyto(saved, first)
-        first += second  # a + b
-        np.subtract(saved, second, out=second)  # a - b
-        half *= 2
+    block = min(_BLOCK, n)
+    out = (values.reshape(-1, block) @ _dense_hadamard(block, values.dtype.str)).reshape(-1)
+    half = block
+    if half * 2 > n:
+        return out
+    quarter = n // 4
+    s1, d1 = np.empty(quarter, out.dtype), np.empty(quarter, out.dtype)
+    s2, d2 = np.empty(quarter, out.dtype), np.empty(quarter, out.dtype)
+    while half * 4 <= n:
+        a, b, c, d = np.moveaxis(out.reshape(-1, 4, half), 1, 0)
+        ts1, td1, ts2, td2 = (t.reshape(-1, half) for t in (s1, d1, s2, d2))
+        np.add(a, b, out=ts1)
+        np.subtract(a, b, out=td1)
+        np.add(c, d, out=ts2)
+        np.subtract(c, d, out=td2)
+        np.add(ts1, ts2, out=a)
+        np.add(td1, td2, out=b)
+        np.subtract(ts1, ts2, out=c)
+        np.subtract(td1, td2, out=d)
+        half *= 4
+    if half < n:  # one radix-2 level left: (a, b) -> (a + b, a - b)
+        a, b = out[: n // 2], out[n // 2:]
+        saved = np.concatenate((s1, d1))
+        np.copyto(saved, a)
+        a += b
+        np.subtract(saved, b, out=b)
+    return out
 
 
 def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
@@ -82,23 +120,22 @@ def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
     n = signs.shape[0]
     if values.ndim != 1 or values.shape[0] > n:
         raise ValueError(f"rotate needs a 1-D vector of at most {n} values, got {values.shape}")
-    out = np.zeros(n, dtype=np.float64)
-    np.multiply(values, signs[: values.shape[0]], out=out[: values.shape[0]])
-    _walsh_hadamard_inplace(out)
+    padded = np.zeros(n)
+    np.multiply(values, signs[: values.shape[0]], out=padded[: values.shape[0]])
+    out = walsh_hadamard(padded)
     out *= 1.0 / np.sqrt(n)
     return out
 
 
 def unrotate(y: np.ndarray, signs: np.ndarray, d: int) -> np.ndarray:
-    """Invert `rotate`: ``D H y / sqrt(n)``, truncated to the first ``d`` values."""
+    """Invert `rotate`: ``D H y / sqrt(n)``, truncated to the first ``d`` values; float64."""
     values = np.asarray(y)
     n = signs.shape[0]
     if values.shape != (n,):
         raise ValueError(f"unrotate needs a vector of {n} values, got {values.shape}")
     if not 1 <= d <= n:
         raise ValueError(f"the original dimension must be in [1, {n}], got {d}")
-    out = values.astype(np.float64, copy=True)
-    _walsh_hadamard_inplace(out)
+    out = walsh_hadamard(values.astype(np.float64, copy=False))
     out *= signs
     out *= 1.0 / np.sqrt(n)
     return out if d == n else out[:d].copy()

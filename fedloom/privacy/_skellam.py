@@ -65,7 +65,7 @@ import math
 import numpy as np
 
 from fedloom.errors import ConfigError, SecureAggregationError
-from fedloom.privacy._hadamard import padded_length, rotate, unrotate
+from fedloom.privacy._hadamard import padded_length, unrotate, walsh_hadamard
 from fedloom.privacy._skellam_params import (
     DEFAULT_BETA,
     MAX_BITS,
@@ -125,6 +125,16 @@ def sample_skellam(mu: float, size: int, rng: np.random.Generator) -> np.ndarray
 # --- client and server ---------------------------------------------------------------
 
 
+def _norm(values: np.ndarray) -> float:
+    """The L2 norm in float64; refuses NaN and infinities."""
+    squares = float(np.dot(values, values))
+    if math.isfinite(squares):
+        return math.sqrt(squares)
+    if not np.isfinite(values).all():
+        raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
+    return float(np.linalg.norm(values))  # finite values whose squares overflow
+
+
 def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
                rng: np.random.Generator) -> np.ndarray:
     """Steps 1-3 (clip, rotate, scale, conditional rounding): the integer vector, int64.
@@ -133,6 +143,9 @@ def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
     L1 norm at most ``params.l1_bound``). Raises `SecureAggregationError` for an
     update of the wrong shape or with non-finite values, or when every rounding
     attempt fails the norm check (probability at most ``β ** 100``).
+
+    The rotation runs on the unit vector; the clipped norm, gamma and ``1/sqrt(d')``
+    are applied after, in the same pass that leaves the transform.
     """
     values = np.asarray(update)
     if values.shape != (params.dimension,):
@@ -141,19 +154,22 @@ def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
     if signs.shape != (params.padded_dimension,):
         raise SecureAggregationError(
             f"the rotation needs {params.padded_dimension} signs, got {signs.shape}")
-    flat = values.astype(np.float64)
-    if not np.isfinite(flat).all():
-        raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
-    norm = float(np.linalg.norm(flat))
-    if norm > params.clip_norm:
-        flat *= params.clip_norm / norm
-    scaled = rotate(flat, signs)
-    scaled *= params.scale
+    flat = values.astype(np.float64, copy=False)
+    norm = _norm(flat)
+    padded = params.padded_dimension
+    scaled = np.zeros(padded)
+    if norm > 0:
+        unit = np.zeros(padded)
+        np.multiply(flat, signs[: params.dimension], out=unit[: params.dimension])
+        kept = min(norm, params.clip_norm)
+        np.multiply(walsh_hadamard(unit), kept / norm * params.scale / math.sqrt(padded),
+                    out=scaled)
     floor = np.floor(scaled)
-    fraction = scaled - floor
+    fraction = np.subtract(scaled, floor, out=scaled)
     limit = params.l2_bound**2
+    rounded = np.empty(padded)
     for _ in range(MAX_ROUNDING_ATTEMPTS):
-        rounded = floor + (rng.random(fraction.shape[0]) < fraction)
+        np.add(floor, rng.random(padded) < fraction, out=rounded)
         if float(np.dot(rounded, rounded)) <= limit:
             return rounded.astype(np.int64)
     raise SecureAggregationError(
@@ -178,7 +194,8 @@ def encode(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
     elif noise.shape != integers.shape or noise.dtype != np.int64:
         raise SecureAggregationError(f"the noise must be int64 of shape {integers.shape}")
     integers += noise
-    return np.mod(integers, params.modulus).astype(np.uint32)
+    integers &= params.modulus - 1  # two's complement: the residue mod 2**bits
+    return integers.astype(np.uint32)
 
 
 def decode_sum(total: np.ndarray, params: SkellamParams, signs: np.ndarray) -> np.ndarray:
@@ -197,9 +214,11 @@ def decode_sum(total: np.ndarray, params: SkellamParams, signs: np.ndarray) -> n
     if signs.shape != (params.padded_dimension,):
         raise SecureAggregationError(
             f"the rotation needs {params.padded_dimension} signs, got {signs.shape}")
-    centred = values.astype(np.int64) & (params.modulus - 1)
-    centred[centred >= params.modulus // 2] -= params.modulus
-    return unrotate(centred / params.scale, signs, params.dimension)
+    # Centre by sign extension: shift the low `bits` bits to the top of an int64 and
+    # shift back arithmetically.
+    shift = np.int64(64 - params.bits)
+    centred = (values.astype(np.int64) << shift) >> shift
+    return unrotate(np.multiply(centred, 1.0 / params.scale), signs, params.dimension)
 
 
 # --- calibration ---------------------------------------------------------------------

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from property_budget import examples
 
-from fedloom.privacy._hadamard import padded_length, rotate, rotation_signs, unrotate
+from fedloom.privacy._hadamard import (
+    padded_length,
+    rotate,
+    rotation_signs,
+    unrotate,
+    walsh_hadamard,
+)
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 100, 1000, 1023, 1024, 1025, 2**20]
 
@@ -35,7 +41,9 @@ def _sylvester_hadamard(n: int) -> np.ndarray:
     return matrix
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64])
+# Up to 64 the transform is one matrix product; beyond, radix-4 passes follow (256,
+# 1024), and a last radix-2 level when an odd number of levels remains (128, 512, 2048).
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048])
 def test_rotation_equals_the_dense_matrix(n: int) -> None:
     # Independent oracle: the dense matrix product H D x / sqrt(n), no butterflies.
     signs = rotation_signs(b"dense", n)
@@ -44,6 +52,15 @@ def test_rotation_equals_the_dense_matrix(n: int) -> None:
     padded[: x.size] = x
     expected = _sylvester_hadamard(n) @ (signs * padded) / np.sqrt(n)
     np.testing.assert_allclose(rotate(x, signs), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [64, 128, 256, 2048])
+def test_the_transform_keeps_float32_and_matches_float64(n: int) -> None:
+    x = np.random.default_rng(n).normal(size=n)
+    exact = walsh_hadamard(x)
+    single = walsh_hadamard(x.astype(np.float32))
+    assert single.dtype == np.float32
+    np.testing.assert_allclose(single, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
 
 
 @pytest.mark.parametrize("d", SIZES)

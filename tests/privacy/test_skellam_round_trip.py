@@ -10,7 +10,7 @@ import pytest
 from skellam_support import clipped, modular_sum, spread_updates
 
 from fedloom.errors import SecureAggregationError
-from fedloom.privacy._hadamard import rotate, rotation_signs
+from fedloom.privacy._hadamard import rotate, rotation_signs, unrotate
 from fedloom.privacy._skellam import SkellamParams, calibrate, decode_sum, encode
 
 
@@ -77,3 +77,17 @@ def test_decode_refuses_a_sum_of_the_wrong_shape_or_type() -> None:
         decode_sum(np.zeros(10, np.uint32), params, signs)
     with pytest.raises(SecureAggregationError):
         decode_sum(np.zeros(16, np.int32), params, signs)
+
+
+@pytest.mark.parametrize("bits", [32, 16, 10, 2])
+def test_decode_centres_the_ring_at_its_boundaries(bits: int) -> None:
+    # Residues below 2**(bits-1) are non-negative, the rest negative; bits above `bits`
+    # (a sum taken mod 2**32 of parts reduced mod 2**bits) do not matter.
+    params = SkellamParams(clip_norm=1.0, dimension=8, scale=2.0, bits=bits)
+    half, ring = 2 ** (bits - 1), 2**bits
+    residues = np.array([0, 1, half - 1, half, half + 1, ring - 1, ring - 1, 0], np.int64)
+    carries = np.array([0, 3, 1, 0, 7, 2, 0, 5], np.int64)  # multiples of the ring added
+    total = ((residues + carries * ring) % 2**32).astype(np.uint32)
+    signs = rotation_signs(b"centre", 8)
+    expected = unrotate(np.where(residues < half, residues, residues - ring) / 2.0, signs, 8)
+    np.testing.assert_allclose(decode_sum(total, params, signs), expected, rtol=0, atol=1e-12)
