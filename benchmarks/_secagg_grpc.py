@@ -9,7 +9,8 @@ TLS with its own certificate (``bench-<index>`` of the benchmark's throwaway PKI
 secure rounds are authenticated: signed keys, checked certificates, the consistency
 stage.
 
-Each client is a `BenchRunner`: an ordinary `ClientRunner` that also
+Each client is a `BenchRunner`: an ordinary `ClientRunner` with a middleware and an
+``on_pushed`` listener (the SDK's public seams) that
 
 - counts the protobuf bytes of every request it sends and every response it receives
   (a gRPC client interceptor on its channel: what goes on the wire, less HTTP/2 framing
@@ -20,9 +21,9 @@ Each client is a `BenchRunner`: an ordinary `ClientRunner` that also
 - drops out when told: in a plain round a fifth of the clients (by index and round)
   train and then report a failure instead of their update; in a secure round the
   clients `spread_dropouts` picks on the attempt's neighbour graph (which every client
-  derives at share keys) answer advertise keys and share keys, then report a failure to
-  their masked-input task (they drop after sharing their keys: the server removes their
-  masks with their neighbours' shares).
+  derives at share keys; the middleware derives it alike) answer advertise keys and
+  share keys, then report a failure to their masked-input task (they drop after sharing
+  their keys: the server removes their masks with their neighbours' shares).
 """
 
 from __future__ import annotations
@@ -32,18 +33,33 @@ import multiprocessing
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
 import numpy as np
 
-from fedloom.client_sdk import Client, ClientRunner, EvaluateOutput, FitOutput
+from fedloom.client_sdk import (
+    CallNext,
+    Client,
+    ClientRunner,
+    EvaluateOutput,
+    FitOutput,
+    TaskContext,
+    TaskResult,
+)
 from fedloom.config import ClientConfig
-from fedloom.messages import ResultHeader, Session, TaskHeader
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
-from fedloom.secagg import STAGE_OF, MaskedInputRequest
+from fedloom.secagg import (
+    AdvertiseKeysRequest,
+    MaskedInputRequest,
+    RoundSetup,
+    SecAggRequest,
+    ShareKeysRequest,
+    graph_seed,
+    neighbour_graph,
+)
 from fedloom.simulations.secure_dropout import spread_dropouts
 from fedloom.types import TaskKind
 from fedloom.weights import Weights
@@ -176,7 +192,8 @@ class BenchClient(Client):
 
 
 class BenchRunner(ClientRunner):
-    """A `ClientRunner` that counts bytes, times its steps and drops out on cue."""
+    """A `ClientRunner` that counts bytes, times its steps and drops out on cue, through
+    the SDK's public seams: a middleware and ``on_pushed``."""
 
     def __init__(self, index: int, address: str, dropout: float, pki: str,
                  task_stream: bool = True) -> None:
@@ -185,51 +202,67 @@ class BenchRunner(ClientRunner):
         config = ClientConfig(server_address=address, name=name, root_ca=f"{pki}/ca.pem",
                               cert=f"{pki}/{name}.pem", key=f"{pki}/{name}.key",
                               rpc_timeout_s=120.0, task_stream=task_stream)
-        super().__init__(BenchClient(index, self.cpu), config)
+        super().__init__(BenchClient(index, self.cpu), config, middleware=[self._measure],
+                         on_pushed=self._pushed)
         self.index, self.dropout = index, dropout
         self.traffic = Traffic()
         self.stage_sent: dict[str, int] = defaultdict(int)  # bytes pushed per SecAgg+ stage
         self.dropped = 0
-        self._stage = ""
+        self._setup: RoundSetup | None = None  # of the latest advertise-keys request
+        self._graph: tuple[RoundSetup, Mapping[str, frozenset[str]]] | None = None
+        self._push_from = (0.0, 0)  # (thread CPU, bytes sent) when the result was ready
 
     def run(self) -> Any:
         _local.traffic = self.traffic
         return super().run()
 
-    def _failure(self, session: Session, task: TaskHeader) -> tuple[ResultHeader, None]:
-        self.dropped += 1
-        return ResultHeader(session, task.task_id, task.round, None,
-                            failure="benchmark dropout"), None
+    def _measure(self, context: TaskContext, call_next: CallNext) -> TaskResult:
+        result = self._answer_or_drop(context, call_next)
+        self._push_from = (time.thread_time(), self.traffic.sent)
+        return result
 
-    def _execute(self, session: Session, task: TaskHeader, weights: Weights
-                 ) -> tuple[ResultHeader, memoryview | None]:
-        request = task.secagg
-        self._stage = str(STAGE_OF[type(request)]) if request is not None else ""
-        if isinstance(request, MaskedInputRequest) and self.dropout and self._secure:
-            protocol = self._secure.protocol
-            setup, graph = protocol.setup, protocol.graph
-            if setup is not None and graph:
-                count = round(self.dropout * len(setup.participants))
-                if session.client_id in spread_dropouts(graph, setup.threshold, graph, count):
-                    return self._failure(session, task)
+    def _answer_or_drop(self, context: TaskContext, call_next: CallNext) -> TaskResult:
+        task, request = context.task, context.task.secagg
+        if self.dropout:
+            self._follow(request)
+        if isinstance(request, MaskedInputRequest) and self._graph is not None:
+            setup, graph = self._graph
+            count = round(self.dropout * len(setup.participants))
+            if (setup.round_id == request.round_id and context.session.client_id
+                    in spread_dropouts(graph, setup.threshold, graph, count)):
+                return self._failure(context)
         if task.kind is not TaskKind.FIT:
-            return super()._execute(session, task, weights)
+            return call_next(context)
         if self.dropout and (self.index + task.round) % round(1 / self.dropout) == 0:
-            self.client.fit(weights, task.config)  # it trains, then vanishes
-            return self._failure(session, task)
+            self.client.fit(context.weights, task.config)  # it trains, then vanishes
+            return self._failure(context)
         started, trained = time.thread_time(), self.cpu["train"]
-        result = super()._execute(session, task, weights)
+        result = call_next(context)
         self.cpu["update"] += time.thread_time() - started - (self.cpu["train"] - trained)
         return result
 
-    def _push(self, connection: Any, result: ResultHeader, payload: memoryview | None) -> None:
-        started, sent = time.thread_time(), self.traffic.sent
-        try:
-            super()._push(connection, result, payload)
-        finally:
-            self.cpu["push"] += time.thread_time() - started
-            if self._stage:
-                self.stage_sent[self._stage] += self.traffic.sent - sent
+    def _follow(self, request: SecAggRequest | None) -> None:
+        """Derive each attempt's neighbour graph at share keys, from the setup and every
+        participant's keys, as each client does (`fedloom.secagg.neighbour_graph`)."""
+        if isinstance(request, AdvertiseKeysRequest):
+            self._setup = request.setup
+        elif isinstance(request, ShareKeysRequest):
+            setup = request.setup or self._setup
+            if setup is not None and setup.round_id == request.round_id:
+                members = [keys.client_id for keys in request.roster]
+                seed = graph_seed(setup, request.roster)
+                self._graph = setup, neighbour_graph(members, setup.neighbours, seed)
+
+    def _failure(self, context: TaskContext) -> TaskResult:
+        self.dropped += 1
+        return context.failure("benchmark dropout")
+
+    def _pushed(self, context: TaskContext, result: TaskResult, *, refused: bool) -> None:
+        started, sent = self._push_from
+        self.cpu["push"] += time.thread_time() - started
+        stage = context.stage
+        if stage is not None:
+            self.stage_sent[str(stage)] += self.traffic.sent - sent
 
 
 def _serve_command(command: dict[str, Any]) -> list[dict[str, Any]]:

@@ -19,17 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-import numpy as np
-
+from fedloom.client_sdk._backoff import Backoff
 from fedloom.client_sdk._client import Client
 from fedloom.client_sdk._compression import UpdateEncoder
+from fedloom.client_sdk._heartbeat import Heartbeat
+from fedloom.client_sdk._middleware import (
+    Middleware,
+    PushListener,
+    TaskContext,
+    TaskResult,
+    check_listener,
+    check_middleware,
+    compose,
+)
+from fedloom.client_sdk._plain_task import run_evaluate, run_fit
 from fedloom.client_sdk._progress import console_handler, log_task
 from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
@@ -42,7 +52,7 @@ from fedloom.errors import (
     SessionExpiredError,
     TransportError,
 )
-from fedloom.messages import JoinReply, NoTask, ResultHeader, Session, TaskHeader
+from fedloom.messages import JoinReply, NoTask, ResultHeader, Session
 from fedloom.secagg import (
     MaskedInputRequest,
     PeerVerifier,
@@ -51,11 +61,13 @@ from fedloom.secagg import (
     SigningIdentity,
 )
 from fedloom.types import TaskKind
-from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.client")
 
 PUSH_ATTEMPTS = 4
+#: What a failing task (or middleware) raises that the runner reports as its failure;
+#: anything else ends `ClientRunner.run`.
+_TASK_ERRORS = (FedloomError, ValueError, TypeError, RuntimeError, ArithmeticError)
 
 
 @dataclasses.dataclass
@@ -70,58 +82,28 @@ class ClientStats:
     run_finished: bool = False
 
 
-class Backoff:
-    """Exponential backoff with full jitter: sleep U(0, min(max, initial * 2**n))."""
-
-    def __init__(self, initial_s: float, max_s: float, rng: random.Random | None = None) -> None:
-        self.initial_s, self.max_s = initial_s, max_s
-        self.attempt = 0
-        self._rng = rng or random.Random()
-
-    def next_delay(self) -> float:
-        cap = min(self.max_s, self.initial_s * (2.0**self.attempt))
-        self.attempt += 1
-        return self._rng.uniform(0.0, cap)
-
-    def reset(self) -> None:
-        self.attempt = 0
-
-
-class _Heartbeat:
-    def __init__(self, connection: Connection, interval_s: float, stop: threading.Event) -> None:
-        self._connection, self._interval, self._stop = connection, interval_s, stop
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="fedloom-heartbeat")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.wait(self._interval) and not self._stop.is_set():
-            try:
-                self._connection.heartbeat()
-            except TransportError as exc:
-                log.debug("heartbeat failed: %s", exc)
-
-    def close(self) -> None:
-        self._done.set()
-
-
-def _check_output(global_weights: Weights, new_weights: Weights) -> str:
-    """Why the client's new weights cannot be sent ("" when they can)."""
-    try:
-        global_weights.check_same_layout(new_weights, what="the client's new weights")
-    except ValueError as exc:
-        return str(exc)
-    for name, arr in new_weights.items():
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            return f"the client's new weights hold NaN or Inf in {name!r}"
-    return ""
-
-
 class ClientRunner:
     """The state of one `start_client` call (usable directly for finer control).
 
+    Args:
+        client, config, token, stop, secure_aggregation: as for `start_client`.
+        middleware: callables that wrap each task, the first outermost (`Middleware`,
+            docs/client.md): each gets the `TaskContext` and ``call_next`` and returns
+            the `TaskResult` to push. An exception from one is reported to the server
+            as the task's failure, as a failing ``fit`` is.
+        on_pushed: called on the loop's thread with each task's context and result once
+            its push is over (``refused=True``: the server would not take it), not when
+            the push failed for the connection (`PushListener`). An exception from it
+            ends `run`.
+
+    Raises:
+        TypeError: ``middleware`` is not a list of callables taking
+            ``(context, call_next)``, or ``on_pushed`` does not take
+            ``(context, result, *, refused)``.
+
     Attributes:
         stats: what the loop did so far (`ClientStats`).
+        middleware, on_pushed: as given (the middleware as a tuple), read for each task.
         secagg_cpu_s: CPU seconds spent in secure rounds, by ``"train"`` (the
             application's fit) and by stage (each `fedloom.secagg.Stage`'s value: the
             protocol's own cost). A measurement only, which the SDK never reads: the
@@ -136,7 +118,12 @@ class ClientRunner:
         token: str = "",
         stop: threading.Event | None = None,
         secure_aggregation: SecAggConfig | None = None,
+        *,
+        middleware: Sequence[Middleware] = (),
+        on_pushed: PushListener | None = None,
     ) -> None:
+        self.middleware = check_middleware(middleware)
+        self.on_pushed = check_listener(on_pushed)
         self.client = client
         self.config = config
         self.token = token
@@ -151,13 +138,34 @@ class ClientRunner:
         # what this client remembers of each secure round, across its sessions: a server
         # that ends a session cannot make it forget that it revealed shares in a round
         self._rounds = RoundLedger()
+        self._aborted = threading.Event()
 
     def request_stop(self) -> None:
+        """Stop after the current task, leaving the session (a Leave to the server)."""
         self.stop.set()
         if self._connection is not None:
             self._connection.cancel_active()
 
+    def abort(self) -> None:
+        """Stop now, as a killed process would: the connection is closed without a Leave
+        and nothing more is sent, not even the result of the task in progress.
+
+        The server finds out from the broken task stream, or from missing heartbeats.
+        For a process that must go at once (its platform is about to kill it, the
+        network is gone and a Leave would only wait out ``rpc_timeout_s``) and for
+        testing how a federation copes with clients that vanish. `run` returns once the
+        application's ``fit`` or ``evaluate`` in progress, if any, returns: it cannot be
+        interrupted. Safe from any thread; `run` may be called again afterwards (clear
+        ``stop`` first), as a new session.
+        """
+        self._aborted.set()
+        self.stop.set()
+        connection = self._connection
+        if connection is not None:
+            connection.close()
+
     def run(self) -> ClientStats:
+        self._aborted.clear()
         backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
         failures_in_a_row = 0
         # Refused handshakes look like any outage to the loop: explain them once.
@@ -166,7 +174,7 @@ class ClientRunner:
         while not self.stop.is_set():
             connection = Connection(self.config)
             self._connection = connection
-            heartbeat: _Heartbeat | None = None
+            heartbeat: Heartbeat | None = None
             try:
                 grant = self._joined = connection.join(self.config.name, self.token)
                 log.info(
@@ -183,7 +191,7 @@ class ClientRunner:
                     # proven identity it cannot tell that this join replaces it.
                     connection.leave("joined again", previous)
                 previous = grant.session
-                heartbeat = _Heartbeat(connection, grant.heartbeat_interval_s, self.stop)
+                heartbeat = Heartbeat(connection, grant.heartbeat_interval_s, self.stop)
                 if self._serve(connection, grant.session):
                     connection.leave("run finished")
                     self.stats.run_finished = True
@@ -192,6 +200,8 @@ class ClientRunner:
                 log.info("session expired (%s); joining again", exc)
                 continue
             except TransportError as exc:
+                if self.stop.is_set():  # stopping or aborted: the connection's end is expected
+                    break
                 failures_in_a_row += 1
                 handshakes.failed(exc)
                 limit = self.config.max_reconnect_attempts
@@ -203,10 +213,14 @@ class ClientRunner:
                 log.warning("connection problem (%s); retrying in %.1f s", exc, delay)
                 self.stats.reconnects += 1
                 self.stop.wait(delay)
+            except Exception:
+                if self._aborted.is_set():  # a closed channel fails in its own ways
+                    break
+                raise
             finally:
                 if heartbeat is not None:
                     heartbeat.close()
-                if self.stop.is_set():
+                if self.stop.is_set() and not self._aborted.is_set():
                     connection.leave("client stopping")
                 connection.close()
                 self._connection = None
@@ -231,24 +245,30 @@ class ClientRunner:
                 continue
             task, weights = outcome
             started = time.monotonic()
-            result, payload = self._execute(session, task, weights)
-            self._push(connection, result, payload)
-            log_task(log, task, result, time.monotonic() - started)
+            context = TaskContext(session, task, weights)
+            result = self._answer(context)
+            if self._aborted.is_set():
+                return False  # a killed process sends nothing
+            refused = self._push(connection, *result)
+            if self.on_pushed is not None:
+                self.on_pushed(context, result, refused=refused)
+            log_task(log, task, result.header, time.monotonic() - started)
         return False
 
     def _push(
         self, connection: Connection, result: ResultHeader, payload: memoryview | None
-    ) -> None:
-        """Push, retrying transient failures: a repeated result is idempotent server-side."""
+    ) -> bool:
+        """Push, retrying transient failures: a repeated result is idempotent server-side.
+        True when the server refused the result."""
         backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
         for attempt in range(PUSH_ATTEMPTS):
             try:
                 connection.push(result, payload)
-                return
+                return False
             except ResultRefusedError as exc:
                 log.warning("server refused the result of task %s: %s", result.task_id[:8], exc)
                 self.stats.refused += 1
-                return
+                return True
             except SessionExpiredError:
                 raise
             except TransportError as exc:
@@ -257,56 +277,34 @@ class ClientRunner:
                 delay = backoff.next_delay()
                 log.warning("push failed (%s); retrying in %.1f s", exc, delay)
                 self.stop.wait(delay)
+        return False  # not reached: the last attempt returns or raises
 
-    def _execute(
-        self, session: Session, task: TaskHeader, weights: Weights
-    ) -> tuple[ResultHeader, memoryview | None]:
+    def _answer(self, context: TaskContext) -> TaskResult:
+        """The task's result through the middleware, counted in `stats` as reported."""
+        try:
+            result = compose(self.middleware, self._run_task)(context)
+        except _TASK_ERRORS as exc:
+            result = _failed(context, exc)
+        header, task = result.header, context.task
+        if header.kind is None:
+            self.stats.failures += 1
+        elif header.kind is TaskKind.FIT or isinstance(task.secagg, MaskedInputRequest):
+            self.stats.fits += 1  # a secure fit is counted like a plain one
+        elif header.kind is TaskKind.EVALUATE:
+            self.stats.evaluations += 1
+        return result
+
+    def _run_task(self, context: TaskContext) -> TaskResult:
+        """The innermost step: run the task on the `Client` (or a secure round's stage)."""
+        session, task, weights = context.session, context.task, context.weights
         try:
             if task.kind is TaskKind.SECAGG:  # a secure round's stage (secure_fit.py)
-                result = self._secure_fit(session).execute(session, task, weights)
-                if result[0].kind is None:
-                    self.stats.failures += 1
-                elif isinstance(task.secagg, MaskedInputRequest):
-                    self.stats.fits += 1  # a secure fit, counted like a plain one
-                return result
+                return TaskResult(*self._secure_fit(session).execute(session, task, weights))
             if task.kind is TaskKind.FIT:
-                fit = self.client.fit(weights, task.config)
-                problem = _check_output(weights, fit.weights)
-                if problem:
-                    raise ValueError(problem)
-                joined = self._joined
-                payload, info, codec = self._encoder.update(
-                    joined.run_id if joined else "", joined.upload_codec if joined else None,
-                    fit.weights, weights, zstd=joined is not None and joined.upload_zstd)
-                self.stats.fits += 1
-                return ResultHeader(
-                    session,
-                    task.task_id,
-                    task.round,
-                    TaskKind.FIT,
-                    num_examples=fit.num_examples,
-                    base_round=task.round - 1,
-                    metrics=fit.metrics,
-                    update=info,
-                    codec=codec,
-                ), payload
-            evaluation = self.client.evaluate(weights, task.config)
-            self.stats.evaluations += 1
-            return ResultHeader(
-                session,
-                task.task_id,
-                task.round,
-                TaskKind.EVALUATE,
-                num_examples=evaluation.num_examples,
-                loss=float(evaluation.loss),
-                metrics=evaluation.metrics,
-            ), None
-        except (FedloomError, ValueError, TypeError, RuntimeError, ArithmeticError) as exc:
-            log.exception("task %s (%s, round %d) failed", task.task_id[:8], task.kind, task.round)
-            self.stats.failures += 1
-            message = f"{type(exc).__name__}: {exc}"
-            return ResultHeader(session, task.task_id, task.round, None, failure=message), None
-
+                return run_fit(self.client, self._encoder, self._joined, context)
+            return run_evaluate(self.client, context)
+        except _TASK_ERRORS as exc:
+            return _failed(context, exc)
 
     def _secure_fit(self, session: Session) -> SecureFit:
         """The secure-aggregation state of this session (a new one after a re-join).
@@ -334,6 +332,12 @@ class ClientRunner:
         return SigningIdentity.from_files(config.cert, config.key), PeerVerifier.from_pem_file(ca)
 
 
+def _failed(context: TaskContext, exc: Exception) -> TaskResult:
+    task = context.task
+    log.exception("task %s (%s, round %d) failed", task.task_id[:8], task.kind, task.round)
+    return context.failure(f"{type(exc).__name__}: {exc}")
+
+
 def start_client(
     server_address: str,
     client: Client,
@@ -345,6 +349,8 @@ def start_client(
     handle_signals: bool = True,
     secure_aggregation: SecAggConfig | None = None,
     log_to_console: bool = True,
+    middleware: Sequence[Middleware] = (),
+    on_pushed: PushListener | None = None,
 ) -> ClientStats:
     """Take part in federated training until the run ends; see the module docstring.
 
@@ -364,15 +370,21 @@ def start_client(
         log_to_console: when the application has configured no logging, print this
             client's progress (joined, one line per round's task, the end) to stderr;
             False keeps it quiet. An application's own logging set-up always wins.
+        middleware: callables that wrap each task, the first outermost: see
+            `ClientRunner` and docs/client.md.
+        on_pushed: called with each task's context and result once it is pushed: see
+            `ClientRunner`.
 
     Raises:
         AccessDeniedError: the server refused this client's credentials at Join.
         ConfigError: no TLS settings (and not insecure), or a TLS file is unreadable,
             or ``key`` is not the private key of ``cert`` (checked before connecting).
+        TypeError: ``middleware`` or ``on_pushed`` is not callable as described.
     """
     base = config or ClientConfig(server_address=server_address)
     settings = dataclasses.replace(base, server_address=server_address, name=name or base.name)
-    runner = ClientRunner(client, settings, token, stop, secure_aggregation)
+    runner = ClientRunner(client, settings, token, stop, secure_aggregation,
+                          middleware=middleware, on_pushed=on_pushed)
     console = console_handler(log) if log_to_console else None
     previous: dict[signal.Signals, Any] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():

@@ -25,8 +25,9 @@ PINNED = {
         "EvaluateFn", "Server", "ServerHandle", "load_weights", "save_weights",
     ],
     "fedloom.client_sdk": [
-        "AccessDeniedError", "Backoff", "Client", "ClientRunner", "ClientStats",
-        "EvaluateOutput", "FitOutput", "TorchClient", "start_client",
+        "AccessDeniedError", "Backoff", "CallNext", "Client", "ClientRunner", "ClientStats",
+        "EvaluateOutput", "FitOutput", "Middleware", "PushListener", "TaskContext",
+        "TaskResult", "TorchClient", "start_client",
     ],
 }
 

@@ -18,10 +18,17 @@ import numpy as np
 from helpers import committed_models
 
 from fedloom import Weights
-from fedloom.client_sdk import Client, ClientRunner
+from fedloom.client_sdk import (
+    CallNext,
+    Client,
+    ClientRunner,
+    ClientStats,
+    TaskContext,
+    TaskResult,
+)
 from fedloom.config import ClientConfig
-from fedloom.messages import ResultHeader, Session, TaskHeader
-from fedloom.secagg import STAGE_OF, SecAggConfig, Stage, flatten
+from fedloom.messages import ResultHeader, TaskHeader
+from fedloom.secagg import SecAggConfig, Stage, flatten
 from fedloom.server import Server
 
 
@@ -83,11 +90,11 @@ class RecordingClient(Client):
 class Behaviour:
     """How a test client misbehaves (nothing by default)."""
 
-    vanish_after: Stage | None = None  # cut the connection once this stage is pushed
-    vanish_on: Stage | None = None  # cut it when this stage's task arrives (no answer)
+    vanish_after: Stage | None = None  # abort (no Leave) once this stage is pushed
+    vanish_on: Stage | None = None  # abort when this stage's task arrives (no answer)
     vanish_delay_s: float = 0.3  # ... this long after the push (it is then long-polling)
     vanish_rounds: tuple[int, ...] = (1,)
-    stay_away: bool = True  # False: reconnect (a new session) after vanishing
+    stay_away: bool = True  # False: run again (a new session) after vanishing
     delay: dict[Stage, float] = dataclasses.field(default_factory=dict)  # before answering
     tamper: Callable[[TaskHeader, ResultHeader, memoryview | None],
                      tuple[ResultHeader, memoryview | None]] | None = None
@@ -95,51 +102,57 @@ class Behaviour:
 
 
 class HarnessRunner(ClientRunner):
-    """A `ClientRunner` that can vanish, stall or tamper at a chosen stage."""
+    """A `ClientRunner` that can vanish, stall or tamper at a chosen stage, through the
+    SDK's public seams only: a middleware, ``on_pushed`` and `ClientRunner.abort`."""
 
     def __init__(self, client: Client, config: ClientConfig, behaviour: Behaviour) -> None:
-        super().__init__(client, config)
+        super().__init__(client, config, middleware=[self._misbehave], on_pushed=self._pushed)
         self.behaviour = behaviour
         self.stages_pushed: list[tuple[int, Stage]] = []
         self.results: list[ResultHeader] = []  # every stage result pushed
+        self.client_id: str | None = None  # of the session of its latest secure task
+        self._stopping = threading.Event()
 
-    def _execute(self, session: Session, task: TaskHeader, weights: Weights
-                 ) -> tuple[ResultHeader, memoryview | None]:
-        stage = STAGE_OF.get(type(task.secagg))
-        self._last = (task, stage)
-        b = self.behaviour
-        if stage is not None and stage is b.vanish_on and not b.vanished.is_set():
+    def run(self) -> ClientStats:
+        """Run; after vanishing with ``stay_away=False``, come back as a new session."""
+        while True:
+            stats = super().run()
+            b = self.behaviour
+            if b.stay_away or not b.vanished.is_set() or self._stopping.is_set():
+                return stats
+            self.stop.clear()
+            if self._stopping.is_set():  # asked to stop while it was clearing
+                return stats
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        super().request_stop()
+
+    def _misbehave(self, context: TaskContext, call_next: CallNext) -> TaskResult:
+        stage, b = context.stage, self.behaviour
+        if stage is None:
+            return call_next(context)
+        self.client_id = context.session.client_id
+        if stage is b.vanish_on and not b.vanished.is_set():
             b.vanished.set()  # crash while computing this stage: nothing is sent
-            assert self._connection is not None
-            self._vanish(self._connection)
-            return ResultHeader(session, task.task_id, task.round, None, failure="gone"), None
-        if stage is not None:
-            time.sleep(self.behaviour.delay.get(stage, 0.0))
-        result, payload = super()._execute(session, task, weights)
-        if stage is not None and self.behaviour.tamper is not None:
-            result, payload = self.behaviour.tamper(task, result, payload)
-        return result, payload
+            self.abort()
+            return context.failure("gone")
+        time.sleep(b.delay.get(stage, 0.0))
+        result = call_next(context)
+        if b.tamper is not None:
+            result = TaskResult(*b.tamper(context.task, *result))
+        return result
 
-    def _push(self, connection: Any, result: ResultHeader, payload: memoryview | None) -> None:
-        if connection.session is None:  # vanished: a dead process sends nothing
-            return
-        super()._push(connection, result, payload)
-        task, stage = self._last
+    def _pushed(self, context: TaskContext, result: TaskResult, *, refused: bool) -> None:
+        stage, task = context.stage, context.task
         if stage is None:
             return
         self.stages_pushed.append((task.round, stage))
-        self.results.append(result)
+        self.results.append(result.header)
         b = self.behaviour
         if stage is b.vanish_after and task.round in b.vanish_rounds and not b.vanished.is_set():
-            b.vanished.set()
-            threading.Timer(b.vanish_delay_s, self._vanish, args=(connection,)).start()
-
-    def _vanish(self, connection: Any) -> None:
-        """Cut the connection as a killed process would: no Leave, streams just end."""
-        connection.session = None  # no Leave on the way out; heartbeats stop working
-        if self.behaviour.stay_away:
-            self.stop.set()
-        connection.close()
+            b.vanished.set()  # vanish while it waits for its next task
+            threading.Timer(b.vanish_delay_s, self.abort).start()
 
 
 def start_runners(address: str, clients: list[Client],
@@ -211,4 +224,4 @@ def survivor_indices(server: Server, runners: list[HarnessRunner]) -> list[int]:
     result = server.coordinator.driver.last_result
     assert result is not None
     ids = set(result.survivors)
-    return [i for i, r in enumerate(runners) if r._secure and r._secure.client_id in ids]
+    return [i for i, r in enumerate(runners) if r.client_id in ids]
