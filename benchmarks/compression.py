@@ -27,6 +27,10 @@ with error feedback; q8 updates with an fp16 broadcast (and top-k 5%, for scale)
 4. **The zstd stage** (`_compression_zstd`): each codec's payload with and without
    zstd, on real trained updates of both digits models (and the broadcast), the round
    trip asserted bit-identical; compress / decompress MB/s.
+5. **The event loop at a version change** (`_compression_stall`): a real server and 2
+   SDK clients (processes) granted ``fp16+zstd`` downloads, a 10M-parameter model, 4
+   fit-only rounds; the loop's lag, sampled every 5 ms, while each new version is
+   published (its broadcast built in the worker thread), and the build's own time.
 
 Targets (printed PASS / FAIL): q8 >= 3.5x fewer uplink bytes within 1 accuracy point
 of float32; top-k 1% with error feedback >= 20x fewer within 2 points; the limited-link
@@ -35,10 +39,12 @@ round >= 3x faster with q8 up + fp16 down.
     python benchmarks/compression.py            # ~11.5 min on 2 cores: compression.json, .png
     python benchmarks/compression.py --quick    # ~45 s smoke run: compression-quick.json
     python benchmarks/compression.py --parts link --link-rounds 8
+    python benchmarks/compression.py --parts stall --out benchmarks/results/compression-stall.json
 
 ``--quick`` runs 10 and 5 rounds on one seed, a 64-2000-10 MLP, a 1M-value throughput
-tensor, a 2.5M-parameter link model and 2 updates per model for zstd: its figures check
-that everything runs, not the targets. Run one benchmark at a time (benchmarks/README.md).
+tensor, a 2.5M-parameter link (and stall) model and 2 updates per model for zstd: its
+figures check that everything runs, not the targets. Run one benchmark at a time
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOLERANCE = {"q8": 0.01, "topk": 0.02}  # accuracy below float32's, as a fraction
-PARTS = ("accuracy", "throughput", "link", "zstd")
+PARTS = ("accuracy", "throughput", "link", "zstd", "stall")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--down-mbit", type=float, default=100.0)
     parser.add_argument("--zstd-clients", type=int, default=5,
                         help="trained updates per model for the zstd ratios")
+    parser.add_argument("--stall-params", type=int, default=10_000_000)
+    parser.add_argument("--stall-rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=RESULTS / "compression.json")
     return parser
 
@@ -88,6 +96,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.throughput_params, args.repeats = 1_000_000, 3
     args.link_params, args.link_rounds = 2_500_000, 3
     args.zstd_clients = 2
+    args.stall_params, args.stall_rounds = 2_500_000, 3
     if args.out == RESULTS / "compression.json":
         args.out = RESULTS / "compression-quick.json"
 
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         targets,
         throughput_table,
     )
+    from _compression_stall import run_stall, stall_line
 
     started = time.perf_counter()
     tasks = run_accuracy(args) if "accuracy" in args.parts else []
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               if "throughput" in args.parts else [])
     link = run_link(args) if "link" in args.parts else []
     zstd = run_zstd_part(args) if "zstd" in args.parts else None
+    stall = run_stall(args.stall_params, args.stall_rounds) if "stall" in args.parts else None
     checks = targets(tasks, link, TOLERANCE)
     wall = time.perf_counter() - started
     report = {
@@ -164,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count()},
         "args": {k: str(v) for k, v in vars(args).items()},
-        "tasks": tasks, "throughput": codecs, "link": link, "zstd": zstd, "targets": checks,
+        "tasks": tasks, "throughput": codecs, "link": link, "zstd": zstd, "stall": stall,
+        "targets": checks,
         "wall_s": round(wall, 1),
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     png = args.out.with_suffix(".png")
-    plot(tasks, link, png)
+    if tasks or link:  # the figure's only panels
+        plot(tasks, link, png)
     print()
     if tasks:
         for task in tasks:
@@ -196,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(zstd_table(zstd))
         print()
+    if stall:
+        print(stall_line(stall))
+        print()
     print_checks(checks)
-    print(f"\nwrote {args.out} and {png} ({wall:.0f} s)")
+    print(f"\nwrote {args.out}{f' and {png}' if tasks or link else ''} ({wall:.0f} s)")
     return 0
 
 

@@ -40,7 +40,8 @@ from fedloom.config import CompressionConfig
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import JoinRequest, ResultHeader
 from fedloom.payload import PayloadInfo
-from fedloom.server.model import GlobalModel
+from fedloom.server.model import GlobalModel, Grant
+from fedloom.server.registry import ClientRegistry
 from fedloom.weights import TensorSpec, Weights, layout_mismatch
 
 log = logging.getLogger("fedloom.server")
@@ -90,12 +91,27 @@ def broadcast(model: GlobalModel, codec: CodecSpec | None, zstd: bool = False
               ) -> tuple[PayloadInfo, memoryview, CodecSpec | None, tuple[TensorSpec, ...]]:
     """What a task to a client granted download ``codec`` (and ``zstd``) carries: the
     payload's header, the payload (the zstd frame, when granted and smaller), and (when
-    encoded) the codec and the model's own layout."""
-    encoded = model.encoded(codec) if codec is not None else None
-    used = codec if encoded is not None else None
-    frame = model.compressed(used) if zstd else None
-    info, payload = frame or encoded or (model.info, model.payload)
+    encoded) the codec and the model's own layout.
+
+    The encoding and the frame are normally built already, in the aggregation thread
+    (`GlobalModel.publish` and `GlobalModel.prepare`, for the grants in
+    `download_grants`). What is not is built here, on the calling thread, which is the
+    event loop: the callers that issue tasks (`fedloom.server.plain_round.issue_phase`,
+    the asynchronous driver's top-up) are synchronous, and a task's header must carry
+    the payload's digest when it is issued, so there is no await to put the build
+    behind. The round loop leaves this fallback nothing to do in synchronous and
+    secure rounds (it prepares every held grant before the fit's and the evaluation's
+    tasks are issued, with no await in between); in asynchronous rounds it builds for a
+    session that joins while a version is current with a grant no other session holds,
+    once per such grant and version.
+    """
+    info, payload, used = model.current.select(codec, zstd)
     return info, payload, used, model.info.specs if used is not None else ()
+
+
+def download_grants(registry: ClientRegistry) -> set[Grant]:
+    """The download grants the connected sessions hold (each once); read on the loop."""
+    return {(record.download_codec, record.download_zstd) for record in registry.records()}
 
 
 def check_zstd(granted: bool, header: ResultHeader) -> None:

@@ -2,7 +2,8 @@
 evaluated and committed.
 
 Each round: wait for ``min_clients``; the driver runs the fit (`fedloom.server.driver`);
-a new model is installed, evaluated (federated, then server-side; every
+a new model is published (its broadcast built in the aggregation thread:
+`fedloom.server.model`), evaluated (federated, then server-side; every
 ``rounds.evaluate_every`` rounds and the last) and the round is committed (checkpoint,
 then SQLite: `fedloom.server.persistence`). A failed round leaves
 the global model unchanged and the next round starts. A spent privacy budget ends the
@@ -20,9 +21,11 @@ from fedloom.errors import PrivacyBudgetExhausted
 from fedloom.records import RoundRecord
 from fedloom.server.async_rounds import AsyncRounds
 from fedloom.server.client_metrics import why_not_per_client
+from fedloom.server.compression import download_grants
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.evaluation import EvaluateFn, federated_evaluate, server_evaluate
 from fedloom.server.metrics import ServerMetrics
+from fedloom.server.model import Grant
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.plain_round import PlainRounds
 from fedloom.server.secure import SecureRounds
@@ -54,6 +57,9 @@ class RoundLoop:
         unkept = why_not_per_client(parts.config, parts.strategy)
         if unkept and parts.config.metrics.per_client:
             log.info("per-client metrics are not recorded: %s", unkept)
+
+    def _grants(self) -> set[Grant]:
+        return download_grants(self.parts.fleet.registry)
 
     @property
     def over(self) -> bool:
@@ -101,6 +107,9 @@ class RoundLoop:
         retries = 0 if config.rounds.asynchronous else config.round_retries
         for attempt in range(retries + 1):
             await self.parts.fleet.wait_for(config.min_clients)
+            # Sessions that joined since the version was published (all of them, for
+            # the initial model): their broadcasts are built off the loop too.
+            await self.parts.model.prepare(self._grants, self.parts.executor)
             outcome = await self.driver.run_fit(server_round)
             if outcome.result is not None and outcome.result.weights is not None:
                 break
@@ -117,17 +126,23 @@ class RoundLoop:
         if result is not None and result.weights is None:
             log.warning("round %d produced no model: %s", server_round, result.reason)
             sections["reason"] = result.reason
+        last = parts.config.rounds.last_round(parts.config.num_rounds)
+        evaluates = parts.config.rounds.evaluates(server_round, last)
         if result is not None and result.weights is not None:
-            parts.model.install(result.weights, server_round)
+            # Built in the aggregation thread before any task can carry it; the last
+            # version is broadcast only to a federated evaluation.
+            await parts.model.publish(
+                result.weights, server_round, self._grants, parts.executor,
+                prepare=server_round < last or (evaluates and parts.config.fraction_evaluate > 0))
             self.driver.model_ready(server_round)
             sections["fit"] = dict(result.metrics)
-            last = parts.config.rounds.last_round(parts.config.num_rounds)
-            if parts.config.rounds.evaluates(server_round, last):
+            if evaluates:
                 sections["evaluate"], evaluated = await federated_evaluate(parts, server_round)
                 clients.extend(evaluated)
                 sections["server"] = await server_evaluate(parts, self.evaluate_fn,
                                                            server_round, parts.model.weights)
         else:
+            await parts.model.prepare(self._grants, parts.executor)
             parts.model.version = server_round  # the same weights, committed as this round
             self.driver.model_ready(server_round)
         record = RoundRecord(
