@@ -18,7 +18,7 @@ round is no slower.
 - A model small enough for one chunk (the secure-aggregation stages' tasks, tiny
   models) needs no turn: it costs no more than any other message.
 - An upload takes its turn at its first chunk, not at its header: a client that sends a
-  header and then nothing holds no turn. Its first chunk is written to the spool file,
+  header and then nothing holds no turn. Its first chunk is written to its spool,
   then it waits for its turn with its stream open (HTTP/2 flow control holds the rest
   back); its stream time limit (``stream_timeout_s``) and the client's deadline count the
   wait. Uploads are served first come, first served, so when a round's uploads cannot

@@ -7,6 +7,12 @@ each tensor from the file only when asked, and that aggregators read block by bl
 (`fedloom.payload.BlockSource`) so an update is never loaded whole. An `Upload` ties a
 spool to the task whose result it carries.
 
+A small upload (its whole payload, at most 64 KiB, in its first chunk) is received into
+memory instead, while the server's budget for them allows (`fedloom.server.upload_memory`):
+the same receiver and checks, and `HeldWeights`, a `SpooledWeights` read the same way
+from its bytes; its consumers cannot tell the two apart, and one that needs a file
+(`Spool.path`) gets one.
+
 A zstd-compressed upload (docs/compression.md) is decompressed as its chunks arrive
 (`fedloom.compression.ZstdReceiver`) into the same checks and the same file: the spool
 holds the payload, never the stream, and no more than a chunk in and a piece out is in
@@ -17,6 +23,7 @@ output than its header declares, short, another digest) records the refusal
 
 from __future__ import annotations
 
+import abc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -29,31 +36,58 @@ from fedloom.compression._zstd import PIECE_BYTES
 from fedloom.errors import MessageRejectedError
 from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, PayloadReceiver
+from fedloom.server import upload_memory
 from fedloom.server.compression import EncodingRefusedError
 from fedloom.server.tasks import Task
+from fedloom.server.upload_memory import HeldPayload, UploadMemory
 from fedloom.weights import TensorSpec, Weights
 
 
-class SpoolReader:
-    """Piecewise reads of a spool file (`fedloom.payload.BlockReader`): ``pread`` into
-    the caller's buffer, no intermediate copy."""
+class TensorReader(abc.ABC):
+    """Piecewise reads of a verified upload (`fedloom.payload.BlockReader`): where each
+    tensor lies, and the checks of a read; `SpoolReader` and `HeldReader` copy the
+    bytes into the caller's buffer."""
 
-    def __init__(self, path: Path, offsets: dict[str, tuple[int, TensorSpec]]) -> None:
-        self._path = path
+    def __init__(self, offsets: dict[str, tuple[int, TensorSpec]]) -> None:
         # name -> (byte offset, dtype, element count): no per-read recomputation.
         self._layout = {
             name: (offset, spec.numpy_dtype, spec.size) for name, (offset, spec) in offsets.items()
         }
-        self._fd = os.open(path, os.O_RDONLY)
 
-    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+    def _place(self, name: str, start: int, out: np.ndarray) -> tuple[int, memoryview]:
+        """The byte position of element ``start`` of ``name``, and ``out``'s bytes."""
         offset, dtype, size = self._layout[name]
         if out.dtype != dtype or not out.flags.c_contiguous:
             raise ValueError(f"out must be a contiguous {dtype} array")
         if start < 0 or start + out.size > size:
             raise ValueError(f"elements {start}..{start + out.size} are outside {name!r}")
-        view = out.data.cast("B")
-        position = offset + start * dtype.itemsize
+        return offset + start * dtype.itemsize, out.data.cast("B")
+
+    @abc.abstractmethod
+    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+        """Fill ``out`` with elements ``start .. start + len(out)`` of tensor ``name``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the reader holds (its file, its view of the bytes)."""
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SpoolReader(TensorReader):
+    """Reads of a spool file: ``pread`` into the caller's buffer, no intermediate copy."""
+
+    def __init__(self, path: Path, offsets: dict[str, tuple[int, TensorSpec]]) -> None:
+        super().__init__(offsets)
+        self._path = path
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+        position, view = self._place(name, start, out)
         done = os.preadv(self._fd, [view], position)
         while done < len(view):  # a short read: only near the end of a file, or on error
             n = os.preadv(self._fd, [view[done:]], position + done)
@@ -66,11 +100,23 @@ class SpoolReader:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> SpoolReader:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+class HeldReader(TensorReader):
+    """Reads of an upload held in memory: one copy into the caller's buffer."""
+
+    def __init__(self, data: memoryview, offsets: dict[str, tuple[int, TensorSpec]]) -> None:
+        super().__init__(offsets)
+        self._data = data
+
+    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+        position, view = self._place(name, start, out)
+        end = position + len(view)
+        if end > len(self._data):
+            raise OSError("a held upload is shorter than its layout (it was discarded)")
+        view[:] = self._data[position:end]
+
+    def close(self) -> None:
+        self._data = memoryview(b"")
 
 
 class _FileSink:
@@ -94,6 +140,21 @@ class _FileSink:
         return self.fd < 0
 
 
+class _ChosenSink:
+    """The receiver's sink: verified bytes go on to ``target``, the file or the memory
+    `Spool` chose at the first chunk (a sink of its own: the spool's receiver holding
+    the spool would keep it, and its held bytes, alive until a garbage collection)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: _FileSink | HeldPayload | None) -> None:
+        self.target = target
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self.target is not None  # chosen before the receiver is fed
+        self.target.write(data)
+
+
 class SpooledWeights(Weights):
     """Read-only `Weights` backed by a verified spool file; tensors load on access."""
 
@@ -102,6 +163,9 @@ class SpooledWeights(Weights):
     def __init__(self, path: Path, specs: tuple[TensorSpec, ...]) -> None:
         super().__init__()
         self._path = path
+        self._lay_out(specs)
+
+    def _lay_out(self, specs: tuple[TensorSpec, ...]) -> None:
         self._specs = specs
         offsets, pos = {}, 0
         for spec in specs:
@@ -127,32 +191,102 @@ class SpooledWeights(Weights):
     def specs(self) -> tuple[TensorSpec, ...]:
         return self._specs
 
-    def open_blocks(self) -> SpoolReader:
+    def open_blocks(self) -> TensorReader:
         """Open the file for piecewise reads (`fedloom.payload.BlockSource`)."""
         return SpoolReader(self._path, self._offsets)
 
 
-class Spool:
-    """One upload in progress: chunks go to a temp file; `finish` verifies it."""
+class HeldWeights(SpooledWeights):
+    """A verified upload held in memory (`Spool`): read as a spool file is (each tensor
+    copied out on access, block reads for aggregators), from its bytes. Its reservation
+    of the server's upload memory is returned once nothing holds them."""
 
-    def __init__(self, folder: Path, info: PayloadInfo, max_chunk_bytes: int) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix="upload-", suffix=".bin", dir=folder)
-        self.path = Path(name)
-        self._file = _FileSink(fd)  # chunks are large already: a buffer only adds a copy
+    __slots__ = ("_held",)
+
+    def __init__(self, held: HeldPayload, specs: tuple[TensorSpec, ...]) -> None:
+        Weights.__init__(self)  # no file: the path of `SpooledWeights` is never set
+        self._held = held
+        self._lay_out(specs)
+
+    def open_blocks(self) -> TensorReader:
+        """Piecewise reads of the held bytes (`fedloom.payload.BlockSource`)."""
+        return HeldReader(self._held.view(), self._offsets)
+
+
+class Spool:
+    """One upload in progress: chunks go to a temp file; `finish` verifies it.
+
+    An upload whose first chunk carries its whole payload, small enough to be held
+    (`fedloom.server.upload_memory`), goes to memory instead while ``memory`` (by default
+    the server's `fedloom.server.upload_memory.UPLOAD_MEMORY`) has room for it. An
+    upload too large to be held gets its file as its header arrives; one that could be
+    held, at its first chunk.
+    """
+
+    def __init__(self, folder: Path, info: PayloadInfo, max_chunk_bytes: int, *,
+                 memory: UploadMemory | None = None) -> None:
+        self._folder = folder
         self._info = info
-        self._receiver: PayloadReceiver | ZstdReceiver = PayloadReceiver(
-            info.specs,
-            info.total_bytes,
-            info.sha256,
-            self._file,
-            max_chunk_bytes=PIECE_BYTES if info.wire_bytes else max_chunk_bytes,
-        )
-        if info.wire_bytes:  # the chunks carry a zstd stream of the payload
-            self._receiver = ZstdReceiver(self._receiver, info.wire_bytes,
-                                          max_chunk_bytes=max_chunk_bytes)
+        self._max_chunk_bytes = max_chunk_bytes
+        self._memory = memory if memory is not None else upload_memory.UPLOAD_MEMORY
+        self._path: Path | None = None
+        self._file: _FileSink | None = None
+        self._held: HeldPayload | None = None
+        self._sink = _ChosenSink(None)  # memory or file, chosen at the first chunk
+        try:
+            if not self._memory.may_hold(info, max_chunk_bytes):
+                self._sink.target = self._open_file()
+            self._receiver: PayloadReceiver | ZstdReceiver = PayloadReceiver(
+                info.specs,
+                info.total_bytes,
+                info.sha256,
+                self._sink,
+                max_chunk_bytes=PIECE_BYTES if info.wire_bytes else max_chunk_bytes,
+            )
+            if info.wire_bytes:  # the chunks carry a zstd stream of the payload
+                self._receiver = ZstdReceiver(self._receiver, info.wire_bytes,
+                                              max_chunk_bytes=max_chunk_bytes)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _open_file(self) -> _FileSink:
+        self._folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="upload-", suffix=".bin", dir=self._folder)
+        self._path = Path(name)
+        self._file = _FileSink(fd)  # chunks are large already: a buffer only adds a copy
+        return self._file
+
+    def _choose_sink(self, whole: bool) -> _FileSink | HeldPayload:
+        """Memory for a payload that came whole in one chunk, if the budget allows."""
+        if whole:
+            self._held = self._memory.hold(self._info, self._max_chunk_bytes)
+        return self._held if self._held is not None else self._open_file()
+
+    @property
+    def held(self) -> bool:
+        """Whether the upload is received into memory (known from its first chunk)."""
+        return self._held is not None
+
+    @property
+    def path(self) -> Path:
+        """The spool file. A held upload is written to one when first asked, once
+        whole, for the owners that need a file (a masked input's memory map, the
+        asynchronous rounds' durable buffer); `discard` removes it as any other."""
+        if self._path is None:
+            assert self._held is not None, "a spool has its file, or its held bytes, once whole"
+            sink = self._open_file()
+            try:
+                sink.write(self._held.view())
+            finally:
+                sink.close()
+        assert self._path is not None
+        return self._path
 
     def feed(self, offset: int, data: bytes) -> None:
+        if self._sink.target is None:
+            whole = offset == 0 and len(data) == self._info.wire_size
+            self._sink.target = self._choose_sink(whole)
         self._receiver.feed(offset, data)
 
     @property
@@ -160,15 +294,27 @@ class Spool:
         return self._receiver.received
 
     def finish(self) -> SpooledWeights:
-        """Verify size and digest; the file then backs a `SpooledWeights`."""
-        self._file.close()
+        """Verify size and digest; the file (or the held bytes) then backs a
+        `SpooledWeights` (a `HeldWeights`)."""
+        if self._sink.target is None and self._info.wire_size == 0:  # nothing to send
+            self._sink.target = self._choose_sink(whole=True)
+        # (Any other upload that sent no chunk is refused below, before a write.)
+        if self._file is not None:
+            self._file.close()
         self._receiver.finish()
-        return SpooledWeights(self.path, self._info.specs)
+        if self._held is not None:
+            return HeldWeights(self._held, self._info.specs)
+        assert self._path is not None
+        return SpooledWeights(self._path, self._info.specs)
 
     def discard(self) -> None:
-        if not self._file.closed:
+        """Drop what arrived: the held bytes (their reservation is returned), the file."""
+        if self._held is not None:
+            self._held.release()
+        if self._file is not None and not self._file.closed:
             self._file.close()
-        self.path.unlink(missing_ok=True)
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
 
 
 class Upload:
