@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import threading
 import time
 from collections import defaultdict
@@ -301,6 +302,10 @@ class ClientPool:
 
     def __init__(self, size: int) -> None:
         context = multiprocessing.get_context("spawn")
+        # Each worker stands for a one-core device: one BLAS thread (the distributed-DP
+        # encoding's transform is a matrix product; 20 two-thread OpenBLAS pools on two
+        # cores spin against each other). Spawned workers read it as numpy loads.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         self.pipes: list[Connection] = []
         self.processes = []
         for _ in range(size):

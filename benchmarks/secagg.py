@@ -16,7 +16,8 @@ Systems (each setting runs its plain round, then its secure round, back to back)
   with a throwaway PKI for both modes (secure rounds are then authenticated: signed keys,
   certificates checked, the consistency stage); clients in spawned processes
   (`_secagg_grpc.ClientPool`: 20 workers, so 10 and 20 clients run one per process and
-  50 clients run 2 or 3 per process, as threads);
+  50 clients run 2 or 3 per process, as threads; one BLAS thread per process, as on a
+  one-core device);
 - **fedloom local**: `run_local` in this process, plain or with `LocalSecureAggregation`
   (`_secagg_local`);
 - **Flower sim**: `flwr.simulation.run_simulation`, legacy ``DefaultWorkflow`` with the
@@ -102,7 +103,9 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
     config = ServerConfig(
         address="127.0.0.1:0", num_rounds=rounds, min_clients=n,
         min_fit_clients=n if mode != "plain" else plain_min, fraction_fit=1.0,
-        fraction_evaluate=0.0, state_dir=str(state_root / f"{mode}-{n}-{params}-{dropout}"),
+        fraction_evaluate=0.0,
+        # A folder per run: a folder whose run finished would only replay its history.
+        state_dir=tempfile.mkdtemp(prefix=f"{mode}-{n}-{params}-{dropout}-", dir=state_root),
         progress=False, keep_checkpoints=1, round_timeout_s=600.0, tls=tls,
         secure_aggregation=secagg_config() if mode != "plain" else SecAggConfig(),
         privacy=ddp_config(dropout) if mode == "secure-ddp" else PrivacyConfig())
@@ -114,6 +117,8 @@ def run_grpc(pool: Any, mode: str, n: int, params: int, dropout: float, rounds: 
     history = handle.wait(1800.0)
     wall, server_cpu = time.perf_counter() - started, time.process_time() - started_cpu
     clients = pool.collect(pending, 120.0)
+    if not all(c["sent"] for c in clients):
+        raise RuntimeError(f"gRPC {mode} n={n} P={params}: a client sent nothing")
     rows = [r for r in history if r.round >= 1]
     if len(rows) != rounds or any(r.status != "ok" for r in rows):
         raise RuntimeError(f"gRPC {mode} n={n} P={params}: rounds {rows}")

@@ -49,12 +49,12 @@ from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import (
-    NoiseReserve,
     encode_for_secagg,
     from_fit_config,
     noise_multiplier_of,
     survivor_floor,
 )
+from fedloom.privacy._noise_reserve import NoiseReserve
 from fedloom.privacy._skellam import SkellamParams
 from fedloom.secagg import (
     STAGE_OF,

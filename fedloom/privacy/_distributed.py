@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +46,6 @@ from fedloom.privacy._skellam import (
     decode_sum,
     encode,
     round_rdp,
-    sample_skellam,
     skellam_epsilon,
 )
 from fedloom.secagg._config import SecAggConfig
@@ -216,47 +214,3 @@ def round_secagg(secagg: SecAggConfig, fit_config: Mapping[str, Any]) -> SecAggC
     if floor <= secagg.survivor_floor:
         return secagg
     return dataclasses.replace(secagg, min_survivors=floor)
-
-
-class NoiseReserve:
-    """One round's Skellam noise, drawn ahead in a background thread.
-
-    The noise depends only on (μ_client, d'), which stay the same from round to round of
-    a run, and drawing it is most of a client's encoding cost (two Poisson draws per
-    coordinate). After each encoding the client asks for the next round's draws
-    (`refill`) while it waits for the server; `take` hands them over once, if the next
-    round announces the same (μ, d'), and drops them otherwise. Draws are never used
-    twice and come from a generator seeded by the OS CSPRNG.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._key: tuple[float, int] | None = None
-        self._ready = threading.Event()
-        self._noise: np.ndarray | None = None
-
-    def take(self, mu: float, length: int) -> np.ndarray | None:
-        """The reserved draws for ``(mu, length)`` (waiting for them), or None."""
-        with self._lock:
-            key, ready, self._key = self._key, self._ready, None
-        if key != (mu, length):
-            return None
-        ready.wait()
-        with self._lock:
-            noise, self._noise = self._noise, None
-        return noise
-
-    def refill(self, mu: float, length: int) -> None:
-        """Start drawing ``length`` values of ``Sk(mu)`` for the next round."""
-        with self._lock:
-            self._key, self._noise = (mu, length), None
-            self._ready = ready = threading.Event()
-
-        def draw() -> None:
-            noise = sample_skellam(mu, length, np.random.default_rng(secrets.randbits(128)))
-            with self._lock:
-                if self._ready is ready:
-                    self._noise = noise
-            ready.set()
-
-        threading.Thread(target=draw, name="fedloom-noise", daemon=True).start()

@@ -210,7 +210,7 @@ def test_a_client_refuses_noise_below_its_floor_or_a_setup_below_the_survivor_fl
 
 
 def test_reserved_noise_is_handed_over_once_and_only_for_its_round_shape() -> None:
-    from fedloom.privacy._distributed import NoiseReserve
+    from fedloom.privacy._noise_reserve import NoiseReserve
 
     reserve = NoiseReserve()
     assert reserve.take(100.0, 1 << 16) is None  # nothing drawn ahead
