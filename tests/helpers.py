@@ -41,6 +41,19 @@ def small_weights() -> Weights:
     return Weights({"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)})
 
 
+def random_weights(shapes: dict[str, tuple[tuple[int, ...], type]],
+                   rng: np.random.Generator) -> Weights:
+    """Weights of the given ``{name: (shape, dtype)}``: integers in [-50, 50) for integer
+    dtypes, standard normal values for float ones."""
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        if np.dtype(dtype).kind in "iu":
+            out[name] = rng.integers(-50, 50, size=shape).astype(dtype)
+        else:
+            out[name] = rng.normal(size=shape).astype(dtype)
+    return Weights(out)
+
+
 def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading.Thread]:  # type: ignore[no-untyped-def]
     config = ClientConfig(
         server_address=address,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import random_weights
 
 from fedloom import ClientUpdate, Weights
 from fedloom.errors import MessageRejectedError, RejectReason
@@ -33,13 +34,7 @@ SHAPES = {
 
 
 def make_weights(rng: np.random.Generator) -> Weights:
-    out = {}
-    for name, (shape, dtype) in SHAPES.items():
-        if np.dtype(dtype).kind in "iu":
-            out[name] = rng.integers(-50, 50, size=shape).astype(dtype)
-        else:
-            out[name] = rng.normal(size=shape).astype(dtype)
-    return Weights(out)
+    return random_weights(SHAPES, rng)
 
 
 def start(folder: Path, weights: Weights, memory: UploadMemory, *, sha256: bytes | None = None,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import random_weights
 
 from fedloom import ClientUpdate, RoundAbortedError, Weights
 from fedloom.payload import BlockSource, PayloadInfo, iter_chunks, serialize
@@ -41,13 +42,7 @@ def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_weights(rng: np.random.Generator) -> Weights:
-    out = {}
-    for name, (shape, dtype) in SHAPES.items():
-        if np.dtype(dtype).kind in "iu":
-            out[name] = rng.integers(-50, 50, size=shape).astype(dtype)
-        else:
-            out[name] = rng.normal(size=shape).astype(dtype)
-    return Weights(out)
+    return random_weights(SHAPES, rng)
 
 
 def spool(folder: Path, weights: Weights) -> SpooledWeights:
