@@ -16,7 +16,7 @@ phase times the rounds after its first, as `Phase` does for all of them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -121,25 +121,31 @@ def engine_phase(
     return phase.result()
 
 
+#: The in-process rows, by the name ``--engines`` gives them.
+IN_PROCESS = ("bare", "local", "parallel", "vectorized")
+
+
 def in_process_phases(
     job: Job, plan: list[tuple[int, int]], repeats: int, workers: int, chunk_size: int,
+    engines: Collection[str] = IN_PROCESS,
 ) -> list[dict[str, Any]]:
-    """Every in-process row for each (clients per round, rounds) of ``plan``, the rows
-    alternating within each repeat so load changes hit them alike."""
+    """Each in-process row of ``engines`` for each (clients per round, rounds) of
+    ``plan``, the rows alternating within each repeat so load changes hit them alike."""
     from fedloom.simulations.parallel import ParallelFitter
     from fedloom.simulations.vectorized import VectorizedFitter
 
     torch.set_num_threads(1)
-    parallel = ParallelFitter(job, workers)
-    vectorized = VectorizedFitter.from_job(job, chunk_size=chunk_size)
+    parallel = ParallelFitter(job, workers) if "parallel" in engines else None
+    vectorized = (VectorizedFitter.from_job(job, chunk_size=chunk_size)
+                  if "vectorized" in engines else None)
+    parallel_name = f"parallel engine ({workers} workers)"
     rows: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
-        ("bare PyTorch loop", lambda k, r: bare_loop_phase(job, k, r)),
-        ("local engine", lambda k, r: engine_phase(job, "local engine", None, k, r)),
-        (f"parallel engine ({workers} workers)",
-         lambda k, r: engine_phase(job, f"parallel engine ({workers} workers)", parallel, k, r)),
-        ("vectorized engine",
-         lambda k, r: engine_phase(job, "vectorized engine", vectorized, k, r)),
+        ("bare", lambda k, r: bare_loop_phase(job, k, r)),
+        ("local", lambda k, r: engine_phase(job, "local engine", None, k, r)),
+        ("parallel", lambda k, r: engine_phase(job, parallel_name, parallel, k, r)),
+        ("vectorized", lambda k, r: engine_phase(job, "vectorized engine", vectorized, k, r)),
     ]
+    rows = [(name, run) for name, run in rows if name in engines]
     results = []
     try:
         for rep in range(repeats):
@@ -147,6 +153,7 @@ def in_process_phases(
                 for per_round, rounds in plan:
                     results.append(run(per_round, rounds))
     finally:
-        parallel.close()
-        vectorized.close()
+        for fitter in (parallel, vectorized):
+            if fitter is not None:
+                fitter.close()
     return results

@@ -21,6 +21,8 @@ creation and the bridge's identity query); the table shows the median over repea
 
     python benchmarks/simulation.py                  # full run, JSON in benchmarks/results/
     python benchmarks/simulation.py --quick          # fewer rounds
+    python benchmarks/simulation.py --engines local vectorized --large-rounds 0
+                                                     # some rows only, no Ray
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _sim_engines import Phase, in_process_phases
+from _sim_engines import IN_PROCESS, Phase, in_process_phases
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="parallel engine's processes")
     parser.add_argument("--chunk-size", type=int, default=100,
                         help="vectorized engine's clients per batched computation")
+    parser.add_argument("--engines", nargs="+", choices=(*IN_PROCESS, "flower"),
+                        default=[*IN_PROCESS, "flower"],
+                        help="rows to run (flower: plain Flower and the bridge, in Ray)")
     parser.add_argument("--quick", action="store_true", help="3 and 2 rounds, 1 repeat")
     parser.add_argument("--out", type=Path, default=RESULTS / "simulation.json")
     args = parser.parse_args(argv)
@@ -235,17 +240,23 @@ def main(argv: list[str] | None = None) -> int:
     n = args.clients
     plan = [(max(1, n // 10), args.rounds_small), (n, args.rounds_full)]
     job = make_job(n)
-    results = in_process_phases(job, plan, args.repeats, args.workers, args.chunk_size)
-    if args.large_rounds > 0:
+    engines = [name for name in IN_PROCESS if name in args.engines]
+    results = in_process_phases(job, plan, args.repeats, args.workers, args.chunk_size,
+                                engines)
+    if args.large_rounds > 0 and engines:
         large = make_job(1000)
         results += in_process_phases(large, [(1000, args.large_rounds)], args.repeats,
-                                     args.workers, args.chunk_size)
-    flower_results, first_round_s = run_flower_phases(job, plan, args.repeats)
-    results += flower_results
+                                     args.workers, args.chunk_size, engines)
+    first_round_s = None
+    if "flower" in args.engines:
+        flower_results, first_round_s = run_flower_phases(job, plan, args.repeats)
+        results += flower_results
     rows = summarise(results)
     text = table(rows)
     print(text)
-    print(f"(Ray start and actor creation: first Flower round ended after {first_round_s:.1f} s)")
+    if first_round_s is not None:
+        print(f"(Ray start and actor creation: first Flower round ended after "
+              f"{first_round_s:.1f} s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "simulation client-fits per second",
@@ -253,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_parameters": job.initial_weights().num_parameters,
         "plan": {"clients_per_round_and_rounds": plan, "repeats": args.repeats,
                  "large_rounds": args.large_rounds, "workers": args.workers,
-                 "chunk_size": args.chunk_size},
+                 "chunk_size": args.chunk_size, "engines": args.engines},
         "seconds_to_first_flower_round": first_round_s,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": sys.version.split()[0], "load_avg": os.getloadavg()},

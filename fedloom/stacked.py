@@ -20,7 +20,7 @@ mean folds the rows of one stack with one product per tensor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -70,8 +70,10 @@ class WeightsStack:
         problem = layout_mismatch(base.specs(), self.row_specs)
         if problem:
             raise ValueError(f"weights: {problem}")
+        # Rows flattened: one long inner loop per row rather than one per last axis.
         delta = WeightsStack({
-            name: np.subtract(arr, base[name], dtype=arr.dtype)
+            name: np.subtract(arr.reshape(self.size, -1), base[name].reshape(-1),
+                              dtype=arr.dtype).reshape(arr.shape)
             for name, arr in self.arrays.items()})
         self._minus = (base, delta)
         return delta
@@ -89,7 +91,8 @@ class WeightsStack:
 
 class WeightsRow(Weights):
     """Row ``row`` of ``stack`` as a `Weights` of views (read-only by convention, as
-    every `Weights`' arrays are)."""
+    every `Weights`' arrays are). A view is made when a tensor is read: the weighted
+    mean and the delta never read the rows one by one, so most rows make none."""
 
     __slots__ = ("row", "stack")
 
@@ -98,6 +101,17 @@ class WeightsRow(Weights):
             raise IndexError(f"row {row} of a stack of {len(stack)}")
         # No per-array checks: the stack's arrays are the engine's own, and the layout
         # is the stack's, shared by every row.
-        self._tensors = {name: arr[row] for name, arr in stack.arrays.items()}
         self._layout = stack.row_specs
         self.stack, self.row = stack, row
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.stack.arrays[name][self.row]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stack.arrays)
+
+    def __len__(self) -> int:
+        return len(self.stack.arrays)
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return self._layout

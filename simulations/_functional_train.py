@@ -4,23 +4,29 @@ A chunk of clients trains as one stack: every trainable tensor gets a leading cl
 axis, and step ``s`` trains the clients that still have a batch at ``s``. Clients are
 ordered by their number of steps, longest first, so the clients active at a step are
 always a prefix ``[:k]`` of the stack: a client that has run out of batches is simply
-not in that prefix, and its parameters and optimizer state stay as they were.
+not in that prefix, and its parameters and optimizer state stay as they were. Every
+client trains at step 0 (it has at least one batch), so the stack may start as
+broadcast views of the global model: the first step writes new tensors, the later ones
+update them in place.
 
 `ChunkPlan` lays out the batches each client's `TorchClient` would draw (the same
 ``RandomSampler`` + ``BatchSampler`` permutations, `ClientShuffle`), padded to a
-common width with a mask; `SgdStep` and `AdamStep` apply ``torch.optim.SGD`` and
-``torch.optim.Adam`` (their default settings) to the active prefix of the stack, with
-the same elementwise operations as torch's single-tensor implementations.
+common width with a mask, once per chunk; `StackedGradients` gives every active
+client's gradient in one forward and one backward pass; `SgdStep` and `AdamStep` apply
+``torch.optim.SGD`` and ``torch.optim.Adam`` (their default settings) to the active
+prefix of the stack, with the same elementwise operations as torch's single-tensor
+implementations, one ``torch._foreach_*`` call per operation for all tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.func import functional_call, vmap
+from torch.nn import functional
 
 Tensors = dict[str, torch.Tensor]
 
@@ -44,30 +50,27 @@ class ClientShuffle:
         self.generator.manual_seed(seed)
         self._tail = 0
 
-    def orders(self, n: int, epochs: int) -> np.ndarray:
-        """The example order of each of ``epochs`` passes over ``n`` examples, as an
-        int64 array ``(epochs, n)``."""
-        out = np.empty((epochs, n), np.int64)
-        for epoch in range(epochs):
+    def orders(self, n: int, epochs: int) -> torch.Tensor:
+        """The example order of each of ``epochs`` passes over ``n`` examples, one pass
+        after the other: an int64 tensor ``(epochs * n,)``."""
+        passes = []
+        for _ in range(epochs):
             if self._tail:
                 torch.randperm(self._tail, generator=self.generator)
-            torch.randperm(n, generator=self.generator, out=torch.from_numpy(out[epoch]))
+            passes.append(torch.randperm(n, generator=self.generator))
             self._tail = n
-        return out
+        return torch.cat(passes) if epochs > 1 else passes[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientPlan:
     """One client's fit: its examples ``offset .. offset + n`` in the shared data
-    tensors, its passes, and the shuffle order of each pass."""
+    tensors, its passes, and the shuffle order of each pass (`ClientShuffle.orders`)."""
 
     n: int
     offset: int
     epochs: int
-    orders: np.ndarray
-
-    def steps(self, batch_size: int) -> int:
-        return self.epochs * math.ceil(self.n / batch_size)
+    orders: torch.Tensor
 
 
 class ChunkPlan:
@@ -85,11 +88,14 @@ class ChunkPlan:
     """
 
     def __init__(self, clients: Sequence[ClientPlan], batch_size: int) -> None:
-        steps = np.array([c.steps(batch_size) for c in clients])
-        self.order = sorted(range(len(clients)), key=lambda j: -steps[j])
+        size = len(clients)
+        n = np.fromiter((c.n for c in clients), np.int64, size)
+        epochs = np.fromiter((c.epochs for c in clients), np.int64, size)
+        steps = epochs * -(-n // batch_size)
+        order = np.argsort(-steps, kind="stable")
+        self.order: list[int] = order.tolist()
         ordered = [clients[j] for j in self.order]
-        n = np.array([c.n for c in ordered])
-        epochs = np.array([c.epochs for c in ordered])
+        n, epochs, steps = n[order], epochs[order], steps[order]
         width, total = min(batch_size, int(n.max())), int(steps.max())
         # Every example visit of every client, in order: which row, step and column of
         # the batch layout it lands in (a pass's last batch may be short).
@@ -101,35 +107,90 @@ class ChunkPlan:
         within = position % n_of
         step = (position // n_of) * per_epoch[row] + within // batch_size
         column = within % batch_size
-        offsets = np.array([c.offset for c in ordered])
+        offsets = np.fromiter((c.offset for c in ordered), np.int64, size)
         # Padding points at row 0 of the data: a real example, weighed 0 by the mask.
         self.index = np.zeros((total, len(ordered), width), np.int64)
-        self.index[step, row, column] = np.concatenate([c.orders.ravel() for c in ordered]) + (
-            offsets[row])
+        orders = torch.cat([c.orders for c in ordered]).numpy()
+        self.index[step, row, column] = orders + offsets[row]
         self.mask = np.zeros((total, len(ordered), width), np.bool_)
         self.mask[step, row, column] = True
         self.count = self.mask.sum(axis=2)
         self.seen = visits
-        sorted_steps = steps[self.order]
-        self.active = [int((sorted_steps > s).sum()) for s in range(total)]
+        # steps are descending: the clients with more than s steps are a prefix
+        self.active: list[int] = np.searchsorted(
+            -steps, -np.arange(total), side="left").tolist()
+
+
+class StackedGradients:
+    """Every active client's loss gradient, for a stack of clients, in one call.
+
+    The forward pass runs under ``vmap`` (``functional_call`` with each client's row of
+    the stack); the loss is then computed on the batched logits, and one backward pass
+    of the clients' summed losses gives the gradients. Client ``i``'s loss depends on
+    row ``i`` of the stack only, so row ``i`` of the gradient of the sum is client
+    ``i``'s own gradient (scaled by exactly 1): the values ``vmap(grad(loss))`` gives,
+    without its per-call transform of the backward pass.
+
+    The loss is `TorchClient`'s cross-entropy averaged over the batch's real examples
+    (padding weighs 0), plus FedProx's ``mu/2 * ||w - w_global||^2`` where asked.
+    """
+
+    def __init__(self, model: torch.nn.Module, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self._model = model
+        self._forward = vmap(self._one_client, in_dims=(0, None, 0))
+
+    def _one_client(self, params: Tensors, consts: Tensors, x: torch.Tensor) -> torch.Tensor:
+        # No tied weights to untie: the fitter refuses models that have them.
+        return functional_call(self._model, (params, consts), (x,), tie_weights=False)
+
+    def __call__(self, params: Sequence[torch.Tensor], consts: Tensors, x: torch.Tensor,
+                 y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
+                 proximal: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradients (one per tensor of ``params``, same shapes) and each client's
+        task loss (without the proximal term), for batches ``x`` ``(clients, width,
+        ...)`` and labels ``y`` ``(clients, width)``; ``proximal`` is the anchor (the
+        round's global tensors) and each client's ``mu``."""
+        leaves = [p.detach().requires_grad_() for p in params]
+        logits = self._forward(dict(zip(self.names, leaves, strict=True)), consts, x)
+        # Every example's logits as a column of one (1, classes, examples) input:
+        # torch's CPU log-softmax over a short last axis (10 classes) is several times
+        # slower than over axis 1 with the examples innermost.
+        columns = logits.reshape(-1, logits.shape[-1]).t().unsqueeze(0)
+        per_example = functional.cross_entropy(
+            columns, y.reshape(1, -1), reduction="none").view_as(y)
+        task_loss = (per_example * mask).sum(1) / count
+        loss = task_loss
+        if proximal is not None:
+            anchor, mu = proximal
+            distance = sum((p - a).pow(2).reshape(len(p), -1).sum(1)
+                           for p, a in zip(leaves, anchor, strict=True))
+            loss = task_loss + 0.5 * mu * distance
+        grads = torch.autograd.grad(loss.sum(), leaves)
+        return list(grads), task_loss.detach()
 
 
 class SgdStep:
     """``torch.optim.SGD(lr, momentum)`` (no dampening, Nesterov or weight decay) on a
-    stack of clients; the momentum buffer starts at zero, so the first step leaves it
-    equal to the gradient, as torch's first step does."""
+    stack of clients. As in torch, the momentum buffer starts as the first gradient
+    (every client of a chunk trains at step 0), so it exists only from the first step on."""
 
-    def __init__(self, params: Tensors, momentum: float) -> None:
+    def __init__(self, momentum: float) -> None:
         self.momentum = momentum
-        self.buffers = {k: torch.zeros_like(v) for k, v in params.items()} if momentum else {}
+        self.buffers: list[torch.Tensor] | None = None
 
-    def __call__(self, params: Tensors, grads: Tensors, k: int, step: int,
-                 lr: float | torch.Tensor) -> None:
-        for name, grad in grads.items():
-            direction = grad
-            if self.momentum:
-                direction = self.buffers[name][:k].mul_(self.momentum).add_(grad)
-            _descend(params[name][:k], direction, lr)
+    def __call__(self, params: list[torch.Tensor], grads: list[torch.Tensor], k: int,
+                 step: int, lr: float | torch.Tensor) -> None:
+        direction = grads
+        if self.momentum:
+            if self.buffers is None:  # step 0, every client: the fresh gradients become it
+                self.buffers = grads
+            else:
+                direction = [b[:k] for b in self.buffers]
+                torch._foreach_mul_(direction, self.momentum)
+                torch._foreach_add_(direction, grads)
+        _descend(params, direction, k, step, lr)
 
 
 class AdamStep:
@@ -139,29 +200,45 @@ class AdamStep:
 
     beta1, beta2, eps = 0.9, 0.999, 1e-8
 
-    def __init__(self, params: Tensors) -> None:
-        self.exp_avg = {k: torch.zeros_like(v) for k, v in params.items()}
-        self.exp_avg_sq = {k: torch.zeros_like(v) for k, v in params.items()}
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.exp_avg = [torch.zeros_like(p) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in params]
 
-    def __call__(self, params: Tensors, grads: Tensors, k: int, step: int,
-                 lr: float | torch.Tensor) -> None:
+    def __call__(self, params: list[torch.Tensor], grads: list[torch.Tensor], k: int,
+                 step: int, lr: float | torch.Tensor) -> None:
         count = step + 1
         correction1 = 1 - self.beta1**count
         correction2_sqrt = (1 - self.beta2**count) ** 0.5
-        for name, grad in grads.items():
-            exp_avg = self.exp_avg[name][:k].lerp_(grad, 1 - self.beta1)
-            exp_avg_sq = self.exp_avg_sq[name][:k]
-            exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
-            denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(self.eps)
-            if isinstance(lr, float):
-                params[name][:k].addcdiv_(exp_avg, denom, value=-lr / correction1)
-            else:
-                _descend(params[name][:k], exp_avg / denom, lr / correction1)
+        exp_avg = [m[:k] for m in self.exp_avg]
+        exp_avg_sq = [v[:k] for v in self.exp_avg_sq]
+        torch._foreach_lerp_(exp_avg, grads, 1 - self.beta1)
+        torch._foreach_mul_(exp_avg_sq, self.beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - self.beta2)
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, correction2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        if not isinstance(lr, float):
+            _descend(params, list(torch._foreach_div(exp_avg, denom)), k, step,
+                     lr / correction1)
+        elif step == 0:
+            params[:] = torch._foreach_addcdiv(params, exp_avg, denom, value=-lr / correction1)
+        else:
+            torch._foreach_addcdiv_([p[:k] for p in params], exp_avg, denom,
+                                    value=-lr / correction1)
 
 
-def _descend(param: torch.Tensor, direction: torch.Tensor, lr: float | torch.Tensor) -> None:
-    """``param -= lr * direction`` in place: one learning rate, or one per client."""
+def _descend(params: list[torch.Tensor], directions: list[torch.Tensor], k: int, step: int,
+             lr: float | torch.Tensor) -> None:
+    """``param -= lr * direction`` for the active prefix ``[:k]``: one learning rate, or
+    one per client; new tensors at step 0 (see the module docstring), else in place."""
     if isinstance(lr, float):
-        param.add_(direction, alpha=-lr)
+        if step == 0:
+            params[:] = torch._foreach_add(params, directions, alpha=-lr)
+        else:
+            torch._foreach_add_([p[:k] for p in params], directions, alpha=-lr)
+        return
+    scaled = [d * lr[:k].view(-1, *([1] * (d.dim() - 1))) for d in directions]
+    if step == 0:
+        params[:] = torch._foreach_sub(params, scaled)
     else:
-        param.sub_(direction * lr[: len(param)].view(-1, *([1] * (param.dim() - 1))))
+        torch._foreach_sub_([p[:k] for p in params], scaled)

@@ -1,12 +1,13 @@
 """`VectorizedFitter`: a round's sampled clients trained together, in one batched computation.
 
 The clients of a chunk (``chunk_size`` of the round's tasks, in task order) train as a
-stack: ``torch.func.vmap`` over ``torch.func.grad`` of the model's
-``torch.func.functional_call`` gives every client's gradient in one call per local
-step, and the optimizer updates the whole stack at once (``_functional_train``).
+stack: ``torch.func.vmap`` over the model's ``torch.func.functional_call`` runs every
+client's forward pass in one call per local step, one backward pass of their summed
+losses gives every client's gradient, and the optimizer updates the whole stack at once
+(``_functional_train``).
 Each task's `FitOutput` is the one its `TorchClient` (as
 `fedloom.simulations.job.Job.make_client` builds it) would return alone, within float
-rounding (batched matrix products sum in another order):
+rounding (batched matrix products and the loss sum in another order):
 
 - the same batches in the same order: the client's ``RandomSampler`` permutations,
   reseeded from the fit config's ``seed`` (without one, a per-client generator goes
@@ -52,7 +53,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad, vmap
 
 from fedloom.client_sdk._client import FitOutput
 from fedloom.client_sdk.torch_trainer import (
@@ -77,6 +77,7 @@ from fedloom.simulations._functional_train import (
     ClientPlan,
     ClientShuffle,
     SgdStep,
+    StackedGradients,
     Tensors,
 )
 from fedloom.simulations.fitting import FitTask
@@ -165,9 +166,7 @@ class VectorizedFitter:
         self._x: torch.Tensor | None = torch.cat([x for x, _ in pairs]).to(self.device)
         self._y: torch.Tensor | None = torch.cat([y for _, y in pairs]).to(self.device)
         self._shuffles: dict[int, ClientShuffle] = {}
-        self._task_grad = vmap(grad(self._task_loss, has_aux=True), in_dims=(0, None, 0, 0, 0, 0))
-        self._prox_grad = vmap(grad(self._prox_loss, has_aux=True),
-                               in_dims=(0, None, 0, 0, 0, 0, None, 0))
+        self._gradients = StackedGradients(self._model, self._trainable)
         self._probe()
 
     @classmethod
@@ -257,36 +256,35 @@ class VectorizedFitter:
         plan = ChunkPlan(plans, self.batch_size)
         ordered = [settings[j] for j in plan.order]
         size = len(plans)
-        params = {k: start[k].unsqueeze(0).expand(size, *start[k].shape).clone()
-                  for k in self._trainable}
-        consts = {k: v for k, v in start.items() if k not in params}
-        dtype = next(iter(params.values())).dtype if params else torch.float32
-        step = AdamStep(params) if self.optimizer == "adam" else SgdStep(params, self.momentum)
-        lrs = [task.lr for task in ordered]
-        lr: float | torch.Tensor = (
-            lrs[0] if len(set(lrs)) == 1 else torch.tensor(lrs, dtype=dtype, device=device))
-        mus = torch.tensor([task.mu for task in ordered], dtype=dtype, device=device)
-        prox = any(task.mu > 0 for task in ordered)
+        # Broadcast views of the global model until the first step writes the stack.
+        params = [start[k].unsqueeze(0).expand(size, *start[k].shape) for k in self._trainable]
+        consts = {k: v for k, v in start.items() if k not in self._trainable}
+        dtype = params[0].dtype if params else torch.float32
+        step = AdamStep(params) if self.optimizer == "adam" else SgdStep(self.momentum)
+        lrs = {task.lr for task in ordered}
+        lr: float | torch.Tensor = lrs.pop() if len(lrs) == 1 else torch.tensor(
+            [task.lr for task in ordered], dtype=dtype, device=device)
+        proximal = None
+        if any(task.mu > 0 for task in ordered):
+            mus = torch.tensor([task.mu for task in ordered], dtype=dtype, device=device)
+            proximal = [start[k] for k in self._trainable], mus
+        # The whole chunk's batch layout goes to the device once; each step slices it.
         index = torch.from_numpy(plan.index).to(device)
         mask = torch.from_numpy(plan.mask).to(device=device, dtype=dtype)
-        count = torch.from_numpy(plan.count).to(device=device, dtype=dtype)
         count64 = torch.from_numpy(plan.count).to(device=device, dtype=torch.float64)
+        count = count64.to(dtype)
         total = torch.zeros(size, dtype=torch.float64, device=device)
         width = plan.index.shape[2]
         for s, k in enumerate(plan.active):
             rows = index[s, :k].reshape(-1)
             x = x_all.index_select(0, rows).view(k, width, *x_all.shape[1:])
             y = y_all.index_select(0, rows).view(k, width)
-            active = {name: p[:k] for name, p in params.items()}
-            if prox:
-                grads, task_loss = self._prox_grad(active, consts, x, y, mask[s, :k],
-                                                   count[s, :k], start, mus[:k])
-            else:
-                grads, task_loss = self._task_grad(active, consts, x, y, mask[s, :k],
-                                                   count[s, :k])
+            grads, task_loss = self._gradients(
+                [p[:k] for p in params], consts, x, y, mask[s, :k], count[s, :k],
+                None if proximal is None else (proximal[0], proximal[1][:k]))
             step(params, grads, k, s, lr)
             total[:k] += task_loss.double() * count64[s, :k]
-        host = {name: p.cpu().numpy() for name, p in params.items()}
+        host = {name: p.cpu().numpy() for name, p in zip(self._trainable, params, strict=True)}
         return self._outputs(weights, host, plan, ordered, total.tolist())
 
     def _outputs(self, weights: Weights, host: dict[str, np.ndarray], plan: ChunkPlan,
@@ -316,42 +314,26 @@ class VectorizedFitter:
                 outputs[j] = exc
         return outputs
 
-    # -- the loss and its refusals --------------------------------------------------------
-    def _task_loss(self, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
-                   mask: torch.Tensor, count: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-entropy averaged over the batch's real examples (padding weighs 0)."""
-        logits = functional_call(self._model, (params, consts), (x,))
-        per_example = torch.nn.functional.cross_entropy(logits, y, reduction="none")
-        loss = (per_example * mask).sum() / count
-        return loss, loss.detach()
-
-    def _prox_loss(self, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
-                   mask: torch.Tensor, count: torch.Tensor, anchor: Tensors, mu: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The task loss plus FedProx's ``mu/2 * ||w - w_global||^2``."""
-        task_loss, _ = self._task_loss(params, consts, x, y, mask, count)
-        proximal = sum((p - anchor[name]).pow(2).sum() for name, p in params.items())
-        return task_loss + 0.5 * mu * proximal, task_loss.detach()
-
+    # -- the refusals --------------------------------------------------------------------
     def _probe(self) -> None:
         """Refuse, with the reason, a model whose training ``vmap`` cannot batch."""
         _refuse_known_modules(self._model)
         assert self._x is not None and self._y is not None
         rows = min(2, self._sizes[0])
         start = {k: v.detach() for k, v in self._model.state_dict(keep_vars=True).items()}
-        params = {k: start[k].unsqueeze(0).expand(2, *start[k].shape).clone()
-                  for k in self._trainable}
-        consts = {k: v for k, v in start.items() if k not in params}
+        params = [start[k].unsqueeze(0).expand(2, *start[k].shape).clone()
+                  for k in self._trainable]
+        consts = {k: v for k, v in start.items() if k not in self._trainable}
         x = self._x[:rows].unsqueeze(0).expand(2, *self._x[:rows].shape)
         y = self._y[:rows].unsqueeze(0).expand(2, rows)
         mask = torch.ones(2, rows, device=self.device)
         count = torch.full((2,), float(rows), device=self.device)
         before = {name: b.clone() for name, b in self._model.named_buffers()}
         try:
-            self._task_grad(params, consts, x, y, mask, count)
-            self._prox_grad(params, consts, x, y, mask, count, start,
-                            torch.ones(2, device=self.device))
+            self._gradients(params, consts, x, y, mask, count)
+            anchor = [start[k] for k in self._trainable]
+            self._gradients(params, consts, x, y, mask, count,
+                            (anchor, torch.ones(2, device=self.device)))
         except Exception as exc:
             raise ConfigError("model", f"{_why_not_batched(exc)}; {_USE_LOCAL}") from exc
         for name, buffer in self._model.named_buffers():
