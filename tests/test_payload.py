@@ -7,8 +7,15 @@ import io
 import numpy as np
 import pytest
 
-from fedloom import SUPPORTED_DTYPES, MessageRejectedError, Weights
-from fedloom.payload import PayloadInfo, PayloadReceiver, deserialize, iter_chunks, serialize
+from fedloom import SUPPORTED_DTYPES, MessageRejectedError, RejectReason, Weights
+from fedloom.payload import (
+    PayloadInfo,
+    PayloadReceiver,
+    deserialize,
+    iter_chunk_views,
+    iter_chunks,
+    serialize,
+)
 from fedloom.protos import codec
 
 
@@ -125,3 +132,120 @@ def test_unknown_dtype_and_duplicate_names_are_rejected() -> None:
     proto.tensors.append(proto.tensors[0])
     with pytest.raises(MessageRejectedError, match="twice"):
         codec.payload_from_proto(proto)
+
+
+# -- the refusals, each with its reason and message ---------------------------------
+def _sixteen_floats() -> tuple[PayloadInfo, bytes]:
+    weights = Weights({"x": np.arange(16, dtype=np.float32)})
+    payload = bytes(serialize(weights))
+    return PayloadInfo.describe(weights.specs(), payload), payload  # 64 bytes
+
+
+def _refusal(call) -> tuple[RejectReason, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(MessageRejectedError) as info:
+        call()
+    return info.value.reason, str(info.value)
+
+
+def test_deserialize_refuses_a_payload_of_another_size() -> None:
+    info, payload = _sixteen_floats()
+    assert _refusal(lambda: deserialize(info.specs, payload[:-1])) == (
+        RejectReason.INVALID, "payload is 63 bytes, layout needs 64"
+    )
+
+
+def test_receiver_refuses_a_header_that_contradicts_its_layout() -> None:
+    info, _ = _sixteen_floats()
+    sink = io.BytesIO()
+
+    def receiver(total: int, sha256: bytes) -> PayloadReceiver:
+        return PayloadReceiver(info.specs, total, sha256, sink, max_chunk_bytes=16)
+
+    assert _refusal(lambda: receiver(65, info.sha256)) == (
+        RejectReason.INVALID, "header declares 65 bytes but its layout needs 64"
+    )
+    assert _refusal(lambda: receiver(64, info.sha256[:31])) == (
+        RejectReason.INVALID, "sha256 digest must be 32 bytes"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sent", "bad", "message"),
+    [
+        (0, (8, b"x" * 8), "chunk at offset 8 arrived, expected offset 0"),
+        (32, (32, b""), "chunk of 0 bytes; chunks must hold 1..16 bytes"),
+        (32, (32, b"x" * 17), "chunk of 17 bytes; chunks must hold 1..16 bytes"),
+        # 56 + 9 > 64: refused as it arrives, not only when the stream ends
+        (56, (56, b"x" * 9), "payload exceeds the 64 bytes its header declares"),
+        (64, (64, b"x"), "payload exceeds the 64 bytes its header declares"),
+    ],
+)
+def test_a_bad_chunk_is_refused_and_nothing_of_it_is_written(
+    sent: int, bad: tuple[int, bytes], message: str
+) -> None:
+    info, payload = _sixteen_floats()
+    sink = io.BytesIO()
+    receiver = PayloadReceiver(info.specs, 64, info.sha256, sink, max_chunk_bytes=16)
+    for offset, data in iter_chunks(payload[:sent], 16):
+        receiver.feed(offset, data)
+    assert _refusal(lambda: receiver.feed(*bad)) == (RejectReason.INVALID, message)
+    assert sink.getvalue() == payload[:sent] and receiver.received == sent
+
+
+def test_a_short_or_altered_stream_is_refused_at_finish() -> None:
+    info, payload = _sixteen_floats()
+    short = PayloadReceiver(info.specs, 64, info.sha256, io.BytesIO(), max_chunk_bytes=64)
+    short.feed(0, payload[:48])
+    assert _refusal(short.finish) == (
+        RejectReason.INVALID, "stream ended after 48 of 64 payload bytes"
+    )
+    altered = PayloadReceiver(info.specs, 64, info.sha256, io.BytesIO(), max_chunk_bytes=64)
+    altered.feed(0, payload[:-1] + bytes([payload[-1] ^ 1]))
+    assert _refusal(altered.finish) == (RejectReason.INVALID, "payload SHA-256 digest mismatch")
+
+
+def test_a_non_finite_value_is_refused_as_invalid() -> None:
+    weights = Weights({"ok": np.zeros(2, np.float64), "w": np.array([1.0, np.nan], np.float32)})
+    payload = serialize(weights)
+    info = PayloadInfo.describe(weights.specs(), payload)
+    assert _refusal(lambda: _receive(info, iter_chunks(payload, 5))) == (
+        RejectReason.INVALID, "tensor 'w' holds NaN or Inf"
+    )
+
+
+def test_a_chunk_of_exactly_the_largest_size_is_taken() -> None:
+    info, payload = _sixteen_floats()
+    assert _receive(info, iter_chunks(payload, 16), max_chunk=16) == payload
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 8, 13, 64])
+def test_only_floating_tensors_are_checked_for_nan(chunk_size: int) -> None:
+    # Bit patterns that read as NaN / Inf / NaN in float32, held by an int32 and a
+    # uint8 tensor right after a float tensor that ends inside a chunk: valid values.
+    ints = np.array([0x7FC00000, 0x7F800000, -1], dtype=np.int32)
+    weights = Weights({
+        "f": np.arange(3, dtype=np.float32),
+        "i": ints,
+        "u": np.full(8, 0xFF, dtype=np.uint8),
+        "g": np.array([0.5, -2.0], dtype=np.float64),
+    })
+    payload = bytes(serialize(weights))
+    info = PayloadInfo.describe(weights.specs(), payload)
+    assert _receive(info, iter_chunks(payload, chunk_size)) == payload
+
+
+@pytest.mark.parametrize("payload", [b"", b"abc"])
+@pytest.mark.parametrize("chunk_size", [0, -1])
+def test_chunk_size_must_be_positive(payload: bytes, chunk_size: int) -> None:
+    with pytest.raises(ValueError, match=r"^chunk_size must be positive$"):
+        list(iter_chunks(payload, chunk_size))
+
+
+def test_chunk_views_are_the_payload_bytes_in_order() -> None:
+    payload = bytes(range(256))
+    views = list(iter_chunk_views(payload, 100))
+    assert [offset for offset, _ in views] == [0, 100, 200]
+    for offset, view in views:
+        # unsigned bytes, as the payload holds them (0xFF is 255, not -1)
+        assert view.tolist() == list(payload[offset : offset + 100])
+        assert view == memoryview(payload)[offset : offset + 100]

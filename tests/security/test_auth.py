@@ -22,7 +22,7 @@ from security_support import (
 
 from fedloom.client_sdk import AccessDeniedError, start_client
 from fedloom.client_sdk.connection import Connection, SessionExpiredError
-from fedloom.config import AuthConfig
+from fedloom.config import AuthConfig, ServerConfig, TLSConfig
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.server import Server
 from fedloom.server.auth import Authenticator, certificate_identity
@@ -93,6 +93,98 @@ def test_an_unreadable_tokens_file_fails_closed(tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.ERROR, logger="fedloom.server"):
         assert _reason(auth, "", token, {}) is RejectReason.UNKNOWN_CLIENT
     assert "refusing joins" in caplog.text
+
+
+def test_the_unreadable_tokens_file_is_named_in_the_log(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    store = TokenStore(tmp_path / "t.toml")
+    token = store.add("site-1")
+    auth = Authenticator(tokens=TokenStore.load(store.path))
+    store.path.write_text("this is = = not toml")
+    with (
+        caplog.at_level(logging.ERROR, logger="fedloom.server"),
+        pytest.raises(MessageRejectedError) as info,
+    ):
+        auth.identify("", token, {})
+    # The client learns only that the server cannot read the file; the operator's log
+    # says which file and why (the ConfigError's text).
+    assert str(info.value) == "the server cannot read its tokens file"
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    message = record.getMessage()
+    assert message.startswith(f"refusing joins: auth.tokens_file: cannot read {store.path}: ")
+
+
+# -- what each refusal tells the client (the text crosses the wire as the gRPC
+# status details and ends up in the client's AccessDeniedError) ----------------------
+def test_each_refusal_says_what_to_fix(tmp_path: Path) -> None:
+    store = TokenStore(tmp_path / "t.toml")
+    one, two, three = store.add("site-1"), store.add("site-2"), store.add("site-3")
+    tokens = TokenStore.load(store.path)
+    certificates = Authenticator(mutual_tls=True)
+    both = Authenticator(mutual_tls=True, tokens=tokens)
+    allowed = Authenticator(tokens=tokens, allow=["site-1", "site-2"])
+    # A hostile name is cut to its first 64 characters in the reply.
+    long_name = "x" * 64 + "y" * 1000
+    cases = [
+        (certificates, "", "", NO_CERT, RejectReason.UNKNOWN_CLIENT,
+         "this server requires a client certificate with a CN (mutual TLS)"),
+        (allowed, "", "", {}, RejectReason.UNKNOWN_CLIENT,
+         "this server requires a token: pass token=... (--token)"),
+        (allowed, "", one[:-2] + "xx", {}, RejectReason.UNKNOWN_CLIENT,
+         "unknown or revoked token (ask the operator for a new one: "
+         "`fedloom tokens add NAME`)"),
+        (both, "", two, _cert_context("site-1"), RejectReason.FORBIDDEN,
+         "the token names 'site-2' but the client certificate names 'site-1'; "
+         "use the token issued to this certificate's name"),
+        (allowed, "site-2", one, {}, RejectReason.FORBIDDEN,
+         "joining as 'site-2', but the credentials are those of 'site-1'; "
+         "join under that name (or leave the name empty)"),
+        (allowed, long_name, one, {}, RejectReason.FORBIDDEN,
+         f"joining as {'x' * 64!r}, but the credentials are those of 'site-1'; "
+         "join under that name (or leave the name empty)"),
+        (allowed, "", three, {}, RejectReason.FORBIDDEN,
+         "client 'site-3' is not on this server's allow-list"),
+    ]
+    for auth, name, token, context, reason, message in cases:
+        with pytest.raises(MessageRejectedError) as info:
+            auth.identify(name, token, context)
+        assert (info.value.reason, str(info.value)) == (reason, message)
+
+
+# -- the operator's warnings at start-up ---------------------------------------------
+def _startup_warnings(config: ServerConfig, caplog) -> list[str]:  # type: ignore[no-untyped-def]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedloom.server"):
+        Authenticator.from_config(config)
+    return [r.getMessage() for r in caplog.records if r.name == "fedloom.server"]
+
+
+PLAINTEXT = "tokens travel in plaintext (--insecure): anyone on the path can copy them"
+
+
+def test_from_config_warns_about_settings_that_lock_clients_out(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    # A plaintext server without tokens has nothing to warn about.
+    assert _startup_warnings(ServerConfig(insecure=True), caplog) == []
+    anonymous_tls = ServerConfig(tls=TLSConfig(cert="c.pem", key="c.key"),
+                                 auth=AuthConfig(anonymous=True))
+    assert _startup_warnings(anonymous_tls, caplog) == []
+    # An empty tokens file: nobody can join.
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    config = ServerConfig(insecure=True, auth=AuthConfig(tokens_file=str(empty)))
+    assert _startup_warnings(config, caplog) == [
+        f"the tokens file {empty} holds no tokens: no client can join", PLAINTEXT,
+    ]
+    # Allowed names without a token can never join (tokens are the only identity).
+    store = TokenStore(tmp_path / "t.toml")
+    store.add("site-1")
+    allow = AuthConfig(tokens_file=str(store.path), allow=("site-4", "site-1", "site-3"))
+    assert _startup_warnings(ServerConfig(insecure=True, auth=allow), caplog) == [
+        PLAINTEXT, "auth.allow names clients without a token: site-3, site-4",
+    ]
+    # Over TLS the tokens are safe on the wire, and every allowed name has a token.
+    covered = AuthConfig(tokens_file=str(store.path), allow=("site-1",))
+    tls = TLSConfig(cert="c.pem", key="c.key")
+    assert _startup_warnings(ServerConfig(tls=tls, auth=covered), caplog) == []
 
 
 # -- over gRPC ----------------------------------------------------------------------
