@@ -92,7 +92,7 @@ class Authenticator:
             log.warning("the tokens file %s holds no tokens: no client can join", tokens.path)
         if tokens is not None and config.insecure:
             log.warning("tokens travel in plaintext (--insecure): anyone on the path can copy them")
-        if auth.allow and tokens is not None and not auth.mutual_tls:
+        if auth.allow and tokens is not None:  # with mutual TLS too: a token is required
             unknown = sorted(auth.allow - set(tokens.names()))
             if unknown:
                 log.warning("auth.allow names clients without a token: %s", ", ".join(unknown))

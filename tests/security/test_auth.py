@@ -185,6 +185,12 @@ def test_from_config_warns_about_settings_that_lock_clients_out(tmp_path: Path, 
     covered = AuthConfig(tokens_file=str(store.path), allow=("site-1",))
     tls = TLSConfig(cert="c.pem", key="c.key")
     assert _startup_warnings(ServerConfig(tls=tls, auth=covered), caplog) == []
+    # With mutual TLS and tokens both are required: an allowed name without a token
+    # still cannot join, whatever its certificate.
+    mutual = TLSConfig(cert="c.pem", key="c.key", client_ca="ca.pem")
+    assert _startup_warnings(ServerConfig(tls=mutual, auth=allow), caplog) == [
+        "auth.allow names clients without a token: site-3, site-4",
+    ]
 
 
 # -- over gRPC ----------------------------------------------------------------------
