@@ -163,7 +163,9 @@ def prune(graph: Graph, clients: frozenset[str], threshold: int) -> set[str]:
 def unrecoverable(setup: RoundSetup, graph: Graph, survivors: frozenset[str],
                   dropped: frozenset[str], alive: frozenset[str]) -> str:
     """Why the survivors' sum cannot be unmasked ("" when it can): too few survivors,
-    survivors not connected, or a secret with fewer than t holders left (``alive``)."""
+    survivors not connected, or a secret with fewer than t holders left (``alive``):
+    each survivor's self-mask seed, and the mask key of each dropped client with a
+    surviving neighbour (one that masked against it, even if it has vanished since)."""
     t, floor = setup.threshold, setup.min_survivors
     if len(survivors) < floor:
         return (f"only {len(survivors)} masked inputs; clients unmask no fewer than "
@@ -172,7 +174,7 @@ def unrecoverable(setup: RoundSetup, graph: Graph, survivors: frozenset[str],
         return ("the survivors are not connected in the neighbour graph (clients refuse "
                 "to unmask: each part's sum would be revealed)")
     needs = [(v, "self-mask seed") for v in sorted(survivors)]
-    needs += [(u, "mask key") for u in sorted(dropped) if graph[u] & alive]
+    needs += [(u, "mask key") for u in sorted(dropped) if graph[u] & survivors]
     for owner, what in needs:
         helpers = len(graph[owner] & alive)
         if helpers < t:

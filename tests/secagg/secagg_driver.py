@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedloom import certs
 from fedloom.errors import MessageRejectedError, SecureAggregationError
@@ -27,6 +28,7 @@ from fedloom.secagg import (
     SecAggStatus,
     SigningIdentity,
     Stage,
+    public_bytes,
 )
 
 #: What every test round binds as its model and fit config.
@@ -178,3 +180,34 @@ def assert_matches_plaintext(config: SecAggConfig, rnd: Round,
     # ... and for the mean (A + ea) / (W + ew) - A / W, bounded by the two errors
     bound = (err_sum + np.abs(mean) * err_weight) / (weight - err_weight)
     assert (np.abs(result.mean - mean) <= bound * (1 + 1e-9)).all()
+
+
+# -- shared by the server-guard tests ---------------------------------------------------
+
+#: X25519 public keys of small order (the all-zero point and the point 1).
+SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little")]
+
+
+def fresh_keys() -> tuple[bytes, bytes]:
+    """A new (cipher, mask) public-key pair."""
+    return (public_bytes(X25519PrivateKey.generate()), public_bytes(X25519PrivateKey.generate()))
+
+
+def answer(rnd: Round, cid: str) -> Any:
+    """Client ``cid``'s honest reply to the server's current request for it."""
+    vector, n = rnd.inputs[cid]
+    return rnd.clients[cid].handle(rnd.server.request_for(cid), vector=vector, num_examples=n)
+
+
+def close_masked_input(rnd: Round, before: tuple[str, ...], after: tuple[str, ...]) -> None:
+    """Close the masked-input stage: the ``before`` clients drop without an input, the
+    rest send theirs, then the ``after`` clients drop (their inputs are in the sum)."""
+    server = rnd.server
+    for cid in sorted(server.pending()):
+        if cid in before:
+            server.drop(cid)
+            continue
+        server.receive(cid, answer(rnd, cid))
+    for cid in after:
+        server.drop(cid)  # its masked input is in the sum; it cannot reveal shares
+    server.advance()

@@ -10,7 +10,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from secagg_driver import Hook, Round, ids_of, make_inputs, run, setup_round
+from secagg_driver import (
+    SMALL_ORDER,
+    Hook,
+    Round,
+    close_masked_input,
+    ids_of,
+    make_inputs,
+    run,
+    setup_round,
+)
 
 from fedloom.errors import MessageRejectedError, RejectReason, SecureAggregationError
 from fedloom.secagg import (
@@ -161,7 +170,6 @@ def test_duplicate_public_keys_across_clients_are_rejected(authenticated: bool) 
 
 # u = 0 and u = 1 are points of small order on Curve25519: every agreement with them
 # gives the all-zero secret, so an honest neighbour would refuse the whole attempt.
-SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little")]
 
 
 @BOTH_MODES
@@ -237,24 +245,14 @@ def _fits(graph: Graph, owner: str, before: set[str], after: set[str], t: int,
           everyone: set[str]) -> bool:
     survivors = everyone - before
     alive = survivors - after
-    short = {v for v in survivors | (before if alive else set())
-             if graph[v] & alive and _holders(graph, v, alive) < t}
+    # every survivor's self-mask seed, and the mask key of every vanished client that a
+    # survivor masked against
+    needed = survivors | {u for u in before if graph[u] & survivors}
+    short = {v for v in needed if _holders(graph, v, alive) < t}
     return (len(survivors) >= CONFIG.threshold + 1 and is_connected(graph, survivors)
             and short <= {owner})
 
 
-def _close_masked_input(rnd: Round, before: tuple[str, ...], after: tuple[str, ...]) -> None:
-    server = rnd.server
-    for cid in sorted(server.pending()):
-        if cid in before:
-            server.drop(cid)
-            continue
-        vector, n = rnd.inputs[cid]
-        server.receive(cid, rnd.clients[cid].handle(server.request_for(cid), vector=vector,
-                                                    num_examples=n))
-    for cid in after:
-        server.drop(cid)  # its masked input is in the sum; it cannot reveal shares
-    server.advance()
 
 
 @BOTH_MODES
@@ -267,7 +265,7 @@ def test_an_attempt_whose_secret_cannot_be_rebuilt_fails_before_any_share_is_rev
     rnd, (owner, before, after) = _round_with_plan(secret, authenticated)
     t = CONFIG.threshold
     with pytest.raises(SecureAggregationError) as failed:
-        _close_masked_input(rnd, before, after)
+        close_masked_input(rnd, before, after)
     why = (f"the {secret} of {owner!r} cannot be recovered: {t - 1} of its neighbours "
            f"survive, the threshold is {t}")
     assert str(failed.value).endswith(why) and rnd.server.failure == why
@@ -284,6 +282,6 @@ def test_an_attempt_whose_secrets_keep_t_holders_goes_on(secret: str,
         before = before[:-1]  # one vanished client fewer
     else:
         after = after[:-1]
-    _close_masked_input(rnd, before, after)
+    close_masked_input(rnd, before, after)
     assert rnd.server.status is SecAggStatus.RUNNING
     assert rnd.server.stage is (Stage.CONSISTENCY if authenticated else Stage.UNMASK)
