@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clients_defend_support import BOTH_MODES, CONFIG
 from secagg_driver import (
     Round,
     answer,
@@ -28,20 +29,14 @@ from fedloom.secagg import (
     KeyOffer,
     MaskedInputReply,
     RoundId,
-    SecAggConfig,
     SecAggServer,
     SecAggStatus,
     Stage,
     is_connected,
 )
 
-CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
-                      max_weight=100.0, max_participants=64)
-
 Graph = Mapping[str, frozenset[str]]
 
-BOTH_MODES = pytest.mark.parametrize("authenticated", [True, False],
-                                     ids=["authenticated", "unauthenticated"])
 
 
 # -- when an attempt can finish, and when it cannot ----------------------------------

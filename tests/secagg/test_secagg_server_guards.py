@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clients_defend_support import BOTH_MODES, CONFIG
 from secagg_driver import (
     SMALL_ORDER,
     Hook,
@@ -27,7 +28,6 @@ from fedloom.secagg import (
     KeyOffer,
     MaskedInputReply,
     RoundId,
-    SecAggConfig,
     SecAggStatus,
     ShareKeysReply,
     Stage,
@@ -35,13 +35,8 @@ from fedloom.secagg import (
     is_connected,
 )
 
-CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
-                      max_weight=100.0, max_participants=64)
-
 Graph = Mapping[str, frozenset[str]]
 
-BOTH_MODES = pytest.mark.parametrize("authenticated", [True, False],
-                                     ids=["authenticated", "unauthenticated"])
 
 
 def _bad_masked(how: str) -> Hook:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clients_defend_support import CONFIG
 from secagg_driver import (
     SMALL_ORDER,
     Round,
@@ -33,7 +34,6 @@ from fedloom.secagg import (
     MaskedInputRequest,
     RevealedShare,
     RoundId,
-    SecAggConfig,
     SecAggServer,
     ShareKeysReply,
     SigningIdentity,
@@ -42,13 +42,8 @@ from fedloom.secagg import (
     key_statement,
 )
 
-CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
-                      max_weight=100.0, max_participants=64)
-
 Graph = Mapping[str, frozenset[str]]
 
-BOTH_MODES = pytest.mark.parametrize("authenticated", [True, False],
-                                     ids=["authenticated", "unauthenticated"])
 
 
 # -- what a client may not get or send: every refusal says why ------------------------
