@@ -1,10 +1,9 @@
-"""What a client may not get or send the SecAgg+ server: each refusal's reason and message,
-and the honest message still taken after it."""
+"""What the SecAgg+ server refuses a client: each refusal's reason and message, and the
+honest message still taken after it."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -41,10 +40,6 @@ from fedloom.secagg import (
     UnmaskReply,
     key_statement,
 )
-
-Graph = Mapping[str, frozenset[str]]
-
-
 
 # -- what a client may not get or send: every refusal says why ------------------------
 #
