@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -15,6 +16,9 @@ from fedloom import Weights
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput, start_client
 from fedloom.client_sdk.connection import Connection
 from fedloom.config import ClientConfig, TransferConfig
+from fedloom.messages import Session, TaskHeader
+from fedloom.protos import codec
+from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
 
 
@@ -52,6 +56,18 @@ def random_weights(shapes: dict[str, tuple[tuple[int, ...], type]],
         else:
             out[name] = rng.normal(size=shape).astype(dtype)
     return Weights(out)
+
+
+def pull_task(stub: pb_grpc.FleetStub, session: Session, within_s: float = 20.0) -> TaskHeader:
+    """The next task for ``session``, long-polled with raw Pulls (bounded)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        stream = stub.Pull(pb.PullRequest(session=codec.session_to_proto(session)),
+                           timeout=within_s)
+        messages = list(stream)
+        if messages[0].WhichOneof("part") == "task":
+            return codec.task_from_proto(messages[0].task)
+    raise AssertionError("no task came")
 
 
 def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading.Thread]:  # type: ignore[no-untyped-def]

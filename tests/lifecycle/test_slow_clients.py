@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from helpers import pull_task
 from lifecycle_support import ClientThreads, GatedClient, RawSession, wait_until
 
 from fedloom import Weights
@@ -55,14 +56,7 @@ class _Slots(TransferSlots):
 
 
 def _pull_task(raw: RawSession) -> TaskHeader:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stream = raw.stub.Pull(pb.PullRequest(session=codec.session_to_proto(raw.session)),
-                               timeout=20)
-        messages = list(stream)
-        if messages[0].WhichOneof("part") == "task":
-            return codec.task_from_proto(messages[0].task)
-    raise AssertionError("no task came")
+    return pull_task(raw.stub, raw.session)
 
 
 def _fit_result(raw: RawSession, task: TaskHeader) -> tuple[ResultHeader, bytes]:

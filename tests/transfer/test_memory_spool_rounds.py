@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from helpers import ScriptedClient, committed_models, run_clients, small_weights
+from helpers import ScriptedClient, committed_models, pull_task, run_clients, small_weights
 
 from fedloom import Weights
 from fedloom.compression import CodecSpec, encode
@@ -80,14 +80,7 @@ class Session:
         self.session = codec.join_reply_from_proto(reply).session
 
     def fit_task(self) -> TaskHeader:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            stream = self.stub.Pull(pb.PullRequest(session=codec.session_to_proto(self.session)),
-                                    timeout=20)
-            messages = list(stream)
-            if messages[0].WhichOneof("part") == "task":
-                return codec.task_from_proto(messages[0].task)
-        raise AssertionError("no task came")
+        return pull_task(self.stub, self.session)
 
     def header(self, task: TaskHeader, info: PayloadInfo,
                codec_spec: CodecSpec | None = None) -> ResultHeader:
