@@ -8,8 +8,12 @@ model within the bound that implies for the mean (`mean_tolerance`).
 
 from __future__ import annotations
 
-import threading
+import select
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,32 +159,34 @@ def test_a_client_gone_after_sharing_keys_has_its_masks_removed(
 
 def test_a_silent_client_is_dropped_when_its_heartbeats_stop(
         server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
-    """A client whose process hangs in training (no stream open, heartbeats stopped) is
-    dropped after client_timeout_s, long before the round's deadline."""
+    """A client whose process hangs in training (stopped: no heartbeats, its connection
+    still open) is dropped after client_timeout_s, long before the round's deadline, and
+    the round finishes without it."""
     sa = secagg()
     config = server_config(
-        **mtls, num_rounds=1, min_clients=6, min_fit_clients=5, client_timeout_s=2.5,
-                           round_timeout_s=60.0, fraction_evaluate=0.0, secure_aggregation=sa)
+        **mtls, num_rounds=1, min_clients=6, min_fit_clients=6, fraction_fit=1.0,
+        client_timeout_s=2.5, round_timeout_s=60.0, fraction_evaluate=0.0,
+        secure_aggregation=sa)
     server = Server(config, initial_weights=small_weights())
     handle = server.start()
-    clients = [RecordingClient(seed=i, num_examples=20) for i in range(6)]
-    runners, threads = start_runners(handle.address, clients, pki=pki)
-
-    release = threading.Event()
-
-    def fit_then_hang(weights, config_):  # type: ignore[no-untyped-def]
-        connection = runners[0]._connection
-        assert connection is not None
-        connection.session = None  # heartbeats now fail: the server hears nothing
-        release.wait(30)
-        raise RuntimeError("released at the end of the test")
-
-    clients[0].fit = fit_then_hang  # type: ignore[method-assign]
-    started = time.monotonic()
-    history = handle.wait(60)
-    elapsed = time.monotonic() - started
-    release.set()
-    stop_runners(runners, threads)
+    hung = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("hanging_client.py")), handle.address,
+         str(pki), "5"], stdout=subprocess.PIPE, text=True)
+    runners, threads = start_runners(
+        handle.address, [RecordingClient(seed=i, num_examples=20) for i in range(5)], pki=pki)
+    try:
+        assert hung.stdout is not None
+        assert select.select([hung.stdout], [], [], 30)[0], "the hanging client never fitted"
+        assert hung.stdout.readline().strip() == "fitting"  # every client is sampled
+        hung.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        history = handle.wait(60)
+        elapsed = time.monotonic() - started
+        assert hung.poll() is None  # still there, sockets open: only silence told
+    finally:
+        hung.kill()
+        hung.wait(10)
+        stop_runners(runners, threads)
     assert history[0].status == "ok" and history[0].num_updates == 5
     assert elapsed < 12.0
 
