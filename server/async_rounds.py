@@ -40,7 +40,13 @@ from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.server.async_buffer import BufferEntry, DurableBuffer, sync_file
 from fedloom.server.client_metrics import fit_row, records_per_client
-from fedloom.server.compression import EncodingRefusedError, broadcast, check_decodes
+from fedloom.server.compression import (
+    EncodingRefusedError,
+    broadcast,
+    check_decodes,
+    download_grants,
+    grant_of,
+)
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
 from fedloom.server.memory import release_free_heap
@@ -105,6 +111,7 @@ class AsyncRounds(RoundDriver):
         self._ended: list[Task] = []  # failed or refused: closed at the next commit
         self._reasons: dict[str, str] = {}  # why an ended task ended
         self._config_cache: tuple[int, Any] | None = None
+        self._preparing: asyncio.Task[None] | None = None  # building broadcasts (`_prepare`)
         self._buffers: dict[int, StepBuffer] = {}
         #: The last step is full (or the run is over): no new tasks, no more results.
         self.done = False
@@ -183,6 +190,8 @@ class AsyncRounds(RoundDriver):
 
     def close(self) -> None:
         self.done = True  # stopping: the durable buffer stays for a restart
+        if self._preparing is not None:
+            self._preparing.cancel()
 
     # -- the fit tasks' results (through `AsyncFitTasks`, their task owner) ----------
     async def take(self, client: ClientRecord, task: Task, header: ResultHeader,
@@ -316,21 +325,43 @@ class AsyncRounds(RoundDriver):
         if need <= 0:
             return
         parts = self.parts
-        idle = sorted((info for info in parts.fleet.registry.infos()
+        registry, current = parts.fleet.registry, parts.model.current
+        idle = sorted((info for info in registry.infos()
                        if not parts.book.busy(info.client_id)),
                       key=lambda info: (info.name, info.client_id))
-        chosen = idle if len(idle) <= need else self._rng.sample(idle, need)
+        # A session that joined after this version was published may hold a grant whose
+        # broadcast is not built yet: it is built in the executor, and that session
+        # gets its task once it is (the loop never encodes a model).
+        ready = [info for info in idle if current.ready(grant_of(registry.get(info.client_id)))]
+        if len(ready) < len(idle):
+            self._prepare_broadcasts()
+        chosen = ready if len(ready) <= need else self._rng.sample(ready, need)
         for info in chosen:
             self._issue(info.client_id)
+
+    def _prepare_broadcasts(self) -> None:
+        """Build what the held grants lack in the executor (one build at a time), then
+        top up again."""
+        if self._preparing is None or self._preparing.done():
+            self._preparing = asyncio.get_running_loop().create_task(self._prepare())
+
+    async def _prepare(self) -> None:
+        parts = self.parts
+        try:  # not in the aggregation thread: a step's aggregation holds it until it fills
+            await parts.model.prepare(lambda: download_grants(parts.fleet.registry), None)
+        except RuntimeError:  # a new version is being published: it prepares the grants
+            return
+        except Exception:  # the waiting sessions get no task until a build succeeds
+            log.exception("building the broadcast for newly held download grants failed")
+            return
+        self._top_up()
 
     def _issue(self, client_id: str) -> None:
         parts = self.parts
         model = parts.model
         server_round = model.version + 1
         record = parts.fleet.registry.get(client_id)
-        info, payload, codec, decoded = broadcast(
-            model, record.download_codec if record is not None else None,
-            record is not None and record.download_zstd)
+        info, payload, codec, decoded = broadcast(model, *grant_of(record))
         header = TaskHeader(
             task_id=secrets.token_hex(16), run_id=parts.run_id, round=server_round,
             kind=TaskKind.FIT, config=self._fit_config(server_round),

@@ -41,7 +41,7 @@ from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import JoinRequest, ResultHeader
 from fedloom.payload import PayloadInfo
 from fedloom.server.model import GlobalModel, Grant
-from fedloom.server.registry import ClientRegistry
+from fedloom.server.registry import ClientRecord, ClientRegistry
 from fedloom.weights import TensorSpec, Weights, layout_mismatch
 
 log = logging.getLogger("fedloom.server")
@@ -99,11 +99,10 @@ def broadcast(model: GlobalModel, codec: CodecSpec | None, zstd: bool = False
     event loop: the callers that issue tasks (`fedloom.server.plain_round.issue_phase`,
     the asynchronous driver's top-up) are synchronous, and a task's header must carry
     the payload's digest when it is issued, so there is no await to put the build
-    behind. The round loop leaves this fallback nothing to do in synchronous and
-    secure rounds (it prepares every held grant before the fit's and the evaluation's
-    tasks are issued, with no await in between); in asynchronous rounds it builds for a
-    session that joins while a version is current with a grant no other session holds,
-    once per such grant and version.
+    behind. Nothing leaves this fallback work to do: the round loop prepares every held
+    grant before a synchronous or secure round's fit and evaluation tasks are issued,
+    with no await in between, and the asynchronous driver issues a task only to a
+    session whose grant is built (it builds the rest in the executor first).
     """
     info, payload, used = model.current.select(codec, zstd)
     return info, payload, used, model.info.specs if used is not None else ()
@@ -111,7 +110,14 @@ def broadcast(model: GlobalModel, codec: CodecSpec | None, zstd: bool = False
 
 def download_grants(registry: ClientRegistry) -> set[Grant]:
     """The download grants the connected sessions hold (each once); read on the loop."""
-    return {(record.download_codec, record.download_zstd) for record in registry.records()}
+    return {grant_of(record) for record in registry.records()}
+
+
+def grant_of(record: ClientRecord | None) -> Grant:
+    """A session's download grant (a session gone meanwhile: plain, no zstd)."""
+    if record is None:
+        return None, False
+    return record.download_codec, record.download_zstd
 
 
 def check_zstd(granted: bool, header: ResultHeader) -> None:

@@ -220,9 +220,10 @@ class GlobalModel:
         self._adopt(broadcast)
 
     async def prepare(self, grants: Callable[[], Collection[Grant]],
-                      executor: concurrent.futures.Executor) -> None:
-        """Build in ``executor`` what the installed version's broadcast lacks for the
-        ``grants`` held; returns (on the loop) when nothing is missing."""
+                      executor: concurrent.futures.Executor | None) -> None:
+        """Build in ``executor`` (None: the loop's default executor) what the installed
+        version's broadcast lacks for the ``grants`` held; returns (on the loop) when
+        nothing is missing."""
         await _complete(self.current, grants, executor)
 
     def _retire(self, weights: Weights) -> None:
@@ -237,7 +238,7 @@ class GlobalModel:
 
 
 async def _complete(broadcast: Broadcast, grants: Callable[[], Collection[Grant]],
-                    executor: concurrent.futures.Executor) -> None:
+                    executor: concurrent.futures.Executor | None) -> None:
     """Build ``broadcast``'s missing pieces for ``grants`` in ``executor`` until a check
     on the loop finds none missing (sessions may join while a build runs)."""
     loop = asyncio.get_running_loop()

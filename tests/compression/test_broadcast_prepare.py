@@ -293,3 +293,54 @@ def test_concurrent_first_uses_build_each_piece_once(monkeypatch: pytest.MonkeyP
     info, payload, used = results[0]
     assert used == fp16 and bytes(payload) == _frame(_fp16_bytes(_model()))
     assert info.sha256 == _sha(_fp16_bytes(_model()))
+
+
+class _HeldFit(_RowStep):
+    """Holds its round-2 fit (trained on version 1) until ``release`` is set."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def fit(self, weights: Weights, config: Any) -> FitOutput:
+        if int(config["server_round"]) == 2:
+            self.holding.set()
+            assert self.release.wait(30)
+        return super().fit(weights, config)
+
+
+def test_an_async_session_that_joins_mid_version_gets_a_broadcast_built_off_the_loop(
+        server_config, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    # Version 1 is current and "first" (fp16+zstd) is training it; "late" joins granted
+    # bf16+zstd, which no session held when version 1 was published. It is given a task
+    # on version 1 once its broadcast is built, in the worker thread.
+    config = server_config(num_rounds=3, keep_checkpoints=10, min_clients=1,
+                           min_fit_clients=1,
+                           rounds=RoundsConfig(mode="async", concurrency=2, buffer_size=1),
+                           compression=CompressionConfig(download=("fp16+zstd", "bf16+zstd")))
+    spy = _Spy(monkeypatch)
+    handle = Server(config, initial_weights=_model()).start()
+    first, late = _HeldFit(0), _RowStep(1)
+    with client_threads(handle.address,
+                        {"first": (first, {"download_codecs": ("fp16+zstd",)})}):
+        assert first.holding.wait(30)
+        with client_threads(handle.address,
+                            {"late": (late, {"download_codecs": ("bf16+zstd",)})}):
+            deadline = time.monotonic() + 20
+            while not late.sent and time.monotonic() < deadline:
+                time.sleep(0.02)
+            trained = bool(late.sent)
+            first.release.set()
+            history = handle.wait(60)
+    assert trained, "the late session got no task while version 1 was current"
+    assert [r.status for r in history if r.round > 0] == ["ok", "ok", "ok"]
+    models = rounds_committed(config.state_dir)
+    server_round, received = late.sent[0]
+    assert server_round == 2  # trained version 1, the version current when it joined
+    assert ("fit", 2) in _check_sent(spy, models, "bf16", True, _bf16_bytes)
+    want = np.frombuffer(_bf16_bytes(models[1]), np.uint16).astype(np.uint32) << 16
+    assert np.concatenate([np.ravel(a) for a in received.values()]).view(np.uint32) \
+        .tolist() == want.tolist()
+    loop_thread = handle.thread.ident
+    assert loop_thread is not None
+    assert loop_thread not in spy.threads("encode") + spy.threads("compress")
