@@ -181,6 +181,8 @@ def test_the_victims_own_keys_substituted_are_refused() -> None:
     forged = _signed_by(identity, server.setup, victim, _fresh_keys())
     roster = (forged, *server.full_roster()[1:])
     server.share_keys({victim: roster})
+    assert server.refusals[victim] == (
+        f"client {victim!r} refuses: the keys the roster lists as this client's are not its own")
     _refused_alone(server, victim, "the keys the roster lists as this client's are not its own")
 
 

@@ -84,12 +84,17 @@ def _confirmed(server: MaliciousServer) -> tuple[str, ...]:
 
 
 FORGERIES = {
-    "another_set": "does not verify",
-    "another_attempt": "does not verify",
-    "server_key": "does not verify",
-    "swapped_signers": "does not verify",
+    "another_set": "does not verify: it did not sign this survivor set for this attempt and "
+                   "roster",
+    "another_attempt": "does not verify: it did not sign this survivor set for this attempt "
+                       "and roster",
+    "server_key": "does not verify: it did not sign this survivor set for this attempt and "
+                  "roster",
+    "swapped_signers": "does not verify: it did not sign this survivor set for this attempt "
+                       "and roster",
     "non_neighbour": "which is not a surviving neighbour",
-    "too_few": "only 3 neighbours confirmed",
+    "too_few": "refuses: only 3 neighbours confirmed the survivor set; at least the threshold "
+               "(4) must, before any share is revealed",
 }
 
 

@@ -165,7 +165,8 @@ def _isolating_set(graph: Graph, cid: str, threshold: int) -> tuple[str, ...]:
 
 
 FLAWS = {
-    "disconnected": "not connected in the neighbour graph",
+    "disconnected": "refuses: the survivors are not connected in the neighbour graph: each "
+                    "part's sum would be revealed on its own",
     "below_floor": "min_survivors = 12",
     "few_neighbours": "fewer than the threshold",
     "without_client": "leaves this client out",
@@ -241,8 +242,10 @@ def test_a_set_naming_a_neighbour_whose_share_was_withheld_is_refused() -> None:
     assert victim in server.delivered[w]
     everyone = tuple(sorted(server.clients))
     server.consistency(dict.fromkeys(everyone, everyone))
-    assert f"names the neighbours [{w!r}]" in server.refusals[victim]
-    assert "never delivered" in server.refusals[victim]
+    assert server.refusals[victim] == (
+        f"client {victim!r} refuses: the survivor set names the neighbours [{w!r}], whose "
+        "shares the server never delivered to this client (a server that withholds shares "
+        "could isolate a small group)")
     assert server.clients[victim].setup is None
     server.unmask({c: everyone for c in everyone if c != victim})
     for holder in server.graph[victim]:

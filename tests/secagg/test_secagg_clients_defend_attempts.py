@@ -4,6 +4,7 @@ and older attempts, stages out of order, a policy it did not agree to, erased se
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -37,7 +38,9 @@ def test_duplicate_or_foreign_keys_in_the_roster_are_refused(authenticated: bool
     assert [k.client_id for k in honest.roster] == ids  # every member, itself included
     roster = honest.roster
     same = dataclasses.replace(roster[1], mask_public_key=roster[0].mask_public_key)
-    with pytest.raises(SecureAggregationError, match="substituted"):
+    why = (f"client {cid!r} refuses: {ids[1]!r} advertised a public key listed before (keys "
+           "were substituted or replayed)")
+    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
         rnd.clients[cid].handle(ShareKeysRequest(honest.round_id,
                                                  (roster[0], same, *roster[2:])))
     other = ids[1]
@@ -52,7 +55,11 @@ def test_duplicate_or_foreign_keys_in_the_roster_are_refused(authenticated: bool
     assert isinstance(request, ShareKeysRequest)
     short = ShareKeysRequest(request.round_id, request.roster[:-1])  # ids[9] left out
     if authenticated:  # every participant's keys shape the graph: none may be left out
-        with pytest.raises(SecureAggregationError, match="leaves out 1 participants"):
+        why = (f"client {third!r} refuses: the roster leaves out 1 participants ({ids[9:]}): "
+               "in an authenticated round every participant's keys shape the graph, so the "
+               "server must start a new attempt without them rather than choose which keys "
+               "count")
+        with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
             rnd.clients[third].handle(short)
     else:  # a client that did not advertise is simply not a member
         assert isinstance(rnd.clients[third].handle(short), ShareKeysReply)
@@ -73,7 +80,10 @@ def test_used_and_older_attempts_are_refused(authenticated: bool) -> None:
     # a newer attempt of the same round is refused too: this client revealed shares in
     # round 4 already (a second sum would reveal the difference); the next round is not
     newer = make_setup(CONFIG, ids, 8, RoundId("run-1", 4, 3), authenticated=authenticated)
-    with pytest.raises(SecureAggregationError, match="revealed shares in an earlier attempt"):
+    why = (f"client {ids[0]!r} refuses: this client revealed shares in an earlier attempt of "
+           "round 4: a second unmasked attempt would show the server a second sum, and the "
+           "difference of the two its missing clients' updates")
+    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
         client.handle(AdvertiseKeysRequest(newer))
     fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 5, 4), authenticated=authenticated)
     assert isinstance(client.handle(AdvertiseKeysRequest(fresh)), AdvertisedKeys)
@@ -89,7 +99,8 @@ def test_out_of_order_and_foreign_rounds_are_refused(authenticated: bool) -> Non
     with pytest.raises(SecureAggregationError, match="out of order"):
         client.handle(MaskedInputRequest(rid, (), ()), vector=np.zeros(8), num_examples=1)
     outsider = make_client("not-invited", authenticated=authenticated)
-    with pytest.raises(SecureAggregationError, match="not among"):
+    why = "client 'not-invited' refuses: this client is not among the round's participants"
+    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
         outsider.handle(AdvertiseKeysRequest(rnd.server.setup))
 
 

@@ -73,7 +73,9 @@ def _flip(data: bytes, at: int) -> bytes:
         ("misaddressed", "addressed to"),
         ("relabelled_receiver", "failed authentication"),
         ("duplicate", "replay"),
-        ("commitment", "do not match the commitments"),
+        ("commitment", "do not match the commitments published with them (a dealer that "
+                       "commits to one share and sends another)"),
+        ("non_neighbour", "which is not a neighbour of this client"),
     ],
 )
 def test_bad_shares_are_rejected_and_the_round_goes_on(how: str, match: str,
@@ -105,6 +107,10 @@ def test_bad_shares_are_rejected_and_the_round_goes_on(how: str, match: str,
             return shares[1], commitments[1]
         if how == "commitment":  # the share as sent, another commitment published
             return s, dataclasses.replace(c, self_mask=_flip(c.self_mask, 5))
+        if how == "non_neighbour":  # the share as sent, under a non-neighbour's name
+            graph = rnd.server.graph
+            stranger = next(c for c in ids if c != target and c not in graph[target])
+            return dataclasses.replace(s, sender=stranger), c
         other = next(r for (snd, r) in relayed if snd == s.sender and r != target)
         wrong = relayed[(s.sender, other)]
         if how == "misaddressed":

@@ -4,6 +4,7 @@ attempts."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -92,12 +93,14 @@ def _survivor_set_request(rnd: Round, cid: str, survivors: tuple[str, ...]) -> A
 
 
 @BOTH_MODES
-@pytest.mark.parametrize(("how", "match"), [
-    ("stranger", "advertised no keys"),
-    ("left_out", "leaves this client out"),
-    ("too_few", "fewer than the threshold"),
+@pytest.mark.parametrize(("how", "why"), [
+    ("stranger", "the survivor set names ['zz-not-a-participant'], which advertised no keys "
+                 "in this attempt"),
+    ("left_out", "the survivor set leaves this client out, yet asks it to act on it"),
+    ("too_few", "only 3 surviving neighbours; fewer than the threshold (4) would expose too "
+                "small a sum"),
 ])
-def test_bad_survivor_sets_are_refused(authenticated: bool, how: str, match: str) -> None:
+def test_bad_survivor_sets_are_refused(authenticated: bool, how: str, why: str) -> None:
     stage = Stage.CONSISTENCY if authenticated else Stage.UNMASK
     rnd = round_at(stage, authenticated)
     server = rnd.server
@@ -110,7 +113,8 @@ def test_bad_survivor_sets_are_refused(authenticated: bool, how: str, match: str
         survivors.remove(cid)
     else:  # all but three of its neighbours 'dropped': it would reveal their mask keys
         survivors = [c for c in survivors if c not in sorted(server.graph[cid])[3:]]
-    with pytest.raises(SecureAggregationError, match=match):
+    refusal = f"client {cid!r} refuses: {why}"
+    with pytest.raises(SecureAggregationError, match=f"^{re.escape(refusal)}$"):
         rnd.clients[cid].handle(_survivor_set_request(rnd, cid, tuple(survivors)))
     with pytest.raises(SecureAggregationError):  # the refusal ended the attempt
         rnd.clients[cid].handle(honest)
