@@ -320,9 +320,7 @@ class SecAggClient(ClientAttempts):
         attempt = self._enter(Stage.CONSISTENCY, request)
         if isinstance(attempt, ConsistencyReply):
             return attempt
-        setup = attempt.setup
-        if not setup.authenticated:
-            self._refuse("an unauthenticated round has no consistency stage")
+        setup = attempt.setup  # authenticated: `_enter` refuses the stage otherwise
         self._check_survivors(attempt, request.survivors)
         assert self.identity is not None
         signature = self.identity.sign(survivors_statement(setup, request.survivors,
