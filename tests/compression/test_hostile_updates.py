@@ -104,6 +104,10 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
                     statuses[name] = None
                 except ResultRefusedError as exc:
                     statuses[name] = exc.code  # type: ignore[assignment]
+                if name == "ungranted":  # its task failed: sent again, it is told why
+                    with pytest.raises(ResultRefusedError) as again:
+                        connection.push(result, payload)
+                    stale = str(again.value)
             history = handle.wait(60)
     finally:
         for connection in connections.values():
@@ -116,6 +120,11 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
     assert "was not granted" in rejected and "not the model's layout" in rejected
     assert "must be strictly increasing and below 12" in rejected
     assert "must lie in [-127, 127]" in rejected
+    assert "round 1 closed: update refused: " in stale and "was not granted" in stale
+    # The server's own line for an update refused for its encoding names the client.
+    ungranted = connections["ungranted"].session.client_id
+    assert any(r.getMessage().startswith(f"client {ungranted}: ") and "was not granted"
+               in r.getMessage() for r in caplog.records)
 
     # The new model is the mean of what the honest clients sent (and the plain update).
     specs = small_weights().specs()
