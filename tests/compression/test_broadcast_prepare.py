@@ -202,17 +202,26 @@ def test_the_bytes_sent_are_the_codec_and_zstd_of_the_model(
             assert received.allclose(want, rtol=0, atol=0)
 
 
-class _HeldEvaluation(_RowStep):
-    """Holds its round-1 evaluation until ``release`` is set (after ``holding``)."""
+class _Holding(_RowStep):
+    """Holds its ``kind`` task of round ``held`` until ``release`` is set (after
+    ``holding``)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, kind: str, held: int) -> None:
         super().__init__(seed)
+        self.kind, self.held = kind, held
         self.holding, self.release = threading.Event(), threading.Event()
 
-    def evaluate(self, weights: Weights, config: Any) -> EvaluateOutput:
-        if int(config["server_round"]) == 1:
+    def _hold(self, kind: str, config: Any) -> None:
+        if kind == self.kind and int(config["server_round"]) == self.held:
             self.holding.set()
             assert self.release.wait(30)
+
+    def fit(self, weights: Weights, config: Any) -> FitOutput:
+        self._hold("fit", config)
+        return super().fit(weights, config)
+
+    def evaluate(self, weights: Weights, config: Any) -> EvaluateOutput:
+        self._hold("evaluate", config)
         return super().evaluate(weights, config)
 
 
@@ -231,7 +240,7 @@ def test_a_session_that_joins_after_a_version_is_published_gets_its_broadcast(
                            compression=CompressionConfig(download=("fp16+zstd", "bf16+zstd")))
     spy = _Spy(monkeypatch)
     handle = Server(config, initial_weights=_model()).start()
-    first, late = _HeldEvaluation(0), _RowStep(1)
+    first, late = _Holding(0, "evaluate", 1), _RowStep(1)
     with client_threads(handle.address,
                         {"first": (first, {"download_codecs": ("fp16+zstd",)})}):
         assert first.holding.wait(30)
@@ -295,20 +304,6 @@ def test_concurrent_first_uses_build_each_piece_once(monkeypatch: pytest.MonkeyP
     assert info.sha256 == _sha(_fp16_bytes(_model()))
 
 
-class _HeldFit(_RowStep):
-    """Holds its round-2 fit (trained on version 1) until ``release`` is set."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__(seed)
-        self.holding, self.release = threading.Event(), threading.Event()
-
-    def fit(self, weights: Weights, config: Any) -> FitOutput:
-        if int(config["server_round"]) == 2:
-            self.holding.set()
-            assert self.release.wait(30)
-        return super().fit(weights, config)
-
-
 def test_an_async_session_that_joins_mid_version_gets_a_broadcast_built_off_the_loop(
         server_config, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     # Version 1 is current and "first" (fp16+zstd) is training it; "late" joins granted
@@ -320,7 +315,7 @@ def test_an_async_session_that_joins_mid_version_gets_a_broadcast_built_off_the_
                            compression=CompressionConfig(download=("fp16+zstd", "bf16+zstd")))
     spy = _Spy(monkeypatch)
     handle = Server(config, initial_weights=_model()).start()
-    first, late = _HeldFit(0), _RowStep(1)
+    first, late = _Holding(0, "fit", 2), _RowStep(1)  # first holds version 1
     with client_threads(handle.address,
                         {"first": (first, {"download_codecs": ("fp16+zstd",)})}):
         assert first.holding.wait(30)
