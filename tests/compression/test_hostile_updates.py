@@ -87,6 +87,7 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
     connections = joined(handle.address, HOSTILE)
     honest = {f"h{i}": ScriptedClient(seed=i, num_examples=10 + i) for i in range(2)}
     statuses: dict[str, grpc.StatusCode | None] = {}
+    stale: dict[str, str] = {}
     try:
         with caplog.at_level(logging.WARNING, logger="fedloom.server"), client_threads(
                 handle.address, {n: (c, {"upload_codecs": ("q8",)}) for n, c in honest.items()}):
@@ -104,10 +105,10 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
                     statuses[name] = None
                 except ResultRefusedError as exc:
                     statuses[name] = exc.code  # type: ignore[assignment]
-                if name == "ungranted":  # its task failed: sent again, it is told why
+                if name in ("ungranted", "bad-code"):  # its task failed: sent again, told why
                     with pytest.raises(ResultRefusedError) as again:
                         connection.push(result, payload)
-                    stale = str(again.value)
+                    stale[name] = str(again.value)
             history = handle.wait(60)
     finally:
         for connection in connections.values():
@@ -120,7 +121,10 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
     assert "was not granted" in rejected and "not the model's layout" in rejected
     assert "must be strictly increasing and below 12" in rejected
     assert "must lie in [-127, 127]" in rejected
-    assert "round 1 closed: update refused: " in stale and "was not granted" in stale
+    assert "round 1 closed: update refused: " in stale["ungranted"]
+    assert "was not granted" in stale["ungranted"]  # refused at its header
+    assert "round 1 closed: update refused: the update does not decode with q8" \
+        in stale["bad-code"]  # refused when its whole payload was checked
     # The server's own line for an update refused for its encoding names the client.
     ungranted = connections["ungranted"].session.client_id
     assert any(r.getMessage().startswith(f"client {ungranted}: ") and "was not granted"

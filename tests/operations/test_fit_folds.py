@@ -1,0 +1,81 @@
+"""What a plain round does with an update once it has arrived whole: it reaches the
+strategy under its client's session id, and an update whose round closed while its
+checks ran is refused as stale rather than folded into a closed round."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from helpers import ScriptedClient, run_clients, small_weights
+
+from fedloom.config import StrategyConfig
+from fedloom.errors import RejectReason
+from fedloom.server import Server, plain_round
+
+
+def _joined_ids(records: list[logging.LogRecord]) -> set[str]:
+    """The session ids of the clients the server logged as joined."""
+    return {r.getMessage().split(" ")[1] for r in records
+            if r.getMessage().startswith("client ") and " joined; " in r.getMessage()}
+
+
+def test_updates_reach_the_strategy_under_their_clients_session_ids(
+        server_config, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    # FedProx names the updates that did not echo proximal_mu (these clients never do).
+    config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0,
+                           strategy=StrategyConfig("fedprox", {"proximal_mu": 0.1}))
+    handle = Server(config, initial_weights=small_weights()).start()
+    with caplog.at_level(logging.INFO):
+        threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
+                                               for i in range(2)])
+        history = handle.wait(60)
+    for thread in threads:
+        thread.join(10)
+    assert history[-1].status == "ok"
+    warned = [r.getMessage() for r in caplog.records
+              if "did not apply proximal_mu" in r.getMessage()]
+    assert len(warned) == 1
+    named = set(warned[0].rsplit(": ", 1)[1].split(", "))
+    assert named == _joined_ids(caplog.records) and len(named) == 2
+
+
+def test_an_update_whose_round_closed_during_its_checks_is_refused_as_stale(
+        server_config, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    # Three tasks for a target of two: the first update to arrive is held in its checks
+    # until the other two are in (the second of them closes the round), then let go.
+    original = plain_round.check_decodes
+    arrived: list[asyncio.Event] = []
+    others_in = 0
+
+    async def held_first(*args: Any) -> Any:
+        nonlocal others_in
+        if not arrived:
+            arrived.append(asyncio.Event())
+            await asyncio.wait_for(arrived[0].wait(), 30)
+            return await original(*args)
+        result = await original(*args)
+        others_in += 1
+        if others_in == 2:
+            arrived[0].set()  # the round closes before the held fold resumes
+        return result
+
+    monkeypatch.setattr(plain_round, "check_decodes", held_first)
+    config = server_config(num_rounds=1, min_clients=3, min_fit_clients=2,
+                           fraction_fit=0.5, over_selection=1.5, fraction_evaluate=0.0)
+    handle = Server(config, initial_weights=small_weights()).start()
+    with caplog.at_level(logging.WARNING, logger="fedloom.server"):
+        threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
+                                               for i in range(3)])
+        history = handle.wait(60)
+        for thread in threads:
+            thread.join(10)
+    assert others_in == 2
+    assert (history[-1].status, history[-1].num_updates) == ("ok", 2)
+    stale = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Push rejected")]
+    assert len(stale) == 1
+    assert stale[0].endswith(f": the round closed while uploading ({RejectReason.STALE})")
