@@ -15,9 +15,10 @@ from helpers import ScriptedClient, run_clients, small_weights
 from fedloom.cli import main
 from fedloom.client_sdk import EvaluateOutput, FitOutput
 from fedloom.config import MetricsConfig
+from fedloom.privacy import PrivacyConfig
 from fedloom.server import Server
 from fedloom.server.store import ClientRow, RoundRow, RunStore
-from fedloom.strategies import FedAvg
+from fedloom.strategies import CentralDPStrategy, FedAvg
 
 NUM_CLIENTS = 3
 
@@ -230,3 +231,17 @@ def test_a_hook_may_report_text_where_the_displays_expect_numbers(
     assert server.coordinator.history[-1].evaluate["accuracy"] == "not measured"  # type: ignore[union-attr]
     assert main(["runs", run_id, "--state-dir", server.config.state_dir]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].split()[-1] == "-"
+
+
+def test_a_differentially_private_strategy_passed_in_keeps_no_client_rows(
+        server_config) -> None:  # type: ignore[no-untyped-def]
+    # Privacy is off in the config: the strategy object alone says the run is private.
+    def private(config):  # type: ignore[no-untyped-def]
+        inner = FedAvg(selection=config.selection)
+        privacy = PrivacyConfig(mode="central", noise_multiplier=1e-9, clip_norm=100.0,
+                                target_epsilon=0.0)
+        return CentralDPStrategy(inner, privacy, rng=np.random.default_rng(0))
+
+    server, run_id = _run(server_config, strategy=private)
+    assert not server.config.privacy.enabled
+    assert _client_rows(server.config.state_dir, run_id) == {}
