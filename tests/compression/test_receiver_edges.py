@@ -69,7 +69,8 @@ def test_q4_refuses_a_code_of_minus_8_in_any_nibble(size: int, dtype: str) -> No
 def test_q4_refuses_a_padding_nibble_that_is_not_zero() -> None:
     spec = TensorSpec("w", "float32", (5,))
     packed = np.array([0x88, 0x88, 0x98], np.uint8)  # the last high nibble is padding
-    _refused("q4", [np.ones(2, np.float32), packed], spec, "padding nibble", block=4)
+    _refused("q4", [np.ones(2, np.float32), packed], spec,
+             "^the padding nibble of a 4-bit payload must encode 0$", block=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
