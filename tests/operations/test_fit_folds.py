@@ -8,11 +8,13 @@ import asyncio
 import logging
 from typing import Any
 
+import grpc
 import pytest
 from helpers import ScriptedClient, run_clients, small_weights
+from ops_wire import connect, pull_task, push_zero_update
 
 from fedloom.config import StrategyConfig
-from fedloom.errors import RejectReason
+from fedloom.errors import RejectReason, ResultRefusedError
 from fedloom.server import Server, plain_round
 
 
@@ -79,3 +81,27 @@ def test_an_update_whose_round_closed_during_its_checks_is_refused_as_stale(
     stale = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Push rejected")]
     assert len(stale) == 1
     assert stale[0].endswith(f": the round closed while uploading ({RejectReason.STALE})")
+
+
+def test_tasks_carry_the_rounds_deadline_and_a_result_after_the_round_closed_is_stale(
+        server_config) -> None:  # type: ignore[no-untyped-def]
+    # Three tasks for a target of two: the third result comes after the round closed.
+    config = server_config(num_rounds=2, min_clients=3, min_fit_clients=2, fraction_fit=0.5,
+                           over_selection=1.5, fraction_evaluate=0.0, round_timeout_s=25.0)
+    handle = Server(config, initial_weights=small_weights()).start()
+    conns = [connect(handle.address, f"c{i}") for i in range(3)]
+    try:
+        tasks = [pull_task(conn) for conn in conns]
+        assert [(task.round, task.deadline_s) for task, _ in tasks] == [(1, 25.0)] * 3
+        for conn, (task, weights) in zip(conns[:2], tasks[:2], strict=True):
+            push_zero_update(conn, task, weights)
+        assert pull_task(conns[0])[0].round == 2  # round 1 is over
+        with pytest.raises(ResultRefusedError) as late:
+            push_zero_update(conns[2], *tasks[2])
+        assert late.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "round 1 closed: enough results arrived (2 of 3 tasks)" in str(late.value)
+    finally:
+        handle.stop()
+        handle.wait(30)
+        for conn in conns:
+            conn.close()
