@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import pytest
-from helpers import ScriptedClient, run_clients, small_weights
+from helpers import ScriptedClient, committed_models, run_clients, small_weights
 from ops_wire import connect, pull_task, push_zero_update
 
+from fedloom import ClientInfo, FitPlan, Weights
 from fedloom.config import StrategyConfig
 from fedloom.errors import RejectReason, ResultRefusedError
 from fedloom.server import Server, plain_round
+from fedloom.strategies import FedAvg
 
 
 def _joined_ids(records: list[logging.LogRecord]) -> set[str]:
@@ -105,3 +108,34 @@ def test_tasks_carry_the_rounds_deadline_and_a_result_after_the_round_closed_is_
         handle.wait(30)
         for conn in conns:
             conn.close()
+
+
+class _Watching(FedAvg):
+    """FedAvg that records the model each round's configure_fit is given."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.given: list[Weights] = []
+
+    def configure_fit(self, server_round: int, current: Weights,
+                      clients: Sequence[ClientInfo]) -> FitPlan:
+        self.given.append(current.copy())
+        return super().configure_fit(server_round, current, clients)
+
+
+def test_a_strategy_plans_each_round_from_the_current_global_model(
+        server_config) -> None:  # type: ignore[no-untyped-def]
+    config = server_config(num_rounds=2, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0, keep_checkpoints=10)
+    strategy = _Watching(selection=config.selection)
+    handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
+    threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
+                                           for i in range(2)])
+    history = handle.wait(60)
+    for thread in threads:
+        thread.join(10)
+    assert [r.status for r in history if r.round > 0] == ["ok", "ok"]
+    models = committed_models(config.state_dir)
+    assert len(strategy.given) == 2
+    for server_round, given in enumerate(strategy.given, start=1):
+        assert given.allclose(models[server_round - 1], rtol=0, atol=0)
