@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -14,7 +15,7 @@ import pytest
 from helpers import ScriptedClient, committed_models, run_clients, small_weights
 from ops_wire import connect, pull_task, push_zero_update
 
-from fedloom import ClientInfo, FitPlan, Weights
+from fedloom import AggregateResult, ClientInfo, ClientUpdate, FitPlan, Weights
 from fedloom.config import StrategyConfig
 from fedloom.errors import RejectReason, ResultRefusedError
 from fedloom.server import Server, plain_round
@@ -86,24 +87,45 @@ def test_an_update_whose_round_closed_during_its_checks_is_refused_as_stale(
     assert stale[0].endswith(f": the round closed while uploading ({RejectReason.STALE})")
 
 
+class _HeldAggregation(FedAvg):
+    """FedAvg whose round cannot end until ``release`` is set (its aggregation waits
+    once it has every update)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.release = threading.Event()
+
+    def aggregate_fit(self, server_round: int, current: Weights,
+                      updates: Iterable[ClientUpdate]) -> AggregateResult:
+        result = super().aggregate_fit(server_round, current, updates)
+        assert self.release.wait(30)
+        return result
+
+
+@pytest.mark.parametrize("when", ["while the round ends", "after the round ended"])
 def test_tasks_carry_the_rounds_deadline_and_a_result_after_the_round_closed_is_stale(
-        server_config) -> None:  # type: ignore[no-untyped-def]
-    # Three tasks for a target of two: the third result comes after the round closed.
+        server_config, when: str) -> None:  # type: ignore[no-untyped-def]
+    # Three tasks for a target of two: the third result comes after the round closed,
+    # while its aggregation still runs (its tasks still open) or once the next began.
     config = server_config(num_rounds=2, min_clients=3, min_fit_clients=2, fraction_fit=0.5,
                            over_selection=1.5, fraction_evaluate=0.0, round_timeout_s=25.0)
-    handle = Server(config, initial_weights=small_weights()).start()
+    strategy = _HeldAggregation(selection=config.selection)
+    handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
     conns = [connect(handle.address, f"c{i}") for i in range(3)]
     try:
         tasks = [pull_task(conn) for conn in conns]
         assert [(task.round, task.deadline_s) for task, _ in tasks] == [(1, 25.0)] * 3
         for conn, (task, weights) in zip(conns[:2], tasks[:2], strict=True):
-            push_zero_update(conn, task, weights)
-        assert pull_task(conns[0])[0].round == 2  # round 1 is over
+            push_zero_update(conn, task, weights)  # the second closes the round
+        if when == "after the round ended":
+            strategy.release.set()
+            assert pull_task(conns[0])[0].round == 2
         with pytest.raises(ResultRefusedError) as late:
             push_zero_update(conns[2], *tasks[2])
         assert late.value.code is grpc.StatusCode.FAILED_PRECONDITION
         assert "round 1 closed: enough results arrived (2 of 3 tasks)" in str(late.value)
     finally:
+        strategy.release.set()
         handle.stop()
         handle.wait(30)
         for conn in conns:
@@ -139,3 +161,26 @@ def test_a_strategy_plans_each_round_from_the_current_global_model(
     assert len(strategy.given) == 2
     for server_round, given in enumerate(strategy.given, start=1):
         assert given.allclose(models[server_round - 1], rtol=0, atol=0)
+
+
+class _NamingAGhost(FedAvg):
+    """FedAvg whose plan names, first, a client that is not connected."""
+
+    def configure_fit(self, server_round: int, current: Weights,
+                      clients: Sequence[ClientInfo]) -> FitPlan:
+        plan = super().configure_fit(server_round, current, clients)
+        return FitPlan(("0" * 16, *plan.client_ids), plan.config)
+
+
+def test_a_planned_client_that_is_not_connected_leaves_the_others_their_tasks(
+        server_config) -> None:  # type: ignore[no-untyped-def]
+    config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0)
+    strategy = _NamingAGhost(selection=config.selection)
+    handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
+    threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
+                                           for i in range(2)])
+    history = handle.wait(60)
+    for thread in threads:
+        thread.join(10)
+    assert (history[-1].status, history[-1].num_updates) == ("ok", 2)
