@@ -133,16 +133,23 @@ def test_tasks_carry_the_rounds_deadline_and_a_result_after_the_round_closed_is_
 
 
 class _Watching(FedAvg):
-    """FedAvg that records the model each round's configure_fit is given."""
+    """FedAvg that records the model each round's configure_fit is given, and the round
+    each aggregation is told."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.given: list[Weights] = []
+        self.aggregated: list[int] = []
 
     def configure_fit(self, server_round: int, current: Weights,
                       clients: Sequence[ClientInfo]) -> FitPlan:
         self.given.append(current.copy())
         return super().configure_fit(server_round, current, clients)
+
+    def aggregate_fit(self, server_round: int, current: Weights,
+                      updates: Iterable[ClientUpdate]) -> AggregateResult:
+        self.aggregated.append(server_round)
+        return super().aggregate_fit(server_round, current, updates)
 
 
 def test_a_strategy_plans_each_round_from_the_current_global_model(
@@ -158,7 +165,7 @@ def test_a_strategy_plans_each_round_from_the_current_global_model(
         thread.join(10)
     assert [r.status for r in history if r.round > 0] == ["ok", "ok"]
     models = committed_models(config.state_dir)
-    assert len(strategy.given) == 2
+    assert len(strategy.given) == 2 and strategy.aggregated == [1, 2]
     for server_round, given in enumerate(strategy.given, start=1):
         assert given.allclose(models[server_round - 1], rtol=0, atol=0)
 

@@ -33,6 +33,7 @@ def test_the_status_line_counts_each_phases_answers(
     for thread in threads:
         thread.join(10)
     assert history[-1].status == "ok"
+    assert "round 1/1: 0/2 clients answered" in shown  # the round, of how many, tasks
     for verb in ("trained", "evaluated"):
         counts = [line for line in shown if line.startswith("round 1: ") and verb in line]
         assert counts[-1] == f"round 1: 2/2 clients {verb}"
