@@ -17,7 +17,7 @@ from ops_wire import connect, pull_task, push_zero_update
 
 from fedloom import AggregateResult, ClientInfo, ClientUpdate, FitPlan, Weights
 from fedloom.config import StrategyConfig
-from fedloom.errors import RejectReason, ResultRefusedError
+from fedloom.errors import AggregationError, RejectReason, ResultRefusedError
 from fedloom.server import Server, plain_round
 from fedloom.strategies import FedAvg
 
@@ -191,3 +191,31 @@ def test_a_planned_client_that_is_not_connected_leaves_the_others_their_tasks(
     for thread in threads:
         thread.join(10)
     assert (history[-1].status, history[-1].num_updates) == ("ok", 2)
+
+
+class _Refusing(FedAvg):
+    """FedAvg whose aggregation gives up after taking every update."""
+
+    def aggregate_fit(self, server_round: int, current: Weights,
+                      updates: Iterable[ClientUpdate]) -> AggregateResult:
+        for _ in updates:
+            pass
+        raise AggregationError("the updates disagree on everything")
+
+
+def test_a_round_whose_aggregation_fails_is_logged_and_keeps_the_model(
+        server_config, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0)
+    strategy = _Refusing(selection=config.selection)
+    handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
+    with caplog.at_level(logging.WARNING, logger="fedloom.server"):
+        threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
+                                               for i in range(2)])
+        history = handle.wait(60)
+    for thread in threads:
+        thread.join(10)
+    assert history[-1].status == "failed"
+    assert ("round 1 failed: the updates disagree on everything; the global model is "
+            "unchanged") in [r.getMessage() for r in caplog.records]
+    assert committed_models(config.state_dir)[1].allclose(small_weights(), rtol=0, atol=0)
