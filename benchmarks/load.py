@@ -23,7 +23,9 @@ Reported (JSON, and a summary on stdout):
   server's: round 1 includes waiting for the clients to join), ``active_s`` (from the
   last join, or the round's start, to its commit) and the server's CPU seconds in that
   window (sampled from ``/proc``);
-- ``client_errors``: every failed RPC or bad download (the target is none), and
+- ``client_errors``: every failed RPC or bad download (the target is none; a Leave
+  after "run finished" that the stopped server no longer answers is counted apart, in
+  ``unanswered_leaves``: leaving is best effort, as in the SDK), and
   ``refused``: results the server declined (none expected without over-selection);
 - latency percentiles (p50/p95/p99, seconds): ``pull_delivery`` (the round's active
   start -> the client holds the verified fit task: the fan-out through the Tasks
@@ -216,6 +218,7 @@ def report(
         "rounds_ok": sum(1 for r in rounds if r.status == "ok"),
         "per_round": [row(r) for r in rounds],
         "client_errors": len(stats.errors),
+        "unanswered_leaves": stats.unanswered_leaves,
         "error_samples": sorted(set(stats.errors))[:10],
         "refused": len(stats.refused),
         "clients_finished": stats.finished,
