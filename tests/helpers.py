@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -89,6 +90,21 @@ def run_clients(address: str, clients: list[Client], **kwargs) -> list[threading
         t.start()
         threads.append(t)
     return threads
+
+
+def run_to_end(handle: Any, clients: list[Client]) -> list[Any]:
+    """Run ``clients`` (threads, plaintext) against a started server until its run ends;
+    the run's history (`fedloom.server.ServerHandle.wait`)."""
+    threads = run_clients(handle.address, clients)
+    history = handle.wait(60)
+    for thread in threads:
+        thread.join(10)
+    return history  # type: ignore[no-any-return]
+
+
+def scripted(n: int) -> list[Client]:
+    """``n`` `ScriptedClient`s, seeds 0..n-1, 5 examples each."""
+    return [ScriptedClient(seed=i, num_examples=5) for i in range(n)]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import ScriptedClient, committed_models, run_clients, small_weights
+from helpers import committed_models, run_to_end, scripted, small_weights
 from ops_wire import connect, pull_task, push_zero_update
 
 from fedloom import AggregateResult, ClientInfo, ClientUpdate, FitPlan, Weights
@@ -36,11 +36,7 @@ def test_updates_reach_the_strategy_under_their_clients_session_ids(
                            strategy=StrategyConfig("fedprox", {"proximal_mu": 0.1}))
     handle = Server(config, initial_weights=small_weights()).start()
     with caplog.at_level(logging.INFO):
-        threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
-                                               for i in range(2)])
-        history = handle.wait(60)
-    for thread in threads:
-        thread.join(10)
+        history = run_to_end(handle, scripted(2))
     assert history[-1].status == "ok"
     warned = [r.getMessage() for r in caplog.records
               if "did not apply proximal_mu" in r.getMessage()]
@@ -75,11 +71,7 @@ def test_an_update_whose_round_closed_during_its_checks_is_refused_as_stale(
                            fraction_fit=0.5, over_selection=1.5, fraction_evaluate=0.0)
     handle = Server(config, initial_weights=small_weights()).start()
     with caplog.at_level(logging.WARNING, logger="fedloom.server"):
-        threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
-                                               for i in range(3)])
-        history = handle.wait(60)
-        for thread in threads:
-            thread.join(10)
+        history = run_to_end(handle, scripted(3))
     assert others_in == 2
     assert (history[-1].status, history[-1].num_updates) == ("ok", 2)
     stale = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Push rejected")]
@@ -158,11 +150,7 @@ def test_a_strategy_plans_each_round_from_the_current_global_model(
                            fraction_evaluate=0.0, keep_checkpoints=10)
     strategy = _Watching(selection=config.selection)
     handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
-    threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
-                                           for i in range(2)])
-    history = handle.wait(60)
-    for thread in threads:
-        thread.join(10)
+    history = run_to_end(handle, scripted(2))
     assert [r.status for r in history if r.round > 0] == ["ok", "ok"]
     models = committed_models(config.state_dir)
     assert len(strategy.given) == 2 and strategy.aggregated == [1, 2]
@@ -185,11 +173,7 @@ def test_a_planned_client_that_is_not_connected_leaves_the_others_their_tasks(
                            fraction_evaluate=0.0)
     strategy = _NamingAGhost(selection=config.selection)
     handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
-    threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
-                                           for i in range(2)])
-    history = handle.wait(60)
-    for thread in threads:
-        thread.join(10)
+    history = run_to_end(handle, scripted(2))
     assert (history[-1].status, history[-1].num_updates) == ("ok", 2)
 
 
@@ -210,11 +194,7 @@ def test_a_round_whose_aggregation_fails_is_logged_and_keeps_the_model(
     strategy = _Refusing(selection=config.selection)
     handle = Server(config, initial_weights=small_weights(), strategy=strategy).start()
     with caplog.at_level(logging.WARNING, logger="fedloom.server"):
-        threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
-                                               for i in range(2)])
-        history = handle.wait(60)
-    for thread in threads:
-        thread.join(10)
+        history = run_to_end(handle, scripted(2))
     assert history[-1].status == "failed"
     assert ("round 1 failed: the updates disagree on everything; the global model is "
             "unchanged") in [r.getMessage() for r in caplog.records]

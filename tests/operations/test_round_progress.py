@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import ScriptedClient, run_clients, small_weights
+from helpers import ScriptedClient, run_to_end, scripted, small_weights
 
 from fedloom import Weights
 from fedloom.client_sdk import FitOutput
@@ -27,11 +27,7 @@ def test_the_status_line_counts_each_phases_answers(
                         lambda self, text: shown.append(text))
     config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2, progress=True)
     handle = Server(config, initial_weights=small_weights()).start()
-    threads = run_clients(handle.address, [ScriptedClient(seed=i, num_examples=5)
-                                           for i in range(2)])
-    history = handle.wait(60)
-    for thread in threads:
-        thread.join(10)
+    history = run_to_end(handle, scripted(2))
     assert history[-1].status == "ok"
     assert "round 1/1: 0/2 clients answered" in shown  # the round, of how many, tasks
     for verb in ("trained", "evaluated"):
@@ -46,12 +42,7 @@ def test_a_reported_failure_is_logged_with_the_client_and_its_reason(
                            fraction_evaluate=0.0)
     handle = Server(config, initial_weights=small_weights()).start()
     with caplog.at_level(logging.INFO, logger="fedloom.server"):
-        threads = run_clients(handle.address, [ScriptedClient(seed=0, num_examples=5),
-                                               ScriptedClient(seed=1, num_examples=5),
-                                               _Failing(seed=2, num_examples=5)])
-        history = handle.wait(60)
-    for thread in threads:
-        thread.join(10)
+        history = run_to_end(handle, [*scripted(2), _Failing(seed=2, num_examples=5)])
     assert (history[-1].num_updates, history[-1].num_failures) == (2, 1)
     lines = [r.getMessage() for r in caplog.records]
     failed = [line for line in lines if " reported a failure: " in line]
