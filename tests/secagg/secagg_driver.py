@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -76,6 +77,16 @@ def make_inputs(ids: list[str], length: int, seed: int = 0, scale: float = 1.0,
     rng = np.random.default_rng(seed)
     return {cid: (rng.normal(0.0, scale, length), int(rng.integers(1, max_examples + 1)))
             for cid in ids}
+
+
+def exactly(message: str) -> str:
+    """A ``match`` pattern for ``message`` and nothing more."""
+    return f"^{re.escape(message)}$"
+
+
+def refusal(cid: str, why: str) -> str:
+    """A ``match`` pattern for exactly the refusal of ``cid`` that says ``why``."""
+    return exactly(f"client {cid!r} refuses: {why}")
 
 
 def ids_of(n: int) -> list[str]:

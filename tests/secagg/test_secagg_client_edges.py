@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from typing import Any, TypeVar
 
 import numpy as np
@@ -16,12 +15,14 @@ from clients_defend_support import CONFIG, round_at
 from secagg_driver import (
     Round,
     assert_matches_plaintext,
+    exactly,
     fresh_keys,
     ids_of,
     make_client,
     make_inputs,
     make_setup,
     pki,
+    refusal,
     run,
     setup_round,
 )
@@ -43,17 +44,6 @@ from fedloom.secagg import (
     key_statement,
     quantize,
 )
-
-
-def _exactly(message: str) -> str:
-    """A pattern that matches ``message`` and nothing more."""
-    return f"^{re.escape(message)}$"
-
-
-def _refusal(cid: str, why: str) -> str:
-    """A pattern for exactly the refusal of ``cid`` that says ``why``."""
-    return _exactly(f"client {cid!r} refuses: {why}")
-
 
 _Q = TypeVar("_Q")
 
@@ -101,7 +91,7 @@ def test_masked_input_needs_both_the_vector_and_the_example_count() -> None:
     partials: list[dict[str, Any]] = [{"num_examples": n}, {"vector": vector}]
     for partial in partials:
         with pytest.raises(SecureAggregationError,
-                           match=_exactly("masked_input needs the vector and num_examples")):
+                           match=exactly("masked_input needs the vector and num_examples")):
             client.handle(request, **partial)
     assert isinstance(client.handle(request, vector=vector, num_examples=n), MaskedInputReply)
 
@@ -112,7 +102,7 @@ def test_a_message_that_is_not_a_request_is_refused_by_its_type() -> None:
     keys = AdvertisedKeys(make_setup(CONFIG, ids, 8, authenticated=False).round_id, ids[0],
                           *fresh_keys())
     with pytest.raises(SecureAggregationError,
-                       match=_exactly("not a SecAgg+ request: AdvertisedKeys")):
+                       match=exactly("not a SecAgg+ request: AdvertisedKeys")):
         client.handle(keys)  # type: ignore[arg-type]
 
 
@@ -126,7 +116,7 @@ def test_a_fresh_client_refuses_keys_it_never_offered() -> None:
     presented = AdvertisedKeys(setup.round_id, ids[0], *fresh_keys())
     why = ("the server presents keys this client never offered (or offered for an attempt "
            "that already used them)")
-    with pytest.raises(SecureAggregationError, match=_refusal(ids[0], why)):
+    with pytest.raises(SecureAggregationError, match=refusal(ids[0], why)):
         client.handle(ShareKeysRequest(setup.round_id, (), setup, presented))
 
 
@@ -142,7 +132,7 @@ def test_a_share_request_whose_setup_differs_from_the_attempts_is_refused() -> N
                                 model_digest=hashlib.sha256(b"another model").digest())
     request = ShareKeysRequest(honest.round_id, honest.roster, other, _own(honest, cid))
     with pytest.raises(SecureAggregationError,
-                       match=_refusal(cid, "the share-keys request's setup differs from this "
+                       match=refusal(cid, "the share-keys request's setup differs from this "
                                            "attempt's")):
         rnd.clients[cid].handle(request)
 
@@ -164,7 +154,7 @@ def test_keys_presented_as_the_clients_own_must_be_its_own() -> None:
         if cid == ids[0]:
             assert isinstance(rnd.clients[cid].handle(request), ShareKeysReply)
             continue
-        with pytest.raises(SecureAggregationError, match=_refusal(
+        with pytest.raises(SecureAggregationError, match=refusal(
                 cid, "the keys the server presents as this client's are not its own")):
             rnd.clients[cid].handle(request)
 
@@ -185,7 +175,7 @@ def test_a_graph_that_gives_fewer_than_t_neighbours_is_refused(
     monkeypatch.setattr(client_module, "neighbour_graph", trimmed)
     why = f"only {t - 1} neighbours advertised keys; at least the threshold ({t}) is needed " \
           "to share secrets"
-    with pytest.raises(SecureAggregationError, match=_refusal(cid, why)):
+    with pytest.raises(SecureAggregationError, match=refusal(cid, why)):
         rnd.clients[cid].handle(_request(rnd, cid, ShareKeysRequest))
 
 
@@ -228,7 +218,7 @@ def test_inputs_of_the_wrong_shape_are_refused() -> None:
          f"the encoded input has shape ({d},); the round expects ({m},)"),
         (ids[1], np.zeros(m), f"the update has shape ({m},); the round expects ({d},)")]
     for cid, vector, why in cases:
-        with pytest.raises(SecureAggregationError, match=_refusal(cid, why)):
+        with pytest.raises(SecureAggregationError, match=refusal(cid, why)):
             rnd.clients[cid].handle(_request(rnd, cid, MaskedInputRequest), vector=vector,
                                     num_examples=5)
 
@@ -242,7 +232,7 @@ def test_an_unmask_request_for_another_set_than_the_confirmed_one_is_refused() -
     honest = _request(rnd, cid, UnmaskRequest)
     fewer = tuple(c for c in honest.survivors if c != honest.survivors[-1])
     why = "the unmask request names another survivor set than the one this client confirmed"
-    with pytest.raises(SecureAggregationError, match=_refusal(cid, why)):
+    with pytest.raises(SecureAggregationError, match=refusal(cid, why)):
         rnd.clients[cid].handle(UnmaskRequest(honest.round_id, fewer, honest.confirmations))
 
 
@@ -253,7 +243,7 @@ def test_an_unauthenticated_unmask_request_with_confirmations_is_refused() -> No
     signer = min(rnd.server.graph[cid])
     request = UnmaskRequest(honest.round_id, honest.survivors, (Confirmation(signer, b"sig"),))
     with pytest.raises(SecureAggregationError,
-                       match=_refusal(cid, "an unauthenticated round carries confirmations")):
+                       match=refusal(cid, "an unauthenticated round carries confirmations")):
         rnd.clients[cid].handle(request)
 
 
@@ -272,7 +262,7 @@ def test_an_unauthenticated_roster_with_signed_keys_is_refused() -> None:
     roster[1] = dataclasses.replace(other, certificate=identity.certificate_der,
                                     signature=signature)
     with pytest.raises(SecureAggregationError,
-                       match=_refusal(cid, "an unauthenticated round carries signed keys")):
+                       match=refusal(cid, "an unauthenticated round carries signed keys")):
         rnd.clients[cid].handle(ShareKeysRequest(honest.round_id, tuple(roster)))
 
 
@@ -287,7 +277,7 @@ def test_a_roster_needs_threshold_plus_one_participants() -> None:
 
     short = first(_request(rnd, ids[0], ShareKeysRequest), t)
     why = f"only {t} participants advertised keys; at least threshold + 1 = {t + 1} are needed"
-    with pytest.raises(SecureAggregationError, match=_refusal(ids[0], why)):
+    with pytest.raises(SecureAggregationError, match=refusal(ids[0], why)):
         rnd.clients[ids[0]].handle(short)
     enough = first(_request(rnd, ids[1], ShareKeysRequest), t + 1)
     reply = rnd.clients[ids[1]].handle(enough)
@@ -304,7 +294,7 @@ def test_a_roster_leaving_out_many_participants_names_the_first_five() -> None:
     why = (f"the roster leaves out 7 participants ({ids[7:12]}): in an authenticated round "
            "every participant's keys shape the graph, so the server must start a new "
            "attempt without them rather than choose which keys count")
-    with pytest.raises(SecureAggregationError, match=_refusal(cid, why)):
+    with pytest.raises(SecureAggregationError, match=refusal(cid, why)):
         rnd.clients[cid].handle(short)
 
 
@@ -318,7 +308,7 @@ def test_a_survivor_set_naming_many_strangers_names_the_first_five() -> None:
     strangers = [f"zz-stranger-{i}" for i in range(7)]
     survivors = tuple(sorted([*honest.survivors, *strangers]))
     why = f"the survivor set names {strangers[:5]}, which advertised no keys in this attempt"
-    with pytest.raises(SecureAggregationError, match=_refusal(cid, why)):
+    with pytest.raises(SecureAggregationError, match=refusal(cid, why)):
         rnd.clients[cid].handle(ConsistencyRequest(honest.round_id, survivors))
 
 
@@ -347,5 +337,5 @@ def test_a_survivor_set_naming_many_withheld_neighbours_names_the_first_five() -
     why = (f"the survivor set names the neighbours {withheld[:5]}, whose shares the server "
            "never delivered to this client (a server that withholds shares could isolate a "
            "small group)")
-    with pytest.raises(SecureAggregationError, match=_refusal(target, why)):
+    with pytest.raises(SecureAggregationError, match=refusal(target, why)):
         rnd.clients[target].handle(_request(rnd, target, UnmaskRequest))

@@ -4,12 +4,20 @@ and older attempts, stages out of order, a policy it did not agree to, erased se
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import numpy as np
 import pytest
 from clients_defend_support import BOTH_MODES, CONFIG, round_at
-from secagg_driver import ids_of, make_client, make_inputs, make_setup, pki, run, setup_round
+from secagg_driver import (
+    exactly,
+    ids_of,
+    make_client,
+    make_inputs,
+    make_setup,
+    pki,
+    run,
+    setup_round,
+)
 
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
@@ -40,7 +48,7 @@ def test_duplicate_or_foreign_keys_in_the_roster_are_refused(authenticated: bool
     same = dataclasses.replace(roster[1], mask_public_key=roster[0].mask_public_key)
     why = (f"client {cid!r} refuses: {ids[1]!r} advertised a public key listed before (keys "
            "were substituted or replayed)")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         rnd.clients[cid].handle(ShareKeysRequest(honest.round_id,
                                                  (roster[0], same, *roster[2:])))
     other = ids[1]
@@ -59,7 +67,7 @@ def test_duplicate_or_foreign_keys_in_the_roster_are_refused(authenticated: bool
                "in an authenticated round every participant's keys shape the graph, so the "
                "server must start a new attempt without them rather than choose which keys "
                "count")
-        with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+        with pytest.raises(SecureAggregationError, match=exactly(why)):
             rnd.clients[third].handle(short)
     else:  # a client that did not advertise is simply not a member
         assert isinstance(rnd.clients[third].handle(short), ShareKeysReply)
@@ -83,7 +91,7 @@ def test_used_and_older_attempts_are_refused(authenticated: bool) -> None:
     why = (f"client {ids[0]!r} refuses: this client revealed shares in an earlier attempt of "
            "round 4: a second unmasked attempt would show the server a second sum, and the "
            "difference of the two its missing clients' updates")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         client.handle(AdvertiseKeysRequest(newer))
     fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 5, 4), authenticated=authenticated)
     assert isinstance(client.handle(AdvertiseKeysRequest(fresh)), AdvertisedKeys)
@@ -100,7 +108,7 @@ def test_out_of_order_and_foreign_rounds_are_refused(authenticated: bool) -> Non
         client.handle(MaskedInputRequest(rid, (), ()), vector=np.zeros(8), num_examples=1)
     outsider = make_client("not-invited", authenticated=authenticated)
     why = "client 'not-invited' refuses: this client is not among the round's participants"
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         outsider.handle(AdvertiseKeysRequest(rnd.server.setup))
 
 

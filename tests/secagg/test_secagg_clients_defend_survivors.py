@@ -4,13 +4,12 @@ attempts."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from clients_defend_support import BOTH_MODES, CONFIG, round_at
-from secagg_driver import Round, ids_of, make_inputs, run, setup_round
+from secagg_driver import Round, exactly, ids_of, make_inputs, run, setup_round
 
 from fedloom.errors import MessageRejectedError, SecureAggregationError
 from fedloom.secagg import (
@@ -114,7 +113,7 @@ def test_bad_survivor_sets_are_refused(authenticated: bool, how: str, why: str) 
     else:  # all but three of its neighbours 'dropped': it would reveal their mask keys
         survivors = [c for c in survivors if c not in sorted(server.graph[cid])[3:]]
     refusal = f"client {cid!r} refuses: {why}"
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(refusal)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(refusal)):
         rnd.clients[cid].handle(_survivor_set_request(rnd, cid, tuple(survivors)))
     with pytest.raises(SecureAggregationError):  # the refusal ended the attempt
         rnd.clients[cid].handle(honest)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from typing import Any
 
 import numpy as np
@@ -16,6 +15,7 @@ from secagg_driver import (
     MODEL_DIGEST,
     Round,
     assert_matches_plaintext,
+    exactly,
     ids_of,
     make_client,
     make_inputs,
@@ -62,7 +62,7 @@ def test_a_client_with_a_certificate_refuses_an_unauthenticated_attempt() -> Non
     why = ("client 'client-000' refuses: this client holds a certificate and takes part only "
            "in rounds whose keys are signed; an unauthenticated round would let the server "
            "substitute keys unseen")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         client.handle(AdvertiseKeysRequest(make_setup(CONFIG, ids, 4, authenticated=False)))
     signed = client.handle(AdvertiseKeysRequest(make_setup(CONFIG, ids, 4)))
     assert isinstance(signed, AdvertisedKeys) and signed.signed
@@ -101,7 +101,7 @@ def test_a_client_seated_under_another_identity_refuses() -> None:
 def test_a_client_with_a_certificate_needs_the_client_ca() -> None:
     why = ("a client with a certificate needs the client CA (peers) to check the other "
            "participants' signatures")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         SecAggClient("client-000", identity=pki().identity("client-000"))
 
 
@@ -234,7 +234,7 @@ def test_a_client_takes_part_in_at_most_max_attempts_attempts_of_a_round(
     why = ("client 'client-000' refuses: this client already took part in 2 attempts of "
            "round 1 (max_attempts): every attempt shows the server a sum over its survivors, "
            "so it takes part in no more")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         advertise(1, 5)
     # the refusal leaves the attempt in progress alone
     assert client.setup is not None and client.setup.round_id == RoundId("run-1", 1, 4)

@@ -6,13 +6,13 @@ keys are made (and signed) after the client has seen the attempt's setup."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import pytest
 from secagg_driver import (
     Round,
     assert_matches_plaintext,
+    exactly,
     ids_of,
     make_client,
     make_inputs,
@@ -155,7 +155,7 @@ def test_keys_other_than_the_clients_offer_are_refused() -> None:
     # the offer is used up by that request: the honest one is refused as well
     why = ("client 'client-000' refuses: the server presents keys this client never offered "
            "(or offered for an attempt that already used them)")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         first.clients[ids[0]].handle(request)
 
 
@@ -275,7 +275,7 @@ def test_a_client_refuses_to_begin_an_authenticated_attempt_on_an_offer() -> Non
     signed = make_setup(CONFIG, ids, 8, RoundId("run-1", 2, 0))
     why = ("client 'client-000' refuses: an authenticated round never uses key offers: its "
            "keys must be made after the setup is known")
-    with pytest.raises(SecureAggregationError, match=f"^{re.escape(why)}$"):
+    with pytest.raises(SecureAggregationError, match=exactly(why)):
         first.clients[cid].handle(ShareKeysRequest(signed.round_id, (), signed,
                                                    offer.advertised(signed.round_id, cid)))
     fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 2, 1), authenticated=False)
