@@ -9,6 +9,10 @@ their partition id only when the ClientApp answers that query
 (`flower_client.answers_identity_query`): a plain Flower ClientApp is not sent it, so it
 logs no error (see `flower_strategy`'s docstring).
 
+Ray is started by `start_ray` before the simulation (Flower's backend then uses it): a
+local Ray head that does not come up is retried with a fresh one instead of failing the
+run.
+
 When Flower's simulation runtime fails (Ray does not start, a backend crashes),
 ``run_simulation`` raises but its ServerApp thread — not a daemon — would go on waiting
 for replies for the whole round timeout and keep the process from exiting. So the
@@ -36,6 +40,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.run import Run
 
+from fedloom.simulations._ray_start import start_ray, stop_ray
 from fedloom.simulations._records import arrays_to_weights, metrics_to_record, weights_to_arrays
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import SimulatedCompression
@@ -132,16 +137,20 @@ def run_flower(
             evaluate_fn=central,
         )
 
+    config = _plain(backend_config or {})
+    started_ray = start_ray(config, verbose=verbose)
     try:
         run_simulation(
             server_app=server_app,
             client_app=client_app,
             num_supernodes=num_clients,
-            backend_config=_plain(backend_config or {}),
+            backend_config=config,
             verbose_logging=verbose,
         )
     finally:
         runtime_ended.set()  # a ServerApp still waiting on a failed runtime stops now
+        if started_ray:
+            stop_ray()
     if len(recorder.records) != num_rounds + 1:
         raise RuntimeError(
             f"Flower's simulation ended after {len(recorder.records) - 1} of {num_rounds} "

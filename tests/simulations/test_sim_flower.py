@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+import ray
 from flwr.clientapp import ClientApp
 
 from fedloom import Weights
@@ -88,10 +89,11 @@ def _ray_start_timed_out(exc: BaseException | None) -> bool:
 
 
 def test_a_failed_runtime_does_not_leave_the_server_app_waiting() -> None:
-    """When Flower's simulation runtime fails (here Ray refuses its arguments), run_flower
-    raises and the ServerApp thread stops too, instead of waiting out the round timeout
-    and keeping the process from exiting."""
-    broken_ray = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": -1}}
+    """When Flower's simulation runtime fails (here, once Ray has started, its backend
+    refuses the client resources), run_flower raises and the ServerApp thread stops too,
+    instead of waiting out the round timeout and keeping the process from exiting; Ray
+    is shut down."""
+    broken_ray = {"client_resources": {"num_cpus": "one"}}
     with pytest.raises(RuntimeError):
         run_flower(FedAvg(), ClientApp(), Weights({"w": np.zeros(3, np.float32)}),
                    num_clients=2, num_rounds=1, backend_config=broken_ray, timeout_s=600.0)
@@ -99,6 +101,7 @@ def test_a_failed_runtime_does_not_leave_the_server_app_waiting() -> None:
     while _server_app_threads() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _server_app_threads() == []
+    assert not ray.is_initialized()
 
 
 def _server_app_threads() -> list[str]:
