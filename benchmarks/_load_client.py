@@ -4,8 +4,10 @@ The SDK's `Connection` is synchronous (a thread per client, a watchdog thread pe
 stream): right for an application, too heavy for 1,000 clients sharing two cores with
 the server they measure. This client speaks the same protocol the same way the SDK does
 by default, through the generated stubs and `fedloom.protos.codec`: one Tasks stream per
-session, a fit result through Push (header, then the update's chunk frames), an
-evaluation result in one Report call, a heartbeat every interval the server asked for.
+session, a fit result through Push (header, then the update's chunk frames) or, when the
+server granted the "inline" capability and the update is small, inside its header in one
+Report call, an evaluation result in one Report call, a heartbeat every interval the
+server asked for.
 It checks what it downloads as the SDK does (`PayloadReceiver`: order, sizes, finite
 values, SHA-256). Each client has its own channel and TCP connection
 (``grpc.use_local_subchannel_pool``), as separate devices would.
@@ -35,7 +37,13 @@ import numpy as np
 
 from fedloom.errors import MessageRejectedError
 from fedloom.messages import PROTOCOL_VERSION, JoinRequest, ResultHeader, Session, TaskHeader
-from fedloom.payload import PayloadInfo, PayloadReceiver, iter_chunk_views, serialize
+from fedloom.payload import (
+    PayloadInfo,
+    PayloadReceiver,
+    inline_limit,
+    iter_chunk_views,
+    serialize,
+)
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
@@ -144,6 +152,7 @@ class LoadClient:
         self._long_poll_s = 20.0
         self._heartbeat_s = 5.0
         self._chunk_size = 1 << 20
+        self._inline = False  # the server granted "inline"
 
     async def run(self) -> None:
         await asyncio.sleep(self.rng.uniform(0.0, self.ramp_s))
@@ -169,7 +178,8 @@ class LoadClient:
 
     # -- session --------------------------------------------------------------------
     async def join(self, stub: Any) -> bool:
-        request = JoinRequest(PROTOCOL_VERSION, frozenset({"fit", "evaluate"}), self.name)
+        request = JoinRequest(PROTOCOL_VERSION, frozenset({"fit", "evaluate", "inline"}),
+                              self.name)
         started = time.perf_counter()
         try:
             reply = await stub.Join(
@@ -186,6 +196,7 @@ class LoadClient:
         self._long_poll_s = grant.long_poll_s
         self._heartbeat_s = grant.heartbeat_interval_s
         self._chunk_size = grant.chunk_size  # a payload of several chunks: all full-size
+        self._inline = "inline" in grant.capabilities
         return True
 
     async def heartbeats(self, stub: Any) -> None:
@@ -260,6 +271,8 @@ class LoadClient:
             info = task.weights
             receiver = PayloadReceiver(info.specs, info.total_bytes, info.sha256,
                                        _Sink(info.total_bytes), max_chunk_bytes=4 << 20)
+            if first.task.inline_payload:  # the whole payload came with the header
+                receiver.feed(0, first.task.inline_payload)
             while receiver.received < info.wire_size:
                 message = await self._read(call)
                 if message is grpc.aio.EOF:
@@ -287,11 +300,15 @@ class LoadClient:
                     num_examples=self.rng.randint(10, 100), base_round=task.round - 1,
                     metrics={"train_loss": self.rng.random()}, update=info,
                 )
-                frames = [codec.result_to_proto(header)] + [
-                    codec.chunk_frame(offset, data)
-                    for offset, data in iter_chunk_views(payload, self._chunk_size)]
                 started = time.perf_counter()
-                await push(iter(frames), timeout=self.rpc_timeout_s)
+                if self._inline and len(payload) <= inline_limit(self._chunk_size):
+                    await stub.Report(codec.result_to_proto(header, inline=payload),
+                                      timeout=self.rpc_timeout_s)
+                else:
+                    frames = [codec.result_to_proto(header)] + [
+                        codec.chunk_frame(offset, data)
+                        for offset, data in iter_chunk_views(payload, self._chunk_size)]
+                    await push(iter(frames), timeout=self.rpc_timeout_s)
                 self.stats.push_fit_s.append(time.perf_counter() - started)
                 self.stats.fits += 1
             elif task.kind is TaskKind.EVALUATE:

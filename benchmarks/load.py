@@ -67,7 +67,7 @@ from _load_sampler import (
     time_collections,
 )
 
-from fedloom.config import ServerConfig
+from fedloom.config import ServerConfig, TransferConfig
 from fedloom.records import RoundRecord
 from fedloom.server.store import RunStore
 from fedloom.weights import Weights
@@ -261,6 +261,8 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
         overrides: dict[str, Any] = {}
         if args.heartbeat_interval_s:
             overrides["heartbeat_interval_s"] = args.heartbeat_interval_s
+        if args.no_inline:  # small payloads as a header and one Chunk, as before "inline"
+            overrides["transfer"] = TransferConfig(inline_payloads=False)
         if args.fraction_fit < 1.0:  # the strategy samples this share; over-select on top
             overrides["fraction_fit"] = args.fraction_fit
             overrides["min_fit_clients"] = max(1, int(args.clients * args.fraction_fit))
@@ -316,6 +318,7 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
         client_processes=args.procs,
         model_bytes=tiny_model(args.params).nbytes,
         train_s=args.train_s,
+        inline_payloads=not args.no_inline,
         fraction_fit=args.fraction_fit,
         over_selection=args.over_selection if args.fraction_fit < 1.0 else 1.0,
         wall_s=round(wall, 2),
@@ -341,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp-s", type=float, default=None,
                         help="joins spread over this (default: 5 s; soak: 60 s)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.0)
+    parser.add_argument("--no-inline", action="store_true",
+                        help="the server grants no 'inline' capability: small payloads "
+                        "travel as a header and one Chunk")
     parser.add_argument(
         "--fraction-fit", type=float, default=1.0, help="below 1: sample this share per round"
     )

@@ -43,7 +43,8 @@ def receive_task(
     download_zstd: bool = False,
 ) -> tuple[TaskHeader, Weights] | NoTask:
     """Read one task: its header, then its chunks (to the end of a Pull's stream;
-    on the Tasks stream, as many bytes as the header announces).
+    on the Tasks stream, as many bytes as the header announces). A payload that came
+    inside the header (the "inline" capability) is fed first, as its one chunk.
 
     ``run_id`` is the run this client joined (None: not checked); ``watchdog`` is
     touched on every message and, once the header is in, given the client's RPC timeout
@@ -92,6 +93,8 @@ def receive_task(
         receiver = ZstdReceiver(receiver, info.wire_bytes,
                                 max_chunk_bytes=config.transfer.max_message_bytes)
     try:
+        if first.task.inline_payload:  # the whole payload came with the header
+            receiver.feed(0, first.task.inline_payload)
         while whole_stream or receiver.received < info.wire_size:
             message = next(stream, None)
             if message is None:

@@ -2,7 +2,8 @@
 
 `Connection` joins, reads its tasks from one Tasks stream (or long-polls Pull for each),
 downloading and verifying their weights chunk by chunk, pushes results in chunks (a
-result without a payload in one Report call), sends heartbeats and leaves. gRPC errors
+result without a payload, or with a small one inside its header when the server granted
+the "inline" capability, in one Report call), sends heartbeats and leaves. gRPC errors
 are translated at this edge: a server that is unreachable or went away raises
 `TransportError` (retry later), an unknown session raises `SessionExpiredError`
 (join again), a refused message raises `ResultRefusedError` (do not retry it), and a
@@ -47,7 +48,7 @@ from fedloom.messages import (
     Session,
     TaskHeader,
 )
-from fedloom.payload import iter_chunk_views
+from fedloom.payload import inline_limit, iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
@@ -129,7 +130,9 @@ class Connection:
 
     # -- session --------------------------------------------------------------------
     def join(self, name: str, token: str = "") -> JoinReply:
-        request = JoinRequest(PROTOCOL_VERSION, CAPABILITIES, name, token,
+        capabilities = (CAPABILITIES if self.config.transfer.inline_payloads
+                        else CAPABILITIES - {Capability.INLINE})
+        request = JoinRequest(PROTOCOL_VERSION, capabilities, name, token,
                               upload_codecs=self.config.upload_codecs,
                               download_codecs=self.config.download_codecs)
         try:
@@ -256,6 +259,9 @@ class Connection:
         try:
             if payload is None and result.update is None:  # one message: no request stream
                 response = self._stub.Report(codec.result_to_proto(result), timeout=timeout)
+            elif payload is not None and self._inline(size, chunk_size):
+                response = self._stub.Report(codec.result_to_proto(result, inline=payload),
+                                             timeout=timeout)
             elif self._separate(size):
                 # Its own connection: the server's gRPC frees the read buffers it grew
                 # for these messages when the connection closes (see ClientConfig).
@@ -268,6 +274,11 @@ class Connection:
         except grpc.RpcError as exc:
             raise translate(exc, "push") from exc
         return bool(response.duplicate)
+
+    def _inline(self, size: int, chunk_size: int) -> bool:
+        """Whether a payload of ``size`` bytes goes inside its result header (Report)."""
+        granted = self.grant is not None and Capability.INLINE in self.grant.capabilities
+        return granted and 0 < size <= inline_limit(chunk_size)
 
     def _separate(self, size: int) -> bool:
         """Whether a push of ``size`` bytes goes over a connection of its own."""

@@ -28,6 +28,10 @@ class TransferConfig:
     stream_window_bytes: int = described(
         0, "server's HTTP/2 receive window per upload stream (0: gRPC's default); raise it "
         "(e.g. 4194304) for clients on high-latency links")
+    inline_payloads: bool = described(
+        True, "send payloads of at most min(chunk_size, 32 KiB) inside their task or result "
+        "header (one message instead of two) when both sides allow it: the 'inline' "
+        "capability, asked at Join by a client and granted by a server with this on")
 
     def __post_init__(self) -> None:
         check(self.chunk_size >= 1024, "chunk_size", "must be at least 1024 bytes")

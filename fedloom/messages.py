@@ -32,13 +32,16 @@ PROTOCOL_VERSION = 5
 
 
 class Capability(enum.StrEnum):
-    """A kind of task a client accepts, announced in its Join; the server sends it only
-    tasks of the kinds both sides hold. The values are the wire strings (those of the
-    matching `TaskKind`)."""
+    """What a client supports, announced in its Join: a kind of task it accepts (the
+    server sends it only tasks of the kinds both sides hold; the values are those of the
+    matching `TaskKind`), or a wire feature. The server's reply lists those granted."""
 
     FIT = TaskKind.FIT.value
     EVALUATE = TaskKind.EVALUATE.value
     SECAGG = TaskKind.SECAGG.value  # secure-aggregation stages (fedloom.secagg)
+    #: Small payloads inside their headers (`fedloom.payload.inline_limit`): a task's in
+    #: TaskHeader.inline_payload, a result's in ResultHeader.inline_payload through Report.
+    INLINE = "inline"
 
 
 #: The capabilities a server of this version grants: those a client asks for among these.

@@ -27,6 +27,17 @@ from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.weights import TensorSpec, Weights
 
 DEFAULT_CHUNK_SIZE = 1 << 20  # 1 MiB
+#: The largest payload that travels inside its header ("inline" capability, see
+#: `inline_limit`). Below it a payload's second message (its one Chunk) costs the server
+#: more than its bytes do; above it the bytes dominate and Chunks keep messages small.
+INLINE_MAX_BYTES = 32 * 1024
+
+
+def inline_limit(chunk_size: int) -> int:
+    """The largest payload, in wire bytes, that a peer granted the "inline" capability
+    sends inside its task or result header: ``min(chunk_size, INLINE_MAX_BYTES)`` (a
+    payload that would be one Chunk anyway, and small)."""
+    return min(chunk_size, INLINE_MAX_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -251,7 +251,10 @@ def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
 
 
 # ---- tasks ----------------------------------------------------------------------
-def task_to_proto(task: TaskHeader) -> ProtoPullResponse:
+def task_to_proto(task: TaskHeader, inline: bytes | memoryview | None = None
+                  ) -> ProtoPullResponse:
+    """The task's header message; ``inline``: its whole (small) payload, carried in
+    the header (``TaskHeader.inline_payload``) instead of in Chunks."""
     header = ProtoTaskHeader(
         task_id=task.task_id,
         run_id=task.run_id,
@@ -270,6 +273,8 @@ def task_to_proto(task: TaskHeader) -> ProtoPullResponse:
         header.evaluate.CopyFrom(ProtoEvaluateTask(config=config))
     else:
         secagg_task_to_proto(task.secagg, config, header)
+    if inline is not None:
+        header.inline_payload = bytes(inline)
     return ProtoPullResponse(task=header)
 
 
@@ -319,7 +324,10 @@ def no_task_from_proto(no_task: ProtoNoTask) -> NoTask:
 
 
 # ---- results --------------------------------------------------------------------
-def result_to_proto(result: ResultHeader) -> ProtoPushRequest:
+def result_to_proto(result: ResultHeader, inline: bytes | memoryview | None = None
+                    ) -> ProtoPushRequest:
+    """The result's header message; ``inline``: the whole (small) payload its update
+    describes, carried in the header (``ResultHeader.inline_payload``, for Report)."""
     header = ProtoResultHeader(
         session=session_to_proto(result.session), task_id=result.task_id, round=result.round
     )
@@ -343,6 +351,8 @@ def result_to_proto(result: ResultHeader) -> ProtoPushRequest:
         secagg_result_to_proto(result.secagg, header)
     else:
         header.failure.CopyFrom(ProtoTaskFailure(message=result.failure[:MAX_TEXT]))
+    if inline is not None:
+        header.inline_payload = bytes(inline)
     return ProtoPushRequest(result=header)
 
 

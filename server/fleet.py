@@ -81,6 +81,8 @@ class Fleet:
         # Unknown names are ignored (a newer client may know kinds this server does
         # not); the reply lists what was granted, so the client learns what it will get.
         granted = frozenset(request.capabilities & SERVER_CAPABILITIES)
+        if not self.config.transfer.inline_payloads:
+            granted -= {Capability.INLINE}
         record, session = self.registry.join(
             identity or request.name, granted, identity=identity, peer=peer,
         )

@@ -19,7 +19,7 @@ from typing import NoReturn
 import grpc
 
 from fedloom.errors import MessageRejectedError, RejectReason
-from fedloom.messages import NoTask, TaskHeader
+from fedloom.messages import Capability, NoTask, TaskHeader
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.protos.fedloom.v1 import fleet_pb2_grpc as pb_grpc
@@ -31,6 +31,7 @@ from fedloom.server.transfer_slots import TransferSlots
 from fedloom.server.transfers import (
     StreamBrokenError,
     TransferLimits,
+    receive_inline,
     receive_upload,
     send_task,
     write,
@@ -156,7 +157,7 @@ class FleetServicer(pb_grpc.FleetServicer):
                 return
             # Wait for a turn only as long as the long-poll has left: the client's deadline.
             wait_s = max(0.0, self.coordinator.config.long_poll_s - (time.monotonic() - polled))
-            if not await self._send_task(context, outcome, wait_s):
+            if not await self._send_task(context, record, outcome, wait_s):
                 # others are downloading: ask again (this task stays pending)
                 await write(context, codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
         except (asyncio.CancelledError, StreamBrokenError) as exc:
@@ -210,17 +211,19 @@ class FleetServicer(pb_grpc.FleetServicer):
             if outcome.run_finished or self.coordinator.stopping:
                 return _STREAM_ENDS
             return sent  # a keep-alive every long_poll_s
-        if await self._send_task(context, outcome, self.coordinator.config.long_poll_s):
+        if await self._send_task(context, record, outcome,
+                                  self.coordinator.config.long_poll_s):
             return outcome[0].task_id
         # no download turn within a long-poll: say so, then wait for one again
         await write(context, codec.no_task_to_proto(NoTask(retry_after_s=0.0)))
         return sent
 
-    async def _send_task(self, context: grpc.aio.ServicerContext,
+    async def _send_task(self, context: grpc.aio.ServicerContext, record: ClientRecord,
                          task: tuple[TaskHeader, memoryview], wait_s: float) -> bool:
         """`fedloom.server.transfers.send_task`, within the stream time limit."""
+        inline = Capability.INLINE in record.info.capabilities
         async with asyncio.timeout(self.stream_timeout_s):
-            return await send_task(context, task, wait_s, self.slots, self.limits)
+            return await send_task(context, task, wait_s, self.slots, self.limits, inline)
 
     async def Push(
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
@@ -235,6 +238,10 @@ class FleetServicer(pb_grpc.FleetServicer):
                         RejectReason.INVALID, "a Push stream must start with a result header"
                     )
                 client = self._client(first.result.session)  # first: refusals are its strikes
+                if first.result.inline_payload:
+                    raise MessageRejectedError(
+                        RejectReason.INVALID,
+                        "a payload inside its result header goes through Report, not Push")
                 header = codec.result_from_proto(first.result)
                 outcome = await self.coordinator.accept_result(client, header)
                 if not isinstance(outcome, Upload):
@@ -255,22 +262,40 @@ class FleetServicer(pb_grpc.FleetServicer):
     async def Report(
         self, request: pb.PushRequest, context: grpc.aio.ServicerContext
     ) -> pb.PushResponse:
-        """A result without a payload, in one message (one call, no request stream)."""
+        """A result in one message (one call, no request stream): without a payload, or,
+        from a session granted "inline", with a small one inside its header."""
+        upload: Upload | None = None
         try:
             if request.WhichOneof("part") != "result":
                 raise MessageRejectedError(RejectReason.INVALID, "a Report carries a result header")
             client = self._client(request.result.session)  # first: refusals are its strikes
+            inline = request.result.inline_payload
+            if inline and Capability.INLINE not in client.info.capabilities:
+                raise MessageRejectedError(
+                    RejectReason.INVALID, "this session was not granted the 'inline' capability: "
+                    "send the payload through Push")
             header = codec.result_from_proto(request.result)
-            if header.update is not None:
+            if header.update is None and inline:
+                raise MessageRejectedError(
+                    RejectReason.INVALID, "an inline payload needs the update header that "
+                    "describes it")
+            if header.update is not None and not inline:
                 raise MessageRejectedError(
                     RejectReason.INVALID, "a result with a payload goes through Push, not Report"
                 )
             outcome = await self.coordinator.accept_result(client, header)
-            if isinstance(outcome, Upload):  # cannot happen without an update
-                outcome.abandon()
-                raise MessageRejectedError(
-                    RejectReason.INVALID, "this result needs its payload: send it through Push"
-                )
-            return pb.PushResponse(duplicate=outcome)
+            if not isinstance(outcome, Upload):
+                return pb.PushResponse(duplicate=outcome)
+            upload = outcome
+            async with asyncio.timeout(self.stream_timeout_s):
+                receive_inline(upload, inline, self.limits)
+                finishing, upload = upload, None
+                await finishing.finish()  # verified, then folded by the task's owner
+            return pb.PushResponse(duplicate=False)
+        except TimeoutError:
+            await _reject(context, "Report", self._over_time("upload"))
         except MessageRejectedError as exc:
             await _reject(context, "Report", exc)
+        finally:
+            if upload is not None:
+                upload.abandon()

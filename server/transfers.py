@@ -12,6 +12,10 @@ An upload that needs a turn arrives in full chunks of ``transfer.chunk_size`` (t
 every client learns at Join), only its last one shorter: a slot holder cannot pay for
 its turn in bytes one at a time. A payload of one chunk needs no turn, so it is held
 to no chunk size; the stream time limit bounds it.
+
+A session granted the "inline" capability gets and sends payloads of at most
+`fedloom.payload.inline_limit` bytes inside their headers: `send_task` writes one
+message, and `receive_inline` feeds a Report's payload to its upload as its one chunk.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import grpc
 from fedloom.config import ServerConfig
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import TaskHeader
-from fedloom.payload import iter_chunk_views
+from fedloom.payload import inline_limit, iter_chunk_views
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.server.metrics import ServerMetrics
@@ -85,9 +89,14 @@ async def write(context: grpc.aio.ServicerContext, message: object) -> None:
 
 
 async def send_task(context: grpc.aio.ServicerContext, task: tuple[TaskHeader, memoryview],
-                    wait_s: float, slots: TransferSlots, limits: TransferLimits) -> bool:
+                    wait_s: float, slots: TransferSlots, limits: TransferLimits,
+                    inline: bool = False) -> bool:
     """Write a task's header and chunks, after waiting up to ``wait_s`` for a download
     turn; False (nothing written) if no turn came.
+
+    ``inline``: the session was granted the "inline" capability. A payload of at most
+    `inline_limit` bytes then travels inside the header, one message and no turn (it
+    weighs no more than a header).
 
     Messages are written, not yielded, so that the caller's stream time limit covers
     every write: a client that stops reading (HTTP/2 flow control) cannot hold the
@@ -98,6 +107,10 @@ async def send_task(context: grpc.aio.ServicerContext, task: tuple[TaskHeader, m
         StreamBrokenError: the client is gone.
     """
     header, payload = task
+    if inline and 0 < len(payload) <= inline_limit(limits.chunk_size):
+        await write(context, codec.task_to_proto(header, inline=payload))
+        ServerMetrics.bytes_out(len(payload))
+        return True
     async with slots.download(wait_s, len(payload)) as turn:
         if not turn:
             return False
@@ -151,6 +164,24 @@ async def receive_upload(upload: Upload, messages: AsyncIterator[pb.PushRequest]
         if pace.expired():
             raise limits.cut("upload", pace) from None
         raise
+
+
+def receive_inline(upload: Upload, data: bytes, limits: TransferLimits) -> None:
+    """Feed ``upload`` the payload a Report carried inline (`Upload.finish` then checks
+    it as a whole).
+
+    Raises:
+        MessageRejectedError: INVALID, larger than `inline_limit` (such a payload goes
+            through Push), or bad content.
+    """
+    limit = inline_limit(limits.chunk_size)
+    if len(data) > limit:
+        raise MessageRejectedError(
+            RejectReason.INVALID,
+            f"an inline payload of {len(data)} bytes is over the limit of {limit} bytes; "
+            "send it through Push")
+    upload.feed(0, data)
+    ServerMetrics.bytes_in(len(data))
 
 
 def _feed(upload: Upload, message: pb.PushRequest, full_chunks: bool, chunk_size: int) -> None:

@@ -24,7 +24,7 @@ from helpers import ScriptedClient, small_weights
 
 from fedloom import Weights
 from fedloom.compression import CodecSpec, decode, encode
-from fedloom.config import CompressionConfig
+from fedloom.config import CompressionConfig, TransferConfig
 from fedloom.errors import ResultRefusedError
 from fedloom.messages import ResultHeader
 from fedloom.payload import PayloadInfo, serialize
@@ -76,15 +76,20 @@ HOSTILE: dict[str, tuple[tuple[str, ...], CodecSpec | None, Weights,
 }
 
 
+@pytest.mark.parametrize("rpc", ["Push", "Report"])
 def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
-        server_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+        server_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+        rpc: str) -> None:
+    """Through Push (header, then chunks) and through Report (the small payload inside
+    its header, the "inline" capability): the same refusals."""
     config = server_config(num_rounds=1, min_clients=2 + len(HOSTILE), min_fit_clients=2,
                            fraction_evaluate=0.0, client_timeout_s=20.0,
                            compression=CompressionConfig(upload=("q8", "topk"), quantize_block=4,
                                                          topk_fraction=0.5))
     log = EncodeLog(monkeypatch)
     handle = Server(config, initial_weights=small_weights()).start()
-    connections = joined(handle.address, HOSTILE)
+    connections = joined(handle.address, HOSTILE,
+                         transfer=TransferConfig(inline_payloads=rpc == "Report"))
     honest = {f"h{i}": ScriptedClient(seed=i, num_examples=10 + i) for i in range(2)}
     statuses: dict[str, grpc.StatusCode | None] = {}
     stale: dict[str, str] = {}
@@ -117,7 +122,7 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
     record = history[-1]
     assert record.status == "ok"
     assert (record.num_updates, record.num_failures) == (3, len(HOSTILE) - 1)
-    rejected = " ".join(r.getMessage() for r in caplog.records if "Push rejected" in r.getMessage())
+    rejected = " ".join(r.getMessage() for r in caplog.records if f"{rpc} rejected" in r.getMessage())
     assert "was not granted" in rejected and "not the model's layout" in rejected
     assert "must be strictly increasing and below 12" in rejected
     assert "must lie in [-127, 127]" in rejected

@@ -70,11 +70,12 @@ def test_an_update_whose_round_closed_during_its_checks_is_refused_as_stale(
     config = server_config(num_rounds=1, min_clients=3, min_fit_clients=2,
                            fraction_fit=0.5, over_selection=1.5, fraction_evaluate=0.0)
     handle = Server(config, initial_weights=small_weights()).start()
+    # The SDK sends this small update inside its result header (Report, "inline").
     with caplog.at_level(logging.WARNING, logger="fedloom.server"):
         history = run_to_end(handle, scripted(3))
     assert others_in == 2
     assert (history[-1].status, history[-1].num_updates) == ("ok", 2)
-    stale = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Push rejected")]
+    stale = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Report rejected")]
     assert len(stale) == 1
     assert stale[0].endswith(f": the round closed while uploading ({RejectReason.STALE})")
 

@@ -23,6 +23,13 @@ headers of encoded payloads name their Encoding. A peer that knows nothing of th
 fields asks for, grants and sends nothing encoded. The lossless zstd stage (a name
 such as "q8+zstd", or "zstd" alone, at Join; Encoding.zstd; PayloadHeader.wire_bytes)
 is optional in the same way.
+
+Inline payloads are optional too: a client that lists the "inline" capability at Join
+and is granted it (JoinResponse.capabilities) receives a small task payload inside its
+TaskHeader, and sends a small result payload inside its ResultHeader through Report,
+instead of a header and one Chunk (TaskHeader.inline_payload,
+ResultHeader.inline_payload). A peer that knows nothing of them is sent Chunks as
+before.
 """
 
 from collections import abc as _abc
@@ -588,6 +595,7 @@ class TaskHeader(_message.Message):
     WEIGHTS_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
     DECODED_TENSORS_FIELD_NUMBER: _builtins.int
+    INLINE_PAYLOAD_FIELD_NUMBER: _builtins.int
     FIT_FIELD_NUMBER: _builtins.int
     EVALUATE_FIELD_NUMBER: _builtins.int
     SECAGG_ADVERTISE_KEYS_FIELD_NUMBER: _builtins.int
@@ -601,6 +609,13 @@ class TaskHeader(_message.Message):
     round: _builtins.int
     deadline_s: _builtins.float
     """seconds the server waits for the result"""
+    inline_payload: _builtins.bytes
+    """The whole weights payload (as Chunks would carry it: encoded, compressed), in this
+    message instead of in Chunks, which then do not follow. Sent only to a session
+    granted the "inline" capability, and only for a payload of 1 to
+    min(chunk_size, 32768) bytes (fedloom.payload.inline_limit): a small model then costs
+    one message instead of two.
+    """
     @_builtins.property
     def weights(self) -> Global___PayloadHeader:
         """the global weights follow in Chunks"""
@@ -639,6 +654,7 @@ class TaskHeader(_message.Message):
         weights: Global___PayloadHeader | None = ...,
         encoding: Global___Encoding | None = ...,
         decoded_tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+        inline_payload: _builtins.bytes = ...,
         fit: Global___FitTask | None = ...,
         evaluate: Global___EvaluateTask | None = ...,
         secagg_advertise_keys: Global___SecAggAdvertiseKeysTask | None = ...,
@@ -649,7 +665,7 @@ class TaskHeader(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "decoded_tensors", b"decoded_tensors", "encoding", b"encoding", "evaluate", b"evaluate", "fit", b"fit", "kind", b"kind", "round", b"round", "run_id", b"run_id", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "task_id", b"task_id", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "decoded_tensors", b"decoded_tensors", "encoding", b"encoding", "evaluate", b"evaluate", "fit", b"fit", "inline_payload", b"inline_payload", "kind", b"kind", "round", b"round", "run_id", b"run_id", "secagg_advertise_keys", b"secagg_advertise_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "task_id", b"task_id", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "secagg_advertise_keys", "secagg_share_keys", "secagg_masked_input", "secagg_unmask", "secagg_consistency"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -743,6 +759,7 @@ class ResultHeader(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     UPDATE_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
+    INLINE_PAYLOAD_FIELD_NUMBER: _builtins.int
     FIT_FIELD_NUMBER: _builtins.int
     EVALUATE_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
@@ -753,6 +770,12 @@ class ResultHeader(_message.Message):
     SECAGG_CONSISTENCY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     round: _builtins.int
+    inline_payload: _builtins.bytes
+    """The whole payload that `update` describes, in this message: a session granted the
+    "inline" capability sends a payload of 1 to min(chunk_size, 32768) bytes this way,
+    through Report (one call, no request stream). Refused in a Push, from a session not
+    granted "inline", above the limit, or without `update`.
+    """
     @_builtins.property
     def session(self) -> Global___Session: ...
     @_builtins.property
@@ -791,6 +814,7 @@ class ResultHeader(_message.Message):
         round: _builtins.int = ...,
         update: Global___PayloadHeader | None = ...,
         encoding: Global___Encoding | None = ...,
+        inline_payload: _builtins.bytes = ...,
         fit: Global___FitResult | None = ...,
         evaluate: Global___EvaluateResult | None = ...,
         failure: Global___TaskFailure | None = ...,
@@ -802,7 +826,7 @@ class ResultHeader(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "kind", b"kind", "round", b"round", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "task_id", b"task_id", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluate", b"evaluate", "failure", b"failure", "fit", b"fit", "inline_payload", b"inline_payload", "kind", b"kind", "round", b"round", "secagg_advertised_keys", b"secagg_advertised_keys", "secagg_consistency", b"secagg_consistency", "secagg_masked_input", b"secagg_masked_input", "secagg_share_keys", b"secagg_share_keys", "secagg_unmask", b"secagg_unmask", "session", b"session", "task_id", b"task_id", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["fit", "evaluate", "failure", "secagg_advertised_keys", "secagg_share_keys", "secagg_masked_input", "secagg_unmask", "secagg_consistency"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015

@@ -108,7 +108,9 @@ class FleetServicer:
 
     def Report(self, request, context):
         """Send a result that has no payload (a failure, an evaluation, a secure-aggregation
-        stage reply other than the masked input): the ResultHeader alone, in one message.
+        stage reply other than the masked input): the ResultHeader alone, in one message;
+        or, from a session granted "inline", a result whose small payload travels in the
+        header (ResultHeader.inline_payload).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

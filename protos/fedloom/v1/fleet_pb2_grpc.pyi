@@ -23,6 +23,13 @@ headers of encoded payloads name their Encoding. A peer that knows nothing of th
 fields asks for, grants and sends nothing encoded. The lossless zstd stage (a name
 such as "q8+zstd", or "zstd" alone, at Join; Encoding.zstd; PayloadHeader.wire_bytes)
 is optional in the same way.
+
+Inline payloads are optional too: a client that lists the "inline" capability at Join
+and is granted it (JoinResponse.capabilities) receives a small task payload inside its
+TaskHeader, and sends a small result payload inside its ResultHeader through Report,
+instead of a header and one Chunk (TaskHeader.inline_payload,
+ResultHeader.inline_payload). A peer that knows nothing of them is sent Chunks as
+before.
 """
 
 from collections import abc as _abc
@@ -68,7 +75,9 @@ class FleetStub:
     """Send a task's result: a ResultHeader then its payload in Chunks."""
     Report: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.PushRequest, _fleet_pb2.PushResponse]
     """Send a result that has no payload (a failure, an evaluation, a secure-aggregation
-    stage reply other than the masked input): the ResultHeader alone, in one message.
+    stage reply other than the masked input): the ResultHeader alone, in one message;
+    or, from a session granted "inline", a result whose small payload travels in the
+    header (ResultHeader.inline_payload).
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.HeartbeatRequest, _fleet_pb2.HeartbeatResponse]
     """Keep the session alive between tasks."""
@@ -93,7 +102,9 @@ class FleetAsyncStub(FleetStub):
     """Send a task's result: a ResultHeader then its payload in Chunks."""
     Report: _aio.UnaryUnaryMultiCallable[_fleet_pb2.PushRequest, _fleet_pb2.PushResponse]  # type: ignore[assignment]
     """Send a result that has no payload (a failure, an evaluation, a secure-aggregation
-    stage reply other than the masked input): the ResultHeader alone, in one message.
+    stage reply other than the masked input): the ResultHeader alone, in one message;
+    or, from a session granted "inline", a result whose small payload travels in the
+    header (ResultHeader.inline_payload).
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_fleet_pb2.HeartbeatRequest, _fleet_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Keep the session alive between tasks."""
@@ -145,7 +156,9 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.PushResponse, _abc.Awaitable[_fleet_pb2.PushResponse]]:
         """Send a result that has no payload (a failure, an evaluation, a secure-aggregation
-        stage reply other than the masked input): the ResultHeader alone, in one message.
+        stage reply other than the masked input): the ResultHeader alone, in one message;
+        or, from a session granted "inline", a result whose small payload travels in the
+        header (ResultHeader.inline_payload).
         """
 
     @_abc_1.abstractmethod
