@@ -122,7 +122,8 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
     record = history[-1]
     assert record.status == "ok"
     assert (record.num_updates, record.num_failures) == (3, len(HOSTILE) - 1)
-    rejected = " ".join(r.getMessage() for r in caplog.records if f"{rpc} rejected" in r.getMessage())
+    rejected = " ".join(r.getMessage() for r in caplog.records
+                        if f"{rpc} rejected" in r.getMessage())
     assert "was not granted" in rejected and "not the model's layout" in rejected
     assert "must be strictly increasing and below 12" in rejected
     assert "must lie in [-127, 127]" in rejected
