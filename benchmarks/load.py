@@ -149,6 +149,7 @@ def _server_process(
             # (sockets, HTTP/2) and the aggregation thread.
             "loop_cpu_s": time.thread_time(),
             "gc_s": round(sum(gc_time), 3),
+            "gc_s_by_generation": [round(t, 3) for t in gc_time],
         }
     )
 
@@ -327,6 +328,7 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
         server_cpu_s=round(final["cpu_s"], 2),
         server_loop_cpu_s=round(final["loop_cpu_s"], 2),
         server_gc_s=final["gc_s"],
+        server_gc_s_by_generation=final["gc_s_by_generation"],
         clients_cpu_s=round(stats.cpu_s, 2),
         machine_busy_s=round(busy, 2),
         machine={"cpus": os.cpu_count(), "python": platform.python_version()},
