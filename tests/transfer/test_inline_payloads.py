@@ -76,9 +76,19 @@ class RawClient:
                             update=PayloadInfo.describe(delta.specs(), payload),
                             **fields), payload
 
+    def report_inline(self, header: ResultHeader, payload: bytes) -> bool:
+        """Report ``header`` with ``payload`` inside it; whether it was a duplicate."""
+        reply = self.stub.Report(codec.result_to_proto(header, inline=payload), timeout=10)
+        return bool(reply.duplicate)
+
     def close(self) -> None:
         self.call.cancel()
         self.channel.close()
+
+
+def _one_update_committed(history: list[Any], state_dir: str, want: np.ndarray) -> None:
+    assert (history[-1].status, history[-1].num_updates) == ("ok", 1)
+    np.testing.assert_array_equal(committed_models(state_dir)[1]["w"], want)
 
 
 @pytest.fixture()
@@ -115,15 +125,11 @@ def test_a_granted_session_gets_its_task_in_one_message_and_reports_its_update_i
         # No chunk follows: the stream's next message is its keep-alive.
         assert client.next_message().WhichOneof("part") == "no_task"
         delta = Weights({"w": np.full((4, 3), 0.5, np.float32)})
-        header, payload = client.fit_result(task, delta)
-        reply = client.stub.Report(codec.result_to_proto(header, inline=payload), timeout=10)
-        assert reply.duplicate is False
+        assert client.report_inline(*client.fit_result(task, delta)) is False
         history = handle.wait(30)
     finally:
         client.close()
-    assert (history[-1].status, history[-1].num_updates) == ("ok", 1)
-    np.testing.assert_array_equal(committed_models(config.state_dir)[1]["w"],
-                                  SMALL["w"] + 0.5)
+    _one_update_committed(history, config.state_dir, SMALL["w"] + 0.5)
 
 
 def _chunked(client: RawClient, weights: Weights) -> None:
@@ -136,32 +142,25 @@ def _chunked(client: RawClient, weights: Weights) -> None:
         chunk.chunk.data)
 
 
-def test_a_session_that_did_not_ask_gets_header_and_chunk(serve) -> None:  # type: ignore[no-untyped-def]
-    handle, _ = serve()
-    client = RawClient(handle.address, frozenset({"fit"}))
+# (what the client asks, the server's settings, the model, what is granted)
+CHUNKED = {
+    "not-asked": ({"fit"}, {}, SMALL, {"fit"}),
+    "server-off": ({"fit", "inline"}, {"transfer": TransferConfig(inline_payloads=False)},
+                   SMALL, {"fit"}),
+    "over-the-limit": ({"fit", "inline"}, {}, LARGE, {"fit", "inline"}),
+}
+
+
+@pytest.mark.parametrize("case", CHUNKED)
+def test_otherwise_the_payload_comes_as_a_header_and_a_chunk(serve, case: str) -> None:  # type: ignore[no-untyped-def]
+    """A session that did not ask, a server with inline payloads off, and a model over
+    the limit even for a granted session: the task's payload follows in its chunk."""
+    asked, settings, weights, granted = CHUNKED[case]
+    handle, _ = serve(weights=weights, **settings)
+    client = RawClient(handle.address, frozenset(asked))
     try:
-        assert client.granted == {"fit"}
-        _chunked(client, SMALL)
-    finally:
-        client.close()
-
-
-def test_a_server_with_inline_payloads_off_grants_nothing(serve) -> None:  # type: ignore[no-untyped-def]
-    handle, _ = serve(transfer=TransferConfig(inline_payloads=False))
-    client = RawClient(handle.address, frozenset({"fit", "inline"}))
-    try:
-        assert client.granted == {"fit"}
-        _chunked(client, SMALL)
-    finally:
-        client.close()
-
-
-def test_a_model_over_the_limit_comes_in_chunks_even_to_a_granted_session(serve) -> None:  # type: ignore[no-untyped-def]
-    handle, _ = serve(weights=LARGE)
-    client = RawClient(handle.address, frozenset({"fit", "inline"}))
-    try:
-        assert "inline" in client.granted
-        _chunked(client, LARGE)
+        assert client.granted == granted
+        _chunked(client, weights)
     finally:
         client.close()
 
@@ -234,10 +233,8 @@ def test_an_inline_update_that_does_not_match_its_header_is_refused_and_may_be_r
             codec.result_to_proto(header, inline=sent), timeout=10)) == (
             grpc.StatusCode.INVALID_ARGUMENT, want)
         # Bytes damaged on the way fail no task (as through Push): the whole bytes count.
-        reply = client.stub.Report(codec.result_to_proto(header, inline=payload), timeout=10)
-        assert reply.duplicate is False
+        assert client.report_inline(header, payload) is False
         history = handle.wait(30)
     finally:
         client.close()
-    assert (history[-1].status, history[-1].num_updates) == ("ok", 1)
-    np.testing.assert_array_equal(committed_models(config.state_dir)[1]["w"], SMALL["w"] + 1)
+    _one_update_committed(history, config.state_dir, SMALL["w"] + 1)
