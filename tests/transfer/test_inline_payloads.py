@@ -142,6 +142,22 @@ def _chunked(client: RawClient, weights: Weights) -> None:
         chunk.chunk.data)
 
 
+def test_a_long_poll_pull_carries_the_payload_inside_its_header_too(serve) -> None:  # type: ignore[no-untyped-def]
+    handle, _ = serve()
+    channel = grpc.insecure_channel(handle.address)
+    try:
+        stub = pb_grpc.FleetStub(channel)
+        reply = codec.join_reply_from_proto(stub.Join(codec.join_request_to_proto(
+            JoinRequest(PROTOCOL_VERSION, frozenset({"fit", "inline"}), "poller"))))
+        messages = list(stub.Pull(pb.PullRequest(session=codec.session_to_proto(
+            reply.session)), timeout=10))
+    finally:
+        channel.close()
+    (only,) = messages  # the header, and the call ends: no chunk
+    assert only.WhichOneof("part") == "task"
+    assert only.task.inline_payload == bytes(serialize(SMALL))
+
+
 # (what the client asks, the server's settings, the model, what is granted)
 CHUNKED = {
     "not-asked": ({"fit"}, {}, SMALL, {"fit"}),
