@@ -120,9 +120,11 @@ def _parses(cls: Any, data: bytes) -> bool:
 # ---- sessions of actions -------------------------------------------------------------
 CHUNK_EDITS = ["none", "shuffle", "drop", "repeat", "truncate", "flip", "offset", "empty",
                "header_again", "header_only", "nan"]  # fmt: skip
-ACTIONS = ["pull", "push", "push_random_header", "report_random_header", "push_chunks_first",
-           "oversize", "heartbeat", "heartbeat_bad_session", "leave_bad_session",
-           "join_random"]  # fmt: skip
+#: What a session granted "inline" does to a small update it reports inside its header.
+INLINE_EDITS = ["none", "truncate", "extend", "flip", "nan", "empty"]
+ACTIONS = ["pull", "push", "report_inline", "push_random_header", "report_random_header",
+           "push_chunks_first", "oversize", "heartbeat", "heartbeat_bad_session",
+           "leave_bad_session", "join_random"]  # fmt: skip
 
 
 @st.composite
@@ -132,6 +134,8 @@ def sessions(draw: st.DrawFn) -> list[tuple[str, Any]]:
         action = draw(st.sampled_from(ACTIONS))
         if action == "push":
             arg: Any = (draw(st.sampled_from(CHUNK_EDITS)), draw(st.integers(0, 1 << 30)))
+        elif action == "report_inline":
+            arg = (draw(st.sampled_from(INLINE_EDITS)), draw(st.integers(0, 1 << 30)))
         elif action in ("push_random_header", "report_random_header"):
             arg = draw(messages(pb.ResultHeader.DESCRIPTOR, depth=3))
         elif action == "join_random":
@@ -146,7 +150,8 @@ class SessionRunner:
     """Plays a list of actions as one joined client; checks every status."""
 
     def __init__(self, address: str, short_pull: bool = True) -> None:
-        self.client = RawClient(address, name=f"fuzz-{next(_names)}")
+        self.client = RawClient(address, name=f"fuzz-{next(_names)}",
+                                capabilities=("fit", "inline"))
         self.task: TaskHeader | None = None
         self.statuses: dict[str, int] = {}
 
@@ -187,6 +192,13 @@ class SessionRunner:
         )  # fmt: skip
         return header, payload
 
+    def _delta(self, edit: str, rng: np.random.Generator) -> Weights:
+        delta = Weights({n: rng.normal(size=a.shape).astype(a.dtype)
+                         for n, a in fuzz_weights().items()})  # fmt: skip
+        if edit == "nan":
+            delta = Weights({"w": np.full((8, 4), np.nan, np.float32), "b": delta["b"]})
+        return delta
+
     def _push(self, arg: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
         edit, seed = arg
         if self.task is None:
@@ -194,14 +206,31 @@ class SessionRunner:
             if self.task is None:
                 return code, details
         rng = np.random.default_rng(seed)
-        delta = Weights({n: rng.normal(size=a.shape).astype(a.dtype)
-                         for n, a in fuzz_weights().items()})  # fmt: skip
-        if edit == "nan":
-            delta = Weights({"w": np.full((8, 4), np.nan, np.float32), "b": delta["b"]})
-        header, payload = self._fit_header(delta)
+        header, payload = self._fit_header(self._delta(edit, rng))
         pieces = chunked(payload, int(rng.integers(1, 200)))
         requests = _edit_stream(codec.result_to_proto(header), pieces, edit, rng)
         return status_of(self.client.stub.Push, iter(requests), timeout=CALL_TIMEOUT_S)
+
+    def _report_inline(self, arg: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
+        """A small update inside its result header, whole or damaged (`INLINE_EDITS`)."""
+        edit, seed = arg
+        if self.task is None:
+            code, details = self._pull(None)
+            if self.task is None:
+                return code, details
+        rng = np.random.default_rng(seed)
+        header, payload = self._fit_header(self._delta(edit, rng))
+        at = int(rng.integers(len(payload)))
+        if edit == "truncate":
+            payload = payload[:at]
+        elif edit == "extend":
+            payload += bytes(int(rng.integers(1, 64)))
+        elif edit == "flip":
+            payload = payload[:at] + bytes([payload[at] ^ 0xFF]) + payload[at + 1:]
+        elif edit == "empty":
+            payload = b""  # an update header with no payload: it belongs in a Push
+        return status_of(self.client.stub.Report, codec.result_to_proto(header, inline=payload),
+                         timeout=CALL_TIMEOUT_S)
 
     def _push_random_header(self, header: pb.ResultHeader) -> tuple[grpc.StatusCode, str]:
         request = pb.PushRequest(result=self._maybe_authenticated(header))
