@@ -213,6 +213,13 @@ def message_vectors() -> list[dict[str, Any]]:
         SESSION, TASK_ID, 3, TaskKind.EVALUATE, num_examples=30, loss=0.5,
         metrics={"accuracy": 0.875}))
     finished = codec.no_task_to_proto(NoTask(retry_after_s=0.0, run_finished=True))
+    # The same task and fit result to a session granted "inline": the payload inside.
+    inline_task = codec.task_to_proto(TaskHeader(
+        TASK_ID, RUN_ID, 3, TaskKind.FIT, {"server_round": 3, "lr": 0.05}, 300.0, model_info),
+        inline=model_payload)
+    inline_fit = codec.result_to_proto(ResultHeader(
+        SESSION, TASK_ID, 3, TaskKind.FIT, num_examples=30, base_round=2,
+        metrics={"train_loss": 0.25}, update=delta_info), inline=serialize(delta))
     chunk = next(iter_chunks(model_payload, 16))
     rows: list[tuple[str, Message | bytes]] = [
         ("JoinRequest: protocol version 5; capabilities in any order (fedloom sorts them).",
@@ -232,6 +239,11 @@ def message_vectors() -> list[dict[str, Any]]:
         ("PushRequest holding that ResultHeader: the first message of a Push stream.", fit),
         ("PushRequest holding an evaluate result, the one message of a Report call.",
          evaluation),
+        ("PullResponse holding that fit task with its model inside (inline_payload), as a "
+         "session granted the \"inline\" capability gets it: no chunk follows.",
+         inline_task),
+        ("PushRequest holding that fit result with its delta inside (inline_payload): the "
+         "one message of a Report call from a session granted \"inline\".", inline_fit),
     ]
     out = []
     for description, message in rows:
