@@ -1,4 +1,5 @@
-"""The asynchronous rounds' buffer on disk: acknowledged updates survive a crash.
+"""The asynchronous rounds' buffers: one server step's updates in memory (`StepBuffer`),
+and on disk (`DurableBuffer`), where acknowledged updates survive a crash.
 
 Before a client hears that its update was accepted, the update's spool file is flushed
 to disk (fsync), moved into ``buffer/<run_id>/`` and recorded in the run store
@@ -13,17 +14,21 @@ its settings, so that a restarted server decodes it as the one that acknowledged
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import queue
 from pathlib import Path
+from typing import Any
 
 from fedloom.compression import CodecSpec, CompressionError, DecodedWeights, encoded_layout
 from fedloom.payload import PayloadInfo
 from fedloom.server.checkpoint import fsync_dir
 from fedloom.server.store import BufferedRow, RunStore
+from fedloom.server.tasks import Task
 from fedloom.server.uploads import SpooledWeights
 from fedloom.types import ClientUpdate, Metrics
 from fedloom.weights import TensorSpec, Weights
@@ -152,3 +157,24 @@ def _codec_of(text: str) -> CodecSpec | None:
         return None
     settings = json.loads(text)
     return CodecSpec.of(settings.pop("name"), **settings)
+
+
+class StepBuffer:
+    """The updates of one server step: round ``version`` is what their step produces."""
+
+    def __init__(self, version: int, size: int) -> None:
+        self.version = version
+        self.size = size
+        self.updates: queue.Queue[Any] = queue.Queue()  # to the aggregation thread
+        self.entries: list[BufferEntry] = []
+        self.tasks: list[Task] = []  # accepted into this buffer: closed at its commit
+        self.num_failures = 0
+        self.full = asyncio.Event()
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
+
+    def staleness(self, base_version: int) -> int:
+        """Versions between ``base_version`` and the model this buffer's step updates."""
+        return self.version - 1 - base_version

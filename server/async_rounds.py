@@ -31,14 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import random
 import secrets
 from typing import Any
 
 from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, TaskHeader
-from fedloom.server.async_buffer import BufferEntry, DurableBuffer, sync_file
+from fedloom.server.async_buffer import BufferEntry, DurableBuffer, StepBuffer, sync_file
 from fedloom.server.client_metrics import fit_row, records_per_client
 from fedloom.server.compression import (
     EncodingRefusedError,
@@ -64,27 +63,6 @@ log = logging.getLogger("fedloom.server")
 
 #: Seconds between checks for overdue tasks and idle clients while a buffer fills.
 POLL_S = 0.5
-
-
-class StepBuffer:
-    """The updates of one server step: round ``version`` is what their step produces."""
-
-    def __init__(self, version: int, size: int) -> None:
-        self.version = version
-        self.size = size
-        self.updates: queue.Queue[Any] = queue.Queue()  # to the aggregation thread
-        self.entries: list[BufferEntry] = []
-        self.tasks: list[Task] = []  # accepted into this buffer: closed at its commit
-        self.num_failures = 0
-        self.full = asyncio.Event()
-
-    @property
-    def count(self) -> int:
-        return len(self.entries)
-
-    def staleness(self, base_version: int) -> int:
-        """Versions between ``base_version`` and the model this buffer's step updates."""
-        return self.version - 1 - base_version
 
 
 def holds_updates(strategy: Any) -> bool:
