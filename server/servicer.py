@@ -287,13 +287,10 @@ class FleetServicer(pb_grpc.FleetServicer):
             if not isinstance(outcome, Upload):
                 return pb.PushResponse(duplicate=outcome)
             upload = outcome
-            async with asyncio.timeout(self.stream_timeout_s):
-                receive_inline(upload, inline, self.limits)
-                finishing, upload = upload, None
-                await finishing.finish()  # verified, then folded by the task's owner
+            receive_inline(upload, inline, self.limits)  # all of it is here: no stream to time
+            finishing, upload = upload, None
+            await finishing.finish()  # verified, then folded by the task's owner (as Push)
             return pb.PushResponse(duplicate=False)
-        except TimeoutError:
-            await _reject(context, "Report", self._over_time("upload"))
         except MessageRejectedError as exc:
             await _reject(context, "Report", exc)
         finally:
