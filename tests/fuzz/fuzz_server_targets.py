@@ -199,27 +199,36 @@ class SessionRunner:
             delta = Weights({"w": np.full((8, 4), np.nan, np.float32), "b": delta["b"]})
         return delta
 
-    def _push(self, arg: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
+    def _update(self, arg: tuple[str, int]
+                ) -> tuple[ResultHeader, bytes, np.random.Generator] | tuple[grpc.StatusCode, str]:
+        """A fit result for the held task (pulled first when none is held), its delta
+        shaped by the edit, and the generator the edit draws from; or the pull's status
+        when no task came."""
         edit, seed = arg
         if self.task is None:
             code, details = self._pull(None)
             if self.task is None:
                 return code, details
         rng = np.random.default_rng(seed)
-        header, payload = self._fit_header(self._delta(edit, rng))
+        return (*self._fit_header(self._delta(edit, rng)), rng)
+
+    def _push(self, arg: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
+        made = self._update(arg)
+        if len(made) == 2:
+            return made
+        header, payload, rng = made
+        edit = arg[0]
         pieces = chunked(payload, int(rng.integers(1, 200)))
         requests = _edit_stream(codec.result_to_proto(header), pieces, edit, rng)
         return status_of(self.client.stub.Push, iter(requests), timeout=CALL_TIMEOUT_S)
 
     def _report_inline(self, arg: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
         """A small update inside its result header, whole or damaged (`INLINE_EDITS`)."""
-        edit, seed = arg
-        if self.task is None:
-            code, details = self._pull(None)
-            if self.task is None:
-                return code, details
-        rng = np.random.default_rng(seed)
-        header, payload = self._fit_header(self._delta(edit, rng))
+        made = self._update(arg)
+        if len(made) == 2:
+            return made
+        header, payload, rng = made
+        edit = arg[0]
         at = int(rng.integers(len(payload)))
         if edit == "truncate":
             payload = payload[:at]
