@@ -5,7 +5,8 @@
   fresh SGD (lr 0.05, momentum 0.9), one shuffled epoch at batch 32 with its loss read
   back (as every engine reports ``train_loss``), then the update added into a torch
   running mean. No configs, no metrics, no layout checks, no float64 sums;
-- **local engine**: `run_local` with its default fitter, one client after another;
+- **local engine**: `run_local` with `LeanFitter`, as `fedloom simulate` runs it: one
+  client after another on the module they share;
 - **parallel engine**: `run_local` with `ParallelFitter` (``--workers`` processes);
 - **vectorized engine**: `run_local` with `VectorizedFitter` (``torch.func``).
 
@@ -25,6 +26,7 @@ import torch
 from fedloom.simulations.fitting import RoundFitter
 from fedloom.simulations.history import RoundRecord
 from fedloom.simulations.job import Job
+from fedloom.simulations.lean import LeanFitter
 from fedloom.simulations.local_engine import run_local
 from fedloom.strategies import FedAvg, SelectionConfig
 
@@ -99,13 +101,15 @@ def bare_loop_phase(job: Job, per_round: int, rounds: int, seed: int = 0) -> dic
 
 
 def engine_phase(
-    job: Job, name: str, fitter: RoundFitter | None, per_round: int, rounds: int
+    job: Job, name: str, fitter: RoundFitter | str, per_round: int, rounds: int
 ) -> dict[str, Any]:
-    """``rounds`` of FedAvg over ``per_round`` sampled clients with ``fitter`` (None:
-    the local engine's own, one client after another)."""
+    """``rounds`` of FedAvg over ``per_round`` sampled clients with ``fitter``
+    (``"lean"``: the local engine's, over clients sharing one module)."""
     n = job.scenario.num_clients
     shared = job.make_model()
-    clients = {i: job.make_client(i, model=shared) for i in range(n)} if fitter is None else {}
+    clients = {i: job.make_client(i, model=shared) for i in range(n)} if fitter == "lean" else {}
+    if isinstance(fitter, str):
+        fitter = LeanFitter(clients.__getitem__)
     phase = Phase(name, per_round)
 
     def on_round(record: RoundRecord) -> None:
@@ -141,7 +145,7 @@ def in_process_phases(
     parallel_name = f"parallel engine ({workers} workers)"
     rows: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
         ("bare", lambda k, r: bare_loop_phase(job, k, r)),
-        ("local", lambda k, r: engine_phase(job, "local engine", None, k, r)),
+        ("local", lambda k, r: engine_phase(job, "local engine", "lean", k, r)),
         ("parallel", lambda k, r: engine_phase(job, parallel_name, parallel, k, r)),
         ("vectorized", lambda k, r: engine_phase(job, "vectorized engine", vectorized, k, r)),
     ]

@@ -79,19 +79,33 @@ def state_dict_to_weights(state: Mapping[str, torch.Tensor]) -> Weights:
 def load_weights(module: torch.nn.Module, weights: Weights) -> None:
     """Load `Weights` into ``module`` in place, checking names, shapes and dtypes."""
     state = module.state_dict()
+    sources = checked_sources(state, weights)
+    with torch.no_grad():
+        for tensor, source in zip(state.values(), sources, strict=True):
+            tensor.copy_(source)
+
+
+def checked_sources(state: Mapping[str, torch.Tensor], weights: Weights) -> list[torch.Tensor]:
+    """``weights`` as host tensors (copies) in ``state``'s order, after checking that
+    they have its names, shapes and dtypes (`load_weights`'s checks).
+
+    Raises:
+        ValueError: a name is missing or unexpected, or a shape or dtype differs.
+    """
     if list(state) != list(weights):
         missing = [k for k in state if k not in weights]
         extra = [k for k in weights if k not in state]
         raise ValueError(f"weights do not match the model: missing {missing}, unexpected {extra}")
-    with torch.no_grad():
-        for name, tensor in state.items():
-            arr = weights[name]
-            if tuple(arr.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {arr.shape} != model's {tuple(tensor.shape)}")
-            source = torch.from_numpy(np.array(arr, copy=True))
-            if source.dtype != tensor.dtype:
-                raise ValueError(f"{name}: dtype {source.dtype} != model's {tensor.dtype}")
-            tensor.copy_(source)
+    sources = []
+    for name, tensor in state.items():
+        arr = weights[name]
+        if tuple(arr.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {arr.shape} != model's {tuple(tensor.shape)}")
+        source = torch.from_numpy(np.array(arr, copy=True))
+        if source.dtype != tensor.dtype:
+            raise ValueError(f"{name}: dtype {source.dtype} != model's {tensor.dtype}")
+        sources.append(source)
+    return sources
 
 
 def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -140,13 +154,30 @@ class TorchClient(Client):
 
     def fit(self, weights: Weights, config: Config) -> FitOutput:
         load_weights(self.model, weights)
+        num_examples, metrics = self.train_in_place(config)
+        new_weights = self.get_weights()
+        max_norm = max_update_norm(config)
+        if max_norm is not None:
+            new_weights, norm = bound_update(weights, new_weights, max_norm)
+            metrics[UPDATE_NORM] = norm
+        return FitOutput(new_weights, num_examples, metrics)
+
+    def train_in_place(self, config: Config) -> tuple[int, dict[str, Scalar]]:
+        """`fit`'s training, on the weights the module holds now: the module ends with
+        the trained weights (before any ``max_update_norm`` clipping, which needs the
+        received weights and is `fit`'s). Returns the examples seen per epoch and the
+        metrics (``train_loss``, and ``proximal_mu`` when applied).
+
+        An engine that moves weights in and out of the module itself (a round's clients
+        sharing one module, `fedloom.simulations.lean`) calls this instead of `fit`.
+        """
         epochs = int(config.get(LOCAL_EPOCHS, self.local_epochs))
         if epochs < 1:
             raise ConfigError(LOCAL_EPOCHS, f"must be at least 1, got {epochs}")
         if SEED in config:
             torch.manual_seed(int(config[SEED]))
         mu = proximal_mu(config)
-        max_norm = max_update_norm(config)
+        max_update_norm(config)  # a bad bound fails before any training
         optimizer = self.optimizer_factory(self.model.parameters())
         lr = config.get(LEARNING_RATE, config.get(CLIENT_LR))
         if lr is not None:
@@ -154,12 +185,14 @@ class TorchClient(Client):
                 group["lr"] = float(lr)
         anchor = [p.detach().clone() for p in self.model.parameters()] if mu > 0 else []
 
-        self.model.train()
+        if not all(m.training for m in self.model.modules()):
+            self.model.train()  # (a walk of flags is cheaper than train()'s setattrs)
+        zero_grad = _grad_resetter(optimizer)
         total_loss, seen = 0.0, 0
         for _ in range(epochs):
             for inputs, targets in self.train_loader:
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
-                optimizer.zero_grad(set_to_none=True)
+                zero_grad()
                 task_loss = self.loss_fn(self.model(inputs), targets)
                 loss = task_loss
                 if mu > 0:
@@ -177,16 +210,32 @@ class TorchClient(Client):
         metrics: dict[str, Scalar] = {"train_loss": total_loss / seen}
         if mu > 0:
             metrics[PROXIMAL_MU] = mu
-        new_weights = self.get_weights()
-        if max_norm is not None:
-            new_weights, norm = bound_update(weights, new_weights, max_norm)
-            metrics[UPDATE_NORM] = norm
-        return FitOutput(new_weights, seen // epochs, metrics)
+        return seen // epochs, metrics
 
     def evaluate(self, weights: Weights, config: Config) -> EvaluateOutput:
         load_weights(self.model, weights)
         loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
         return EvaluateOutput(loss, n, {"accuracy": accuracy})
+
+
+def _grad_resetter(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """``optimizer.zero_grad(set_to_none=True)``, as a call to make before each step.
+
+    For torch's own ``zero_grad`` (which, with ``set_to_none``, sets each parameter's
+    ``grad`` to None inside a profiler range) the parameters are collected once and
+    their gradients dropped directly: the same effect, without the per-call wrappers
+    that cost as much as a small model's optimizer step. An optimizer that overrides
+    ``zero_grad`` has its own called.
+    """
+    if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+        return lambda: optimizer.zero_grad(set_to_none=True)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def drop() -> None:
+        for p in params:
+            p.grad = None
+
+    return drop
 
 
 def proximal_mu(config: Config) -> float:

@@ -33,14 +33,18 @@ class WeightsStack:
     Args:
         arrays: name -> array of shape ``(clients, *tensor shape)``, in the model's
             order, all with the same number of clients (broadcast views are fine).
+        row_specs: one row's layout when the caller has it (checked against the
+            arrays, not rebuilt from them).
 
     Raises:
-        ValueError: no tensors, a scalar, or client counts that differ.
+        ValueError: no tensors, a scalar, client counts that differ, or ``row_specs``
+            that are not the rows' layout.
     """
 
     __slots__ = ("_finite", "_minus", "arrays", "row_specs", "size")
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, arrays: Mapping[str, np.ndarray],
+                 row_specs: tuple[TensorSpec, ...] | None = None) -> None:
         if not arrays:
             raise ValueError("a WeightsStack needs at least one tensor")
         sizes = {arr.shape[0] if arr.ndim else 0 for arr in arrays.values()}
@@ -50,8 +54,9 @@ class WeightsStack:
         self.arrays = dict(arrays)
         self.size = sizes.pop()
         #: one client's layout, shared by every row
-        self.row_specs: tuple[TensorSpec, ...] = Weights(
-            (k, v[0]) for k, v in self.arrays.items()).specs()
+        self.row_specs: tuple[TensorSpec, ...] = (
+            Weights((k, v[0]) for k, v in self.arrays.items()).specs() if row_specs is None
+            else _checked_row_specs(self.arrays, row_specs))
         self._minus: tuple[Weights, WeightsStack] | None = None
         self._finite: np.ndarray | None = None
 
@@ -74,7 +79,7 @@ class WeightsStack:
         delta = WeightsStack({
             name: np.subtract(arr.reshape(self.size, -1), base[name].reshape(-1),
                               dtype=arr.dtype).reshape(arr.shape)
-            for name, arr in self.arrays.items()})
+            for name, arr in self.arrays.items()}, row_specs=self.row_specs)
         self._minus = (base, delta)
         return delta
 
@@ -87,6 +92,20 @@ class WeightsStack:
                     finite &= np.isfinite(arr).reshape(self.size, -1).all(axis=1)
             self._finite = finite
         return self._finite
+
+
+def _checked_row_specs(arrays: Mapping[str, np.ndarray], row_specs: tuple[TensorSpec, ...]
+                       ) -> tuple[TensorSpec, ...]:
+    """``row_specs``, once the arrays' rows are checked to have that layout (a known
+    layout is shared, not rebuilt: the engine makes a stack per round or chunk)."""
+    if [spec.name for spec in row_specs] != list(arrays):
+        raise ValueError("row_specs names differ from the arrays'")
+    for spec in row_specs:
+        arr = arrays[spec.name]
+        if arr.shape[1:] != spec.shape or arr.dtype != spec.numpy_dtype:
+            raise ValueError(f"{spec.name!r}: rows of {arr.dtype}{list(arr.shape[1:])}, "
+                             f"row_specs say {spec.dtype}{list(spec.shape)}")
+    return row_specs
 
 
 class WeightsRow(Weights):

@@ -16,15 +16,15 @@ and Flower's engine (which builds clients afresh per message) agree round by rou
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from operator import is_
 
 import numpy as np
 import torch
 
-from fedloom.client_sdk._client import FitOutput
-from fedloom.client_sdk.torch_trainer import OptimizerFactory, TorchClient
+from fedloom.client_sdk.torch_trainer import OptimizerFactory, TorchClient, resolve_device
 from fedloom.errors import ConfigError
 from fedloom.fit_config import SEED
-from fedloom.types import Config
+from fedloom.types import Config, Scalar
 from fedloom.weights import Weights
 
 DEFAULT_LR = 0.05
@@ -76,6 +76,7 @@ class _SeededTorchClient(TorchClient):
         self._make_optimizer: OptimizerFactory = self.optimizer_factory
         self.optimizer_factory = self._reset_optimizer
         self._optimizer: torch.optim.Optimizer | None = None
+        self._held: list[torch.Tensor] = []  # the optimizer's parameters
         self._hyperparameters: list[dict[str, object]] = []
 
     def _reset_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -86,11 +87,10 @@ class _SeededTorchClient(TorchClient):
         its hyperparameters gives the same updates as a new one.
         """
         wanted = list(params)
-        optimizer = self._optimizer
-        held = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
-        if optimizer is None or len(held) != len(wanted) or any(
-                a is not b for a, b in zip(held, wanted, strict=True)):
+        optimizer, held = self._optimizer, self._held
+        if optimizer is None or len(held) != len(wanted) or not all(map(is_, held, wanted)):
             optimizer = self._optimizer = self._make_optimizer(wanted)
+            self._held = [p for group in optimizer.param_groups for p in group["params"]]
             self._hyperparameters = [
                 {k: v for k, v in group.items() if k != "params"}
                 for group in optimizer.param_groups
@@ -101,23 +101,20 @@ class _SeededTorchClient(TorchClient):
                 group.update(saved)
         return optimizer
 
-    def fit(self, weights: Weights, config: Config) -> FitOutput:
+    def train_in_place(self, config: Config) -> tuple[int, dict[str, Scalar]]:
         try:
-            return self._seeded_fit(weights, config)
+            if SEED not in config:
+                return super().train_in_place(config)
+            seed = int(config[SEED])
+            self.generator.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(seed)
+            return super().train_in_place({k: v for k, v in config.items() if k != SEED})
         finally:
             if self._optimizer is not None:
                 self._optimizer.state.clear()  # no per-client buffers held between fits
-
-    def _seeded_fit(self, weights: Weights, config: Config) -> FitOutput:
-        if SEED not in config:
-            return super().fit(weights, config)
-        seed = int(config[SEED])
-        self.generator.manual_seed(seed)
-        torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                torch.cuda.manual_seed(seed)
-        return super().fit(weights, {k: v for k, v in config.items() if k != SEED})
 
 
 class TensorBatches:
@@ -141,9 +138,12 @@ class TensorBatches:
                 yield x[start:start + size], y[start:start + size]
             return
         order = torch.randperm(n, generator=generator)
-        for start in range(0, n, size):
-            batch = order[start:start + size]
-            yield x[batch], y[batch]
+        if n <= size:  # one batch: the whole permutation (index_select: x[order], faster)
+            yield x.index_select(0, order), y.index_select(0, order)
+        else:
+            for start in range(0, n, size):
+                batch = order[start:start + size]
+                yield x.index_select(0, batch), y.index_select(0, batch)
         # RandomSampler draws a second permutation (for num_samples % n, here none) once
         # the first is used up; drawing it too keeps the generator's sequence the same.
         torch.randperm(n, generator=generator)
@@ -233,10 +233,14 @@ def make_torch_client(
     if optimizer not in ("sgd", "adam"):
         raise ConfigError("optimizer", f"{optimizer!r} is not one of sgd, adam")
 
+    # torch's own choice of implementation (foreach on CUDA, per tensor on the CPU),
+    # made once here instead of at every step.
+    foreach = resolve_device(device).type == "cuda"
+
     def optimizer_factory(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if optimizer == "adam":
-            return torch.optim.Adam(params, lr=lr)
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+            return torch.optim.Adam(params, lr=lr, foreach=foreach)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, foreach=foreach)
 
     return _SeededTorchClient(
         model,

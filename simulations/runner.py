@@ -34,7 +34,7 @@ from rich.progress import (
 from fedloom.client_sdk.torch_trainer import TorchClient
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import SimulatedCompression
-from fedloom.simulations.fitting import RoundFitter, SerialFitter
+from fedloom.simulations.fitting import RoundFitter
 from fedloom.simulations.history import History, RoundRecord
 from fedloom.simulations.job import Job
 from fedloom.simulations.local_async import run_local_async
@@ -133,7 +133,8 @@ def _run_local(
 
 def make_fitter(job: Job, client_fn: Callable[[int], TorchClient]) -> RoundFitter:
     """How the scenario's engine trains a round's clients (`fedloom.simulations.fitting`):
-    vectorized, over worker processes, or one after another in this process."""
+    vectorized, over worker processes, or one after another in this process (on the
+    module they share, `fedloom.simulations.lean`)."""
     scenario = job.scenario
     if scenario.engine == "vectorized":
         from fedloom.simulations.vectorized import VectorizedFitter
@@ -143,7 +144,9 @@ def make_fitter(job: Job, client_fn: Callable[[int], TorchClient]) -> RoundFitte
         from fedloom.simulations.parallel import ParallelFitter
 
         return ParallelFitter(job, scenario.engine_options.workers)
-    return SerialFitter(client_fn)
+    from fedloom.simulations.lean import LeanFitter
+
+    return LeanFitter(client_fn)
 
 
 def sync_clock(scenario: Scenario) -> SyncClock:

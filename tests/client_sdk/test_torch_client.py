@@ -153,3 +153,63 @@ def test_cuda_training_matches_cpu_training() -> None:
     cpu_accuracy = cpu.evaluate(on_cpu.weights, {}).metrics["accuracy"]
     assert abs(gpu_accuracy - cpu_accuracy) <= 1 / 256
     assert gpu_accuracy > cpu.evaluate(start, {}).metrics["accuracy"] + 0.3
+
+
+def _hand_loop(epochs: int, optimizer_cls: type = torch.optim.SGD) -> Weights:
+    """`TorchClient.fit`'s training written out plainly (torch's own ``zero_grad``)."""
+    model, data = _model(), _data()
+    torch.manual_seed(5)
+    optimizer = optimizer_cls(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    model.train()
+    for _ in range(epochs):
+        for x, y in data:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+    return state_dict_to_weights(model.state_dict())
+
+
+def test_training_equals_a_plain_torch_loop_and_drops_gradients_between_steps() -> None:
+    client = _client()
+    out = client.fit(client.get_weights(), {"seed": 5, "local_epochs": 2})
+    expected = _hand_loop(2)
+    assert out.weights.allclose(expected, rtol=0, atol=0)  # 16 steps, bit for bit
+
+
+def test_an_optimizer_with_its_own_zero_grad_has_it_called_every_step() -> None:
+    calls = []
+
+    class Counting(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none=set_to_none)
+
+    client = _client(optimizer_factory=lambda p: Counting(p, lr=0.05, momentum=0.9))
+    out = client.fit(client.get_weights(), {"seed": 5, "local_epochs": 2})
+    assert calls == [True] * 16
+    assert out.weights.allclose(_hand_loop(2, Counting), rtol=0, atol=0)
+
+
+def test_fit_trains_in_train_mode_after_an_evaluation_left_the_model_in_eval() -> None:
+    client = _client()
+    start = client.get_weights()
+    client.evaluate(start, {})
+    assert not client.model.training and not client.model[1].training
+    out = client.fit(start, {"seed": 0})
+    assert client.model.training and client.model[1].training
+    # batch norm's running statistics move only in train mode
+    assert not np.allclose(out.weights["1.running_mean"], start["1.running_mean"])
+
+
+def test_train_in_place_leaves_the_trained_weights_in_the_module() -> None:
+    client = _client()
+    start = client.get_weights()
+    fitted = client.fit(start, {"seed": 2, "max_update_norm": 1e6})
+    load_weights(client.model, start)
+    examples, metrics = client.train_in_place({"seed": 2, "max_update_norm": 1e6})
+    assert examples == fitted.num_examples == 256
+    assert metrics == {"train_loss": fitted.metrics["train_loss"]}  # fit adds update_norm
+    assert client.get_weights().allclose(fitted.weights, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="max_update_norm"):
+        client.train_in_place({"max_update_norm": -1.0})

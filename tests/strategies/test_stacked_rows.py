@@ -99,3 +99,19 @@ def test_rows_serve_strategies_that_read_each_update() -> None:
     assert ours.weights is not None and theirs.weights is not None
     for name in CURRENT:
         np.testing.assert_array_equal(ours.weights[name], theirs.weights[name])
+
+
+def test_a_known_row_layout_is_checked_and_shared() -> None:
+    stack = _stack(3, 1)
+    again = WeightsStack(stack.arrays, row_specs=stack.row_specs)
+    assert again.row_specs is stack.row_specs
+    assert stack.minus(CURRENT).row_specs is stack.row_specs
+    with pytest.raises(ValueError, match="names differ"):
+        WeightsStack({"b": stack.arrays["b"], "w": stack.arrays["w"],
+                      "steps": stack.arrays["steps"]}, row_specs=stack.row_specs)
+    with pytest.raises(ValueError, match="'b': rows of float64"):
+        WeightsStack({**stack.arrays, "b": stack.arrays["b"].astype(np.float64)},
+                     row_specs=stack.row_specs)
+    with pytest.raises(ValueError, match=r"'w': rows of float32\[4, 5\]"):
+        WeightsStack({**stack.arrays, "w": np.zeros((3, 4, 5), np.float32)},
+                     row_specs=stack.row_specs)
