@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedloom.simulations.fitting import RoundFitter
+from fedloom.simulations.fitting import FitTask, RoundFitter
 from fedloom.simulations.history import RoundRecord
 from fedloom.simulations.job import Job
 from fedloom.simulations.lean import LeanFitter
@@ -140,6 +140,9 @@ def in_process_phases(
 
     torch.set_num_threads(1)
     parallel = ParallelFitter(job, workers) if "parallel" in engines else None
+    if parallel is not None:  # start the workers (import torch, build clients) untimed
+        warm = [FitTask(i % job.scenario.num_clients, {"seed": i}) for i in range(2 * workers)]
+        list(parallel.fit(job.initial_weights(), warm))
     vectorized = (VectorizedFitter.from_job(job, chunk_size=chunk_size)
                   if "vectorized" in engines else None)
     parallel_name = f"parallel engine ({workers} workers)"

@@ -23,7 +23,8 @@ aggregate differs from folding every update on its own only in the order of its
 float64 sums.
 
 A chunk's rows take at most ``chunk_bytes`` (and hold at least one client); a chunk's
-results are yielded once all of its clients have trained. The module's tensors must
+results are yielded once all of its clients have trained. A client that is not a
+`TorchClient` runs its own ``fit``, as under `SerialFitter`. The module's tensors must
 remain the same tensor objects while a client trains (torch's modules and optimizers
 update them in place); a chunk whose training replaced one fails every task in it,
 saying so.
@@ -37,12 +38,14 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from fedloom.client_sdk._client import FitOutput
+from fedloom.client_sdk._client import Client, FitOutput
 from fedloom.client_sdk.torch_trainer import (
     TorchClient,
     bound_update,
@@ -106,8 +109,9 @@ class LeanFitter:
     itself (see the module docstring).
 
     Args:
-        client_fn: client ``index``'s `TorchClient`; clients may share a module (the
-            point of this fitter) or have their own.
+        client_fn: client ``index``'s `Client`: a `TorchClient` (clients may share a
+            module, the point of this fitter, or have their own), or any other client,
+            which runs its own ``fit``.
         chunk_bytes: the most bytes of trained weights a chunk holds before the engine
             takes them.
 
@@ -115,7 +119,7 @@ class LeanFitter:
         ValueError: ``chunk_bytes`` is below 1.
     """
 
-    def __init__(self, client_fn: Callable[[int], TorchClient], *,
+    def __init__(self, client_fn: Callable[[int], Client], *,
                  chunk_bytes: int = CHUNK_BYTES) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
@@ -127,53 +131,52 @@ class LeanFitter:
     def fit(self, weights: Weights, tasks: Sequence[FitTask]) -> Iterator[FitOutput | Exception]:
         """One result per task, in task order, a chunk at a time: its `FitOutput`, or
         the exception that task raised."""
-        if weights is not self._round:
-            self._round, self._starts = weights, {}
-        rows = max(1, self.chunk_bytes // max(1, weights.nbytes))
+        rows = self.rows_per_chunk(weights)
         for begin in range(0, len(tasks), rows):
-            yield from self._fit_chunk(weights, tasks[begin:begin + rows])
+            part = tasks[begin:begin + rows]
+            yield from chunk_outputs(weights, part, self.train_chunk(weights, part))
 
     def close(self) -> None:
         """Drop the round's weights (the clients belong to ``client_fn``)."""
         self._round, self._starts = None, {}
 
-    # -- one chunk ---------------------------------------------------------------------
-    def _fit_chunk(self, weights: Weights, tasks: Sequence[FitTask]
-                   ) -> Iterator[FitOutput | Exception]:
+    # -- chunks ------------------------------------------------------------------------
+    def rows_per_chunk(self, weights: Weights) -> int:
+        """How many clients' weights fit in ``chunk_bytes`` (one at least)."""
+        return max(1, self.chunk_bytes // max(1, weights.nbytes))
+
+    def train_chunk(self, weights: Weights, tasks: Sequence[FitTask]) -> TrainedChunk:
+        """Train ``tasks`` from ``weights``, one after another; `chunk_outputs` makes
+        their results. A client that is not a `TorchClient` runs its own ``fit``."""
+        if weights is not self._round:
+            self._round, self._starts = weights, {}
         arrays = {spec.name: np.empty((len(tasks), *spec.shape), spec.dtype)
                   for spec in weights.specs()}
         rows = list(arrays.values())
-        done: list[tuple[int, int, dict[str, Scalar], FitTask] | Exception] = []
+        records: list[Trained | FitOutput | Exception] = []
         used: dict[torch.nn.Module, _Start] = {}
         row = 0
         for task in tasks:
             try:
                 client = self.client_fn(task.index)
                 if not isinstance(client, TorchClient):
-                    raise TypeError(f"client {task.index} is a {type(client).__name__}, "
-                                    "not a TorchClient; use SerialFitter")
+                    records.append(client.fit(weights, task.config))
+                    continue
                 start = used[client.model] = self._start(client.model, weights)
                 start.load()
                 seen, metrics = client.train_in_place(task.config)
                 start.store(rows, row)
             except Exception as exc:  # a failed client is data, not the end of the round
-                done.append(exc)
+                records.append(exc)
                 continue
-            done.append((row, seen, metrics, task))
+            records.append(Trained(row, seen, metrics))
             row += 1
         try:
             for module, start in used.items():
                 _check_same_tensors(module, start)
         except RuntimeError as exc:
-            yield from (exc for _ in done)
-            return
-        stack = (WeightsStack({k: v[:row] for k, v in arrays.items()},
-                              row_specs=weights.specs()) if row else None)
-        for item in done:
-            if isinstance(item, Exception):
-                yield item
-                continue
-            yield _output(weights, stack, *item)
+            return TrainedChunk(None, [exc] * len(records))
+        return TrainedChunk({k: v[:row] for k, v in arrays.items()} if row else None, records)
 
     def _start(self, module: torch.nn.Module, weights: Weights) -> _Start:
         """The module's `_Start` for this round (the weights checked once per round and
@@ -184,18 +187,45 @@ class LeanFitter:
         return start
 
 
-def _output(weights: Weights, stack: WeightsStack | None, row: int, seen: int,
-            metrics: dict[str, Scalar], task: FitTask) -> FitOutput | Exception:
-    assert stack is not None
-    try:
-        new: Weights = WeightsRow(stack, row)
-        max_norm = max_update_norm(task.config)
-        if max_norm is not None:
-            new, norm = bound_update(weights, new, max_norm)
-            metrics[UPDATE_NORM] = norm
-        return FitOutput(new, seen, metrics)
-    except Exception as exc:
-        return exc
+class Trained(NamedTuple):
+    """A task trained into row ``row`` of its chunk."""
+
+    row: int
+    num_examples: int
+    metrics: dict[str, Scalar]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedChunk:
+    """A chunk's training: the trained rows (``arrays[name][row]``; None when no task
+    trained) and one record per task, in task order: a `Trained` row, the `FitOutput`
+    of a client that fitted itself, or the exception the task raised."""
+
+    arrays: dict[str, np.ndarray] | None
+    records: list[Trained | FitOutput | Exception]
+
+
+def chunk_outputs(weights: Weights, tasks: Sequence[FitTask], chunk: TrainedChunk
+                  ) -> Iterator[FitOutput | Exception]:
+    """Each task's result from its chunk: trained rows become rows of one `WeightsStack`
+    (clipped here when the task's config asks for ``max_update_norm``)."""
+    stack = (WeightsStack(chunk.arrays, row_specs=weights.specs())
+             if chunk.arrays is not None else None)
+    for task, record in zip(tasks, chunk.records, strict=True):
+        if not isinstance(record, Trained):
+            yield record
+            continue
+        assert stack is not None
+        try:
+            new: Weights = WeightsRow(stack, record.row)
+            metrics = record.metrics
+            max_norm = max_update_norm(task.config)
+            if max_norm is not None:
+                new, norm = bound_update(weights, new, max_norm)
+                metrics[UPDATE_NORM] = norm
+            yield FitOutput(new, record.num_examples, metrics)
+        except Exception as exc:
+            yield exc
 
 
 def _check_same_tensors(module: torch.nn.Module, start: _Start) -> None:

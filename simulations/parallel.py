@@ -2,37 +2,41 @@
 
 A `fedloom.simulations.fitting.RoundFitter` for the local engine. ``workers`` processes
 start once, each with one torch thread and its own copy of the `Job`; each builds the
-clients it is asked for from the job (cached, sharing one model object per process, as
-the serial engine shares one in its process). A round sends every worker one message:
-the weights, pickled once for all workers, and its share of the tasks. The engine then
-gets the results in task order, each as soon as it and those before it have arrived.
+clients it is asked for from the job (cached, sharing one model object per process)
+and trains them as the serial local engine does (`fedloom.simulations.lean`). A round
+sends every worker one message: the weights, pickled once for all workers, and its
+chunks of the tasks.
 
-Task ``i`` goes to worker ``i % workers``. Reading the results in order then takes
-them from the workers in turn, so the tasks a worker has finished but the engine has
-not yet asked for wait in the worker's pipe (at most a few, then the worker waits):
-memory stays bounded as with a streaming aggregator, even for a large model. Fits of
-one round cost about the same, so equal shares keep the workers equally busy.
+The round's tasks are cut into chunks of consecutive tasks, dealt to the workers in
+turn (chunk ``c`` to worker ``c % workers``): small enough that each worker has two,
+and never holding more than ``chunk_bytes`` of trained weights. A worker sends each
+chunk as one message, its clients' weights as rows of one array per tensor; the engine
+reads the chunks in task order, so it takes a worker's first chunk while the workers
+train their second, and a worker's next chunk waits in its pipe (the worker then
+waits): memory stays bounded by a few chunks, even for a large model (whose chunks
+hold one client each).
 
-Every fit runs the same code as in `SerialFitter` (the client reseeds from its fit
-config), on one thread, so the engine's model equals the serial engine's bit for bit.
+Each client's `FitOutput` equals what its `TorchClient.fit` returns, bit for bit (the
+same code on one thread); the round's aggregate differs from the serial engine's only
+in the order of its float64 sums (a float32 ulp at most), and it is the same in every
+run with the same number of workers and clients.
 
 Failures: a client that raises gives a `RuntimeError` in its slot (its type, message
 and, as ``__cause__``, the worker's traceback) and the round goes on. A worker that
-dies gives each of its unfinished tasks a `RuntimeError` naming its exit code and
-clients; a new worker replaces it at the next `fit`.
+dies gives each task of its unfinished chunks a `RuntimeError` naming its exit code
+and clients; a new worker replaces it at the next `fit`.
 
 Limits: each worker holds a whole copy of the job's data (and this process keeps the
 pickled job, to start replacements); a worker that hangs (neither answers nor exits)
-stalls the round, as a hanging client stalls `SerialFitter`; a result reaches the
-engine up to 5 ms, or one further fit, after its fit ends. The script that
-creates the fitter must guard its entry point with ``if __name__ == "__main__":``
-(both start methods import it afresh in each worker).
+stalls the round, as a hanging client stalls the serial engine; a result reaches the
+engine when its chunk is done. The script that creates the fitter must guard its entry
+point with ``if __name__ == "__main__":`` (both start methods import it afresh in each
+worker).
 
-Speed: the workers take the fits, but this process still reads every result and does
-the engine's own work on it (the delta, the aggregation), competing with the workers
-for the cores; so the gain grows with a fit's cost against its update's size, and a
-round's fixed costs stay serial. `benchmarks/simulation.py` measures it beside the
-serial engine (the figures are in benchmarks/README.md).
+Speed: the workers take the fits; this process takes each chunk's deltas and weighted
+sum a chunk at a time (`fedloom.stacked`), so its share per client is small, and a
+round's fixed costs (sampling, the messages) stay serial. `benchmarks/simulation.py`
+measures it beside the serial engine (the figures are in benchmarks/README.md).
 
 Example::
 
@@ -48,10 +52,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import multiprocessing
 import pickle
 import signal
-import time
 import traceback
 import weakref
 from collections.abc import Iterator, Sequence
@@ -64,6 +68,7 @@ import torch
 from fedloom.client_sdk._client import Client, FitOutput
 from fedloom.errors import ConfigError
 from fedloom.simulations.fitting import FitTask
+from fedloom.simulations.lean import CHUNK_BYTES, LeanFitter, TrainedChunk, chunk_outputs
 from fedloom.weights import Weights
 
 if TYPE_CHECKING:
@@ -75,10 +80,6 @@ if TYPE_CHECKING:
 #: a parent that has imported torch, whose thread pools and locks do not survive it.
 START_METHODS = ("spawn", "forkserver")
 _STOP_TIMEOUT_S = 5.0
-#: A worker sends the results it holds once this long has passed since it last sent.
-#: A message that wakes the parent costs both processes 0.1-0.2 ms of CPU on a virtual
-#: machine, a third of a small model's fit: one message per fit wastes that much.
-_FLUSH_S = 0.005
 
 
 class RemoteTraceback(Exception):
@@ -107,7 +108,7 @@ class _ClientError:
 
 
 def _serve(conn: Connection) -> None:
-    """A worker's loop: read the job, then fit each batch of tasks until told to stop."""
+    """A worker's loop: read the job, then train each round's chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us
     torch.set_num_threads(1)  # as Ray's actors and the serial engine: the same kernels
     try:
@@ -119,55 +120,41 @@ def _serve(conn: Connection) -> None:
     shared = job.make_model()
     clients: dict[int, Client] = {}
 
-    def fit(task: FitTask, weights: Weights) -> bytes:
-        result: FitOutput | _ClientError
-        try:
-            if task.index not in clients:
-                clients[task.index] = job.make_client(task.index, model=shared)
-            result = clients[task.index].fit(weights, task.config)
-        except Exception as exc:  # a failed client is data, not the end of the round
-            result = _ClientError.of(exc)
-        try:
-            return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # e.g. a metric the client made unpicklable
-            return pickle.dumps(_ClientError.of(exc), protocol=pickle.HIGHEST_PROTOCOL)
+    def client_fn(index: int) -> Client:
+        if index not in clients:
+            clients[index] = job.make_client(index, model=shared)
+        return clients[index]
 
+    lean = LeanFitter(client_fn)
     while True:
         try:
-            tasks: list[FitTask] | None = conn.recv()
-            if tasks is None:
+            chunks: list[list[FitTask]] | None = conn.recv()
+            if chunks is None:
                 return
             weights: Weights = pickle.loads(conn.recv_bytes())
         except EOFError:  # the parent is gone
             return
-        unsent: list[bytes] = []
-        sent_at = time.perf_counter()
-        for done, task in enumerate(tasks, start=1):
-            unsent.append(fit(task, weights))
-            left = len(tasks) - done
-            # See _FLUSH_S; sending when as many are unsent as are left to fit makes the
-            # last messages small, so the parent's work on them overlaps our fits.
-            if left == 0 or len(unsent) >= left or time.perf_counter() - sent_at >= _FLUSH_S:
-                try:
-                    conn.send_bytes(_frame(unsent))
-                except OSError:  # the parent closed the pipe: it is stopping us
-                    return
-                unsent, sent_at = [], time.perf_counter()
+        for chunk in chunks:
+            try:
+                conn.send_bytes(_pickled(lean.train_chunk(weights, chunk)))
+            except OSError:  # the parent closed the pipe: it is stopping us
+                return
 
 
-def _frame(results: list[bytes]) -> bytes:
-    """Pickled results as one message, each after its length (8 bytes, little-endian)."""
-    return b"".join(part for result in results for part in (len(result).to_bytes(8, "little"),
-                                                            result))
-
-
-def _unframe(message: bytes) -> Iterator[memoryview]:
-    """The pickled results in a `_frame` message, without copying them."""
-    view, at = memoryview(message), 0
-    while at < len(view):
-        size = int.from_bytes(view[at:at + 8], "little")
-        yield view[at + 8:at + 8 + size]
-        at += 8 + size
+def _pickled(chunk: TrainedChunk) -> bytes:
+    """A trained chunk as one message; exceptions (and records that do not pickle, e.g.
+    a metric a client made unpicklable) as `_ClientError` text."""
+    records: list[object] = [
+        _ClientError.of(r) if isinstance(r, Exception) else r for r in chunk.records]
+    try:
+        return pickle.dumps((chunk.arrays, records), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        for i, record in enumerate(records):
+            try:
+                pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                records[i] = _ClientError.of(exc)
+        return pickle.dumps((chunk.arrays, records), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class _Worker:
@@ -187,59 +174,60 @@ class _Worker:
         self.process.start()
         child.close()  # only the worker holds its end: its exit then reads as EOF here
         self.conn = parent
-        self.pending: collections.deque[int] = collections.deque()  # clients owed, in order
-        self.received: collections.deque[memoryview] = collections.deque()  # their results
+        self.pending: collections.deque[list[FitTask]] = collections.deque()  # chunks owed
         self.failure = ""
 
     @property
     def exited(self) -> bool:
         return bool(self.failure)
 
-    def dispatch(self, weights: bytes, tasks: list[FitTask]) -> None:
-        self.pending.extend(task.index for task in tasks)
+    def dispatch(self, weights: bytes, chunks: list[list[FitTask]]) -> None:
+        self.pending.extend(chunks)
         try:
             if self.job is not None:
                 self.conn.send_bytes(self.job)
                 self.job = None
-            self.conn.send(tasks)
+            self.conn.send(chunks)
             self.conn.send_bytes(weights)
         except OSError:
             self._exited()
 
-    def receive(self) -> FitOutput | Exception:
-        """The result of the oldest pending task (waits for it)."""
-        blob = self._next()
-        if blob is None:
-            return RuntimeError(self.failure)
-        result: FitOutput | _ClientError = pickle.loads(blob)
-        return result.exception() if isinstance(result, _ClientError) else result
+    def receive(self, weights: Weights) -> Iterator[FitOutput | Exception]:
+        """The results of the oldest pending chunk, in its task order (waits for it)."""
+        tasks = self.pending[0]
+        message = self._next()
+        if message is None:
+            yield from (RuntimeError(self.failure) for _ in tasks)
+            return
+        arrays, records = pickle.loads(message)
+        chunk = TrainedChunk(arrays, [r.exception() if isinstance(r, _ClientError) else r
+                                      for r in records])
+        yield from chunk_outputs(weights, tasks, chunk)
 
     def discard(self) -> None:
-        """Wait for the results still owed and drop them."""
+        """Wait for the chunks still owed and drop them."""
         while self.pending:
             self._next()
 
-    def _next(self) -> memoryview | None:
-        """The oldest pending task's pickled result; None when the worker died first."""
-        if not self.received and not self.failure:
-            self._read()
+    def _next(self) -> bytes | None:
+        """The oldest pending chunk's message; None when the worker died first."""
+        message = None if self.failure else self._read()
         self.pending.popleft()
-        return self.received.popleft() if self.received else None
+        return message
 
-    def _read(self) -> None:
+    def _read(self) -> bytes | None:
         ready = wait([self.conn, self.process.sentinel])
         try:
             if self.conn in ready or self.conn.poll():
-                self.received.extend(_unframe(self.conn.recv_bytes()))
-                return
+                return self.conn.recv_bytes()
         except (EOFError, OSError):
             pass
         self._exited()
+        return None
 
     def _exited(self) -> None:
         code = self._reap()
-        unfinished = list(self.pending)[len(self.received):]  # the first ones were sent
-        clients = ", ".join(str(i) for i in unfinished)
+        clients = ", ".join(str(task.index) for chunk in self.pending for task in chunk)
         self.failure = (
             f"worker {self.number} exited with code {code} while fitting clients {clients}"
         )
@@ -272,6 +260,13 @@ class _Worker:
         self.process.close()
 
 
+def chunk_size(tasks: int, workers: int, rows: int) -> int:
+    """Tasks per chunk: at most ``rows`` (the weights that fit in the chunk budget), and
+    small enough that each worker gets two chunks, so the engine takes a worker's first
+    chunk while the workers train their second."""
+    return max(1, min(rows, math.ceil(tasks / (2 * workers))))
+
+
 def _stop_all(workers: list[_Worker]) -> None:
     for worker in workers:  # all at once, then wait for each
         worker.ask_to_stop()
@@ -288,12 +283,14 @@ class ParallelFitter:
         workers: worker processes, at least 1 (1 still isolates the fits from this
             process). More than the machine's cores only adds overhead.
         start_method: ``"spawn"`` (the default) or ``"forkserver"``.
+        chunk_bytes: the most bytes of trained weights one chunk holds.
 
     Raises:
-        ConfigError: ``workers`` below 1, or another start method.
+        ConfigError: ``workers`` or ``chunk_bytes`` below 1, or another start method.
     """
 
-    def __init__(self, job: Job, workers: int, *, start_method: str = "spawn") -> None:
+    def __init__(self, job: Job, workers: int, *, start_method: str = "spawn",
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(
                 "workers", f"must be an int of at least 1, got {workers!r}; for fits in "
@@ -304,6 +301,9 @@ class ParallelFitter:
                 "start_method", f"{start_method!r} is not one of {', '.join(START_METHODS)} "
                 "(fork copies a process that has imported torch, which can deadlock)",
             )
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ConfigError("chunk_bytes", f"must be an integer >= 1, got {chunk_bytes!r}")
+        self.chunk_bytes = chunk_bytes
         self._job = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         self._context: SpawnContext | ForkServerContext = (
             multiprocessing.get_context("spawn") if start_method == "spawn"
@@ -336,22 +336,33 @@ class ParallelFitter:
         self._round += 1
         blob = pickle.dumps(weights, protocol=pickle.HIGHEST_PROTOCOL)
         count = len(self._workers)
+        size = chunk_size(len(tasks), count, self._rows(weights))
+        chunks = [list(tasks[begin:begin + size]) for begin in range(0, len(tasks), size)]
         for worker in self._workers:
-            share = list(tasks[worker.number::count])
+            share = chunks[worker.number::count]
             if share:
                 worker.dispatch(blob, share)
-        return self._results(self._round, list(self._workers), len(tasks))
+        return self._results(self._round, list(self._workers), weights, len(chunks))
+
+    def _rows(self, weights: Weights) -> int:
+        return max(1, self.chunk_bytes // max(1, weights.nbytes))
 
     def _results(
-        self, round_id: int, workers: list[_Worker], num_tasks: int
+        self, round_id: int, workers: list[_Worker], weights: Weights, num_chunks: int
     ) -> Iterator[FitOutput | Exception]:
-        for position in range(num_tasks):
+        for position in range(num_chunks):
             if round_id != self._round:
                 raise RuntimeError(
                     "a later fit() call, or close(), ended this round before all of its "
                     "results were read; read each round's results before the next fit()"
                 )
-            yield workers[position % len(workers)].receive()
+            for result in workers[position % len(workers)].receive(weights):
+                yield result
+                if round_id != self._round:
+                    raise RuntimeError(
+                        "a later fit() call, or close(), ended this round before all of "
+                        "its results were read; read each round's results before the "
+                        "next fit()")
 
     def _settle(self) -> None:
         """Drain results the last round left unread; replace workers that exited."""

@@ -45,8 +45,16 @@ def fit_seed(base_seed: int, client_index: int, server_round: int) -> int:
     ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    words = np.random.SeedSequence([base_seed, client_index, server_round]).generate_state(1)
+    entropy: list[int] | np.ndarray = [base_seed, client_index, server_round]
+    if max(entropy) < _WORD:
+        # The same entropy words (each int below 2**32 is one word), as a uint32 array,
+        # which SeedSequence takes as it is instead of converting int by int.
+        entropy = np.array(entropy, np.uint32)
+    words = np.random.SeedSequence(entropy).generate_state(1)
     return int(words[0]) % SEED_BOUND
+
+
+_WORD = 2**32
 
 
 def client_id(client_index: int) -> str:

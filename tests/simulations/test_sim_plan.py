@@ -17,10 +17,14 @@ from fedloom.strategies import ClientSampler
 from fedloom.weights import Weights
 
 
-def test_fit_seed_is_a_pure_function_of_its_three_integers() -> None:
-    # The documented derivation, recomputed independently.
-    expected = int(np.random.SeedSequence([7, 3, 2]).generate_state(1)[0]) % 2**31
-    assert fit_seed(7, 3, 2) == expected
+@pytest.mark.parametrize("inputs", [
+    (7, 3, 2), (0, 0, 0), (2**32 - 1, 999, 1), (2**32, 5, 3), (2**40 + 7, 2**33, 2**32 + 1),
+])
+def test_fit_seed_is_a_pure_function_of_its_three_integers(inputs: tuple[int, int, int]) -> None:
+    # The documented derivation, recomputed independently: below and above 2**32,
+    # where an int stops being one entropy word.
+    expected = int(np.random.SeedSequence(list(inputs)).generate_state(1)[0]) % 2**31
+    assert fit_seed(*inputs) == expected
 
 
 def test_fit_seeds_are_distinct_and_in_range() -> None:
