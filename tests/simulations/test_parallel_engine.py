@@ -230,14 +230,14 @@ def test_a_dead_worker_fails_its_tasks_and_is_replaced_for_the_next_round(
 
     with ParallelFitter(job, 2) as fitter:
         note_children()
-        # Chunks of 2: worker 0 holds [0, 1] and [4], worker 1 holds [2, 3] and dies
-        # at its first client.
+        # One client a chunk: worker 0 gets clients 0 and 2, worker 1 clients 1 and 3;
+        # worker 0 sends 0 back, is given 4, and dies fitting 2, with 4 still queued.
         results = list(fitter.fit(weights, tasks_for([0, 1, 2, 3, 4], {2: "kill"})))
-        for slot in (2, 3):
+        for slot in (2, 4):
             assert isinstance(results[slot], RuntimeError)
             assert str(results[slot]) == (
-                "worker 1 exited with code -9 while fitting clients 2, 3")
-        for slot in (0, 1, 4):
+                "worker 0 exited with code -9 while fitting clients 2, 4")
+        for slot in (0, 1, 3):
             assert_same_output(results[slot], expected[slot])
         again = list(fitter.fit(weights, tasks_for([0, 1, 2, 3, 4])))
         for got, want in zip(again, expected, strict=True):
@@ -301,14 +301,14 @@ def assert_reaped(pids: set[int]) -> None:
 
 
 @pytest.mark.parametrize(("tasks", "workers", "rows", "expected"), [
-    (100, 2, 10**6, 25),  # two chunks a worker
-    (10, 2, 10**6, 3),
+    (100, 2, 10**6, 17),  # three chunks a worker
+    (10, 2, 10**6, 2),
     (3, 2, 10**6, 1),
     (1, 4, 10**6, 1),
     (100, 2, 7, 7),  # the byte budget caps it
     (100, 2, 1, 1),  # a large model: one client a chunk
 ])
-def test_chunks_give_each_worker_two_within_the_byte_budget(
+def test_chunks_give_each_worker_three_within_the_byte_budget(
     tasks: int, workers: int, rows: int, expected: int
 ) -> None:
     assert chunk_size(tasks, workers, rows) == expected
