@@ -7,8 +7,9 @@ subtracts and folds each update on its own. When a round's clients train the sam
 module one after another (as `fedloom simulate` builds them), that work can be done
 once per round or once per chunk of clients instead:
 
-- the round's weights are loaded into the module and checked once (`load_weights`)
-  and kept as tensors; each fit starts by copying them into the module's own tensors;
+- the round's weights are checked against the module once (as `load_weights` checks
+  them) and kept as tensors; each fit starts by copying them into the module's own
+  tensors;
 - each client trains with its own `TorchClient.train_in_place`, the code
   `TorchClient.fit` runs: the same batches, seeding, optimizer, FedProx term and
   metrics;
@@ -60,7 +61,6 @@ from fedloom.weights import Weights
 
 #: A chunk's stack holds at most this many bytes of trained weights (one client at least).
 CHUNK_BYTES = 64 * 2**20
-
 
 
 class _Start:
@@ -155,6 +155,7 @@ class LeanFitter:
         rows = list(arrays.values())
         records: list[Trained | FitOutput | Exception] = []
         used: dict[torch.nn.Module, _Start] = {}
+        row_modules: list[torch.nn.Module] = []  # the module each row was trained on
         row = 0
         for task in tasks:
             try:
@@ -170,12 +171,18 @@ class LeanFitter:
                 records.append(exc)
                 continue
             records.append(Trained(row, seen, metrics))
+            row_modules.append(client.model)
             row += 1
-        try:
-            for module, start in used.items():
+        stale: dict[torch.nn.Module, RuntimeError] = {}
+        for module, start in used.items():
+            try:
                 _check_same_tensors(module, start)
-        except RuntimeError as exc:
-            return TrainedChunk(None, [exc] * len(records))
+            except RuntimeError as exc:  # its rows were read from tensors it dropped
+                stale[module] = exc
+                self._starts.pop(module, None)  # the next chunk walks the module afresh
+        if stale:
+            records = [stale.get(row_modules[r.row], r) if isinstance(r, Trained) else r
+                       for r in records]
         return TrainedChunk({k: v[:row] for k, v in arrays.items()} if row else None, records)
 
     def _start(self, module: torch.nn.Module, weights: Weights) -> _Start:

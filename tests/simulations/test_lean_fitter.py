@@ -170,26 +170,32 @@ def test_weights_of_another_layout_fail_every_task_with_the_reason(job: Job) -> 
     assert isinstance(outputs[0], ValueError) and "missing ['2.bias']" in str(outputs[0])
 
 
-class Replacing(torch.nn.Module):
-    """A module whose forward pass swaps its buffer for a new tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(64, 10)
-        self.register_buffer("calls", torch.zeros(1))
+class Replacing(torch.nn.Sequential):
+    """The job's MLP, except that its forward pass swaps a parameter for a new tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls = self.calls + 1  # a new tensor, not an in-place update
-        return self.linear(x)
+        self[2].bias = torch.nn.Parameter(self[2].bias.detach().clone())
+        return super().forward(x)
 
 
-def test_a_module_whose_training_replaces_a_tensor_fails_its_chunk(job: Job) -> None:
-    model = Replacing()
-    client = job.make_client(0, model=model)
-    weights = Weights((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
-    lean = LeanFitter(lambda _i: client)
-    outputs = list(lean.fit(weights, [FitTask(0, {"seed": 1}), FitTask(0, {"seed": 2})]))
-    assert all(isinstance(o, RuntimeError) and "'calls'" in str(o) for o in outputs)
+def test_rows_of_a_module_whose_training_replaced_a_tensor_fail_and_others_stand(
+    job: Job,
+) -> None:
+    clients: dict[int, Any] = shared_clients(job)
+    mlp = job.make_model()
+    clients[0] = job.make_client(0, model=Replacing(*mlp))
+    lean = LeanFitter(clients.__getitem__)
+    tasks = [FitTask(1, {"seed": 1}), FitTask(0, {"seed": 2}), FitTask(2, {"seed": 3})]
+    weights = job.initial_weights()
+    outputs = list(lean.fit(weights, tasks))
+    assert isinstance(outputs[1], RuntimeError)
+    assert "'2.bias'" in str(outputs[1]) and "in place" in str(outputs[1])
+    expected = list(SerialFitter(shared_clients(job).__getitem__).fit(
+        weights, [tasks[0], tasks[2]]))
+    assert_same(outputs[0], expected[0])  # the shared module's rows stand
+    assert_same(outputs[2], expected[1])
+    again = list(lean.fit(weights, [FitTask(0, {"seed": 2})]))  # walked afresh, fails again
+    assert isinstance(again[0], RuntimeError)
 
 
 def test_settings_are_checked_and_close_drops_the_round(job: Job) -> None:
