@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedloom.client_sdk._client import Client, FitOutput
+from fedloom.client_sdk._client import FitOutput
 from fedloom.simulations.fitting import FitTask
 from fedloom.simulations.lean import LeanFitter, TrainedChunk, chunk_outputs
 from fedloom.weights import Weights
@@ -84,15 +84,7 @@ def serve(conn: Connection, results: Connection) -> None:
         return
     if job is None:  # stopped before its first round
         return
-    shared = job.make_model()
-    clients: dict[int, Client] = {}
-
-    def client_fn(index: int) -> Client:
-        if index not in clients:
-            clients[index] = job.make_client(index, model=shared)
-        return clients[index]
-
-    lean = LeanFitter(client_fn)
+    lean = LeanFitter(job.client_fn())
     weights: Weights | None = None
     while True:
         try:

@@ -8,6 +8,7 @@ scenario, so two processes building the same scenario get the same job.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,20 @@ class Job:
             model=model if model is not None else self.make_model(),
             device=spec.device, optimizer=spec.optimizer,
         )
+
+    def client_fn(self, model: torch.nn.Module | None = None) -> Callable[[int], TorchClient]:
+        """Client ``index``'s `make_client`, built at its first call and kept: every
+        client of one process trains one module (``model``, or a new one), as the
+        engines that fit clients one after another use them."""
+        shared = model if model is not None else self.make_model()
+        clients: dict[int, TorchClient] = {}
+
+        def client(index: int) -> TorchClient:
+            if index not in clients:
+                clients[index] = self.make_client(index, model=shared)
+            return clients[index]
+
+        return client
 
     def build_strategy(self) -> Strategy:
         strategy = build_strategy(self.scenario.strategy, self.scenario.selection)

@@ -87,13 +87,7 @@ def _run_local(
     evaluate: Callable[[int, Weights], Metrics], on_round: Callable[[RoundRecord], None],
 ) -> History:
     scenario = job.scenario
-    shared = job.make_model()  # fits run one at a time: one module serves every client
-    clients: dict[int, TorchClient] = {}
-
-    def client_fn(index: int) -> TorchClient:
-        if index not in clients:
-            clients[index] = job.make_client(index, model=shared)
-        return clients[index]
+    client_fn = job.client_fn()  # fits run one at a time: one module serves every client
 
     secure = None
     if scenario.secure_aggregation.enabled:  # SecAgg+ in-process

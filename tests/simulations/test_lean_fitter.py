@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from sim_fits import assert_same_output
 
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
 from fedloom.client_sdk.torch_trainer import TorchClient
@@ -51,16 +52,6 @@ def shared_clients(job: Job) -> dict[int, TorchClient]:
     return {i: job.make_client(i, model=shared) for i in range(job.scenario.num_clients)}
 
 
-def assert_same(actual: FitOutput | Exception, expected: FitOutput | Exception) -> None:
-    assert isinstance(actual, FitOutput), actual
-    assert isinstance(expected, FitOutput), expected
-    assert list(actual.weights) == list(expected.weights)
-    for name in expected.weights:
-        np.testing.assert_array_equal(actual.weights[name], expected.weights[name])
-    assert actual.num_examples == expected.num_examples
-    assert actual.metrics == expected.metrics
-
-
 CONFIGS: list[dict[str, Any]] = [
     {"seed": 11, "local_epochs": 1},
     {"seed": 12, "local_epochs": 3, "lr": 0.2},
@@ -80,7 +71,7 @@ def test_each_output_equals_the_clients_own_fit(job: Job, chunk_bytes: int) -> N
     outputs = list(lean.fit(weights, tasks))
     assert len(outputs) == len(tasks)
     for actual, wanted in zip(outputs, expected, strict=True):
-        assert_same(actual, wanted)
+        assert_same_output(actual, wanted)
     clipped = outputs[3]
     assert isinstance(clipped, FitOutput) and clipped.metrics["update_norm"] > 0.05
     assert not isinstance(clipped.weights, WeightsRow)  # clipping made new weights
@@ -101,7 +92,7 @@ def test_outputs_stay_right_after_the_module_evaluated_and_trained_elsewhere(job
     clients[3].fit(other, {"seed": 9})
     again = list(lean.fit(weights, tasks))
     for a, b in zip(again, first, strict=True):
-        assert_same(a, b)
+        assert_same_output(a, b)
 
 
 def selection() -> SelectionConfig:
@@ -155,8 +146,8 @@ def test_failing_tasks_are_reported_in_place_and_other_clients_fit_themselves(jo
     assert isinstance(outputs[4], KeyError)
     reference = SerialFitter(shared_clients(job).__getitem__)
     expected = list(reference.fit(job.initial_weights(), [tasks[0], tasks[5]]))
-    assert_same(outputs[0], expected[0])
-    assert_same(outputs[5], expected[1])
+    assert_same_output(outputs[0], expected[0])
+    assert_same_output(outputs[5], expected[1])
 
 
 def test_weights_of_another_layout_fail_every_task_with_the_reason(job: Job) -> None:
@@ -192,8 +183,8 @@ def test_rows_of_a_module_whose_training_replaced_a_tensor_fail_and_others_stand
     assert "'2.bias'" in str(outputs[1]) and "in place" in str(outputs[1])
     expected = list(SerialFitter(shared_clients(job).__getitem__).fit(
         weights, [tasks[0], tasks[2]]))
-    assert_same(outputs[0], expected[0])  # the shared module's rows stand
-    assert_same(outputs[2], expected[1])
+    assert_same_output(outputs[0], expected[0])  # the shared module's rows stand
+    assert_same_output(outputs[2], expected[1])
     again = list(lean.fit(weights, [FitTask(0, {"seed": 2})]))  # walked afresh, fails again
     assert isinstance(again[0], RuntimeError)
 

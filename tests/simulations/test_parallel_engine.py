@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from sim_fits import assert_same_output
 
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
 from fedloom.errors import ConfigError
@@ -95,15 +96,7 @@ def fitters(job: TrapJob) -> Iterator[dict[int, ParallelFitter]]:
 
 
 def serial(job: Job) -> SerialFitter:
-    shared = job.make_model()
-    clients: dict[int, Client] = {}
-
-    def client_fn(index: int) -> Client:
-        if index not in clients:
-            clients[index] = job.make_client(index, model=shared)
-        return clients[index]
-
-    return SerialFitter(client_fn)
+    return SerialFitter(job.client_fn())
 
 
 def round_models(job: Job, strategy: Strategy, fitter: RoundFitter) -> list[Weights]:
@@ -119,16 +112,6 @@ def round_models(job: Job, strategy: Strategy, fitter: RoundFitter) -> list[Weig
               base_seed=job.scenario.seed, fit_defaults=job.fit_defaults(),
               evaluate_fn=keep, fitter=fitter)
     return models
-
-
-def assert_same_output(actual: FitOutput | Exception, expected: FitOutput | Exception) -> None:
-    assert isinstance(actual, FitOutput), actual
-    assert isinstance(expected, FitOutput), expected
-    assert list(actual.weights) == list(expected.weights)
-    for name in expected.weights:
-        np.testing.assert_array_equal(actual.weights[name], expected.weights[name])
-    assert actual.num_examples == expected.num_examples
-    assert actual.metrics == expected.metrics
 
 
 def tasks_for(indices: list[int], traps: dict[int, str] | None = None) -> list[FitTask]:
