@@ -7,7 +7,8 @@
   running mean. No configs, no metrics, no layout checks, no float64 sums;
 - **local engine**: `run_local` with `LeanFitter`, as `fedloom simulate` runs it: one
   client after another on the module they share;
-- **parallel engine**: `run_local` with `ParallelFitter` (``--workers`` processes);
+- **parallel engine**: `run_local` with `ParallelFitter` as `fedloom simulate` builds it
+  for ``workers = --workers``: this process and ``--workers - 1`` worker processes;
 - **vectorized engine**: `run_local` with `VectorizedFitter` (``torch.func``).
 
 Every fedloom row runs the same FedAvg over the same job as the Flower rows; each
@@ -139,13 +140,14 @@ def in_process_phases(
     from fedloom.simulations.vectorized import VectorizedFitter
 
     torch.set_num_threads(1)
-    parallel = ParallelFitter(job, workers) if "parallel" in engines else None
+    parallel = (ParallelFitter(job, workers - 1, train_here=True)
+                if "parallel" in engines else None)
     if parallel is not None:  # start the workers (import torch, build clients) untimed
         warm = [FitTask(i % job.scenario.num_clients, {"seed": i}) for i in range(2 * workers)]
         list(parallel.fit(job.initial_weights(), warm))
     vectorized = (VectorizedFitter.from_job(job, chunk_size=chunk_size)
                   if "vectorized" in engines else None)
-    parallel_name = f"parallel engine ({workers} workers)"
+    parallel_name = f"parallel engine ({workers} processes)"
     rows: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
         ("bare", lambda k, r: bare_loop_phase(job, k, r)),
         ("local", lambda k, r: engine_phase(job, "local engine", "lean", k, r)),

@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 and 2 rounds, 1 repeat")
     parser.add_argument("--out", type=Path, default=RESULTS / "simulation.json")
     args = parser.parse_args(argv)
+    if "parallel" in args.engines and args.workers < 2:
+        parser.error("--workers: the parallel engine needs at least 2 processes")
     if args.quick:
         args.rounds_small, args.rounds_full, args.repeats = 3, 2, 1
         args.large_rounds = min(args.large_rounds, 2)

@@ -145,7 +145,7 @@ class Taken:
     the reason."""
 
     chunk: int
-    message: bytes | None
+    message: bytes | TrainedChunk | None
     failure: str = ""
 
 

@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("local", "vectorized", "flower"),
                         help="override the engine")
     parser.add_argument("--workers", type=int,
-                        help="worker processes of the local engine (engine.workers)")
+                        help="processes that train the local engine's clients, this one included "
+                             "(engine.workers)")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--seed", type=int, help="override the seed")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

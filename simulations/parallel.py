@@ -3,7 +3,8 @@
 A `fedloom.simulations.fitting.RoundFitter` for the local engine. ``workers`` processes
 start once, each with one torch thread and its own copy of the `Job`; each builds the
 clients it is asked for from the job (cached, sharing one model object per process)
-and trains them as the serial local engine does (`fedloom.simulations.lean`). A round
+and trains them as the serial local engine does (`fedloom.simulations.lean`). With
+``train_here``, this process trains chunks too, between taking the workers' results. A round
 sends every worker its weights, pickled once for all workers, then chunks of tasks
 (`fedloom.simulations._parallel_worker` has the messages).
 
@@ -37,7 +38,8 @@ worker).
 
 Speed: the workers take the fits; this process takes each chunk's deltas and weighted
 sum a chunk at a time (`fedloom.stacked`), so its share per client is small, and a
-round's fixed costs (sampling, the messages) stay serial. `benchmarks/simulation.py`
+round's fixed costs (sampling, the fit configs, the messages) stay serial. With
+``train_here`` it fills its waits with chunks of its own. `benchmarks/simulation.py`
 measures it beside the serial engine (the figures are in benchmarks/README.md).
 
 Example::
@@ -55,7 +57,7 @@ import math
 import multiprocessing
 import pickle
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -64,7 +66,7 @@ from fedloom.client_sdk._client import FitOutput
 from fedloom.errors import ConfigError
 from fedloom.simulations._parallel_worker import Taken, Worker, outputs
 from fedloom.simulations.fitting import FitTask
-from fedloom.simulations.lean import CHUNK_BYTES
+from fedloom.simulations.lean import CHUNK_BYTES, LeanFitter, TrainedChunk, chunk_outputs
 from fedloom.weights import Weights
 
 if TYPE_CHECKING:
@@ -89,37 +91,53 @@ def chunk_size(tasks: int, workers: int, rows: int) -> int:
 
 
 class _Schedule:
-    """One round's chunks over the workers: a chunk goes to the worker with the fewest
-    in flight (at most `IN_FLIGHT` each: one training, one waiting in its pipe), and
-    chunks are handed out no further than ``window`` ahead of the one the engine reads
-    next, which bounds what waits here to be read."""
+    """One round's chunks over the workers (and this process, when it trains too): a
+    chunk goes to the worker with the fewest in flight (at most `IN_FLIGHT` each: one
+    training, one waiting in its pipe); this process trains the next chunk itself
+    whenever the one the engine reads next is not back yet; and chunks are handed out
+    no further than ``window`` ahead of that one, which bounds what waits here."""
 
-    def __init__(self, workers: list[Worker], chunks: list[list[FitTask]], window: int
-                 ) -> None:
-        self.workers, self.chunks, self.window = workers, chunks, window
+    def __init__(self, workers: list[Worker], chunks: list[list[FitTask]], window: int,
+                 local: Callable[[list[FitTask]], TrainedChunk] | None = None) -> None:
+        self.workers, self.chunks, self.window, self.local = workers, chunks, window, local
         self.assigned = self.consumed = 0
         self.done: dict[int, Taken] = {}
         self._top_up()
 
     def next(self) -> tuple[list[FitTask], Taken]:
-        """The next chunk in task order, with its message or why it has none."""
+        """The next chunk in task order, with its result or why it has none."""
         chunk = self.consumed
         while chunk not in self.done:
             busy = [w for w in self.workers if w.pending]
+            if self.local is not None:
+                self._collect(busy, timeout=0.0)
+                if chunk in self.done:
+                    break
+                if self.assigned < min(len(self.chunks), self.consumed + self.window):
+                    mine = self.assigned
+                    self.assigned += 1
+                    self.done[mine] = Taken(mine, self.local(self.chunks[mine]))
+                    continue
             if not busy:  # every worker left has exited: nobody can fit this chunk
                 reasons = "; ".join(w.failure for w in self.workers if w.failure)
                 clients = ", ".join(str(t.index) for t in self.chunks[chunk])
                 self.done[chunk] = Taken(chunk, None, f"no worker left to fit clients "
                                                       f"{clients} ({reasons})")
                 break
-            ready = wait([x for w in busy for x in w.waitables])
-            for worker in busy:
-                if any(x in ready for x in worker.waitables):
-                    self.done.update((t.chunk, t) for t in worker.take())
-            self._top_up()
+            self._collect(busy, timeout=None)
         self.consumed += 1
         self._top_up()
         return self.chunks[chunk], self.done.pop(chunk)
+
+    def _collect(self, busy: list[Worker], timeout: float | None) -> None:
+        """Take the chunks of the workers that are ready (waiting up to ``timeout``)."""
+        if not busy:
+            return
+        ready = wait([x for w in busy for x in w.waitables], timeout=timeout)
+        for worker in busy:
+            if any(x in ready for x in worker.waitables):
+                self.done.update((t.chunk, t) for t in worker.take())
+        self._top_up()
 
     def _top_up(self) -> None:
         while self.assigned < min(len(self.chunks), self.consumed + self.window):
@@ -148,13 +166,18 @@ class ParallelFitter:
             process). More than the machine's cores only adds overhead.
         start_method: ``"spawn"`` (the default) or ``"forkserver"``.
         chunk_bytes: the most bytes of trained weights one chunk holds.
+        train_here: this process trains chunks too, whenever the chunk the engine reads
+            next is not back yet (``workers + 1`` processes train; `fedloom simulate`'s
+            ``workers = N`` is ``ParallelFitter(job, N - 1, train_here=True)``). On a
+            machine with as many cores as processes, the engine's own work then shares
+            this process's core instead of taking time from a worker's.
 
     Raises:
         ConfigError: ``workers`` or ``chunk_bytes`` below 1, or another start method.
     """
 
     def __init__(self, job: Job, workers: int, *, start_method: str = "spawn",
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, train_here: bool = False) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(
                 "workers", f"must be an int of at least 1, got {workers!r}; for fits in "
@@ -174,6 +197,7 @@ class ParallelFitter:
             else multiprocessing.get_context("forkserver")
         )
         self._workers = [Worker(n, self._job, self._context) for n in range(workers)]
+        self._local = LeanFitter(job.client_fn()) if train_here else None
         self._round = 0
         # Runs once: at close(), or when the fitter is collected unclosed (the list is
         # the live one: replaced workers included).
@@ -201,10 +225,12 @@ class ParallelFitter:
         blob = pickle.dumps(weights, protocol=pickle.HIGHEST_PROTOCOL)
         for worker in self._workers:
             worker.start_round(blob)
-        count = len(self._workers)
+        count = len(self._workers) + (self._local is not None)
         size = chunk_size(len(tasks), count, self._rows(weights))
         chunks = [list(tasks[begin:begin + size]) for begin in range(0, len(tasks), size)]
-        schedule = _Schedule(list(self._workers), chunks, IN_FLIGHT * count)
+        local = self._local
+        schedule = _Schedule(list(self._workers), chunks, IN_FLIGHT * count, None if local is None
+                             else lambda part: local.train_chunk(weights, part))
         return self._results(self._round, schedule, weights)
 
     def _rows(self, weights: Weights) -> int:
@@ -218,6 +244,8 @@ class ParallelFitter:
             if taken.message is None:
                 results: Iterator[FitOutput | Exception] = (
                     RuntimeError(taken.failure) for _ in tasks)
+            elif isinstance(taken.message, TrainedChunk):  # trained in this process
+                results = chunk_outputs(weights, tasks, taken.message)
             else:
                 results = outputs(weights, tasks, taken.message)
             for result in results:

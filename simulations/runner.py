@@ -127,17 +127,17 @@ def _run_local(
 
 def make_fitter(job: Job, client_fn: Callable[[int], TorchClient]) -> RoundFitter:
     """How the scenario's engine trains a round's clients (`fedloom.simulations.fitting`):
-    vectorized, over worker processes, or one after another in this process (on the
-    module they share, `fedloom.simulations.lean`)."""
+    vectorized, over this process and worker processes, or one after another in this
+    process (on the module they share, `fedloom.simulations.lean`)."""
     scenario = job.scenario
     if scenario.engine == "vectorized":
         from fedloom.simulations.vectorized import VectorizedFitter
 
         return VectorizedFitter.from_job(job, chunk_size=scenario.engine_options.chunk_size)
-    if scenario.engine_options.workers > 1:
+    if scenario.engine_options.workers > 1:  # this process trains too: N processes in all
         from fedloom.simulations.parallel import ParallelFitter
 
-        return ParallelFitter(job, scenario.engine_options.workers)
+        return ParallelFitter(job, scenario.engine_options.workers - 1, train_here=True)
     from fedloom.simulations.lean import LeanFitter
 
     return LeanFitter(client_fn)

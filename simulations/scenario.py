@@ -51,7 +51,7 @@
 
     [engine]                    # instead of engine = "...", to set the engine's options
     name = "local"
-    workers = 1                 # local: worker processes the round's clients spread over
+    workers = 1                 # local: processes that train a round's clients (1: this one)
     chunk_size = 64             # vectorized: clients trained in one batched computation
 
     [compression]               # codecs on the simulated wire (simulations.compression)
@@ -200,9 +200,10 @@ class ClientSpec:
 class EngineSpec:
     """Options of the in-process engines (TOML ``[engine]``, beside its ``name``).
 
-    ``workers`` > 1 spreads a round's clients over that many worker processes
-    (`fedloom.simulations.parallel`); ``chunk_size`` bounds how many clients the
-    vectorized engine trains in one batched computation (its memory grows with it).
+    ``workers`` > 1 spreads a round's clients over that many processes, this one and
+    ``workers - 1`` worker processes (`fedloom.simulations.parallel`); ``chunk_size``
+    bounds how many clients the vectorized engine trains in one batched computation
+    (its memory grows with it).
     """
 
     workers: int = 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,9 @@ class TrapClient(Client):
         trap = str(config.get(TRAP, ""))
         if trap == "raise":  # ConfigError does not survive pickling as itself
             raise ConfigError("lr", f"client {self.index} refuses")
+        if trap == "pid":  # say which process fitted it
+            out = self.inner.fit(weights, {k: v for k, v in config.items() if k != TRAP})
+            return FitOutput(out.weights, out.num_examples, {**out.metrics, "pid": os.getpid()})
         if trap == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if trap.startswith("wait:"):
@@ -87,9 +91,11 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def fitters(job: TrapJob) -> Iterator[dict[int, ParallelFitter]]:
-    """One fitter per worker count, shared by the tests that leave it healthy."""
-    made = {n: ParallelFitter(job, n) for n in (1, 2, 3)}
+def fitters(job: TrapJob) -> Iterator[dict[int | str, ParallelFitter]]:
+    """One fitter per worker count, and one worker with this process training too
+    (``"1+here"``), shared by the tests that leave them healthy."""
+    made: dict[int | str, ParallelFitter] = {n: ParallelFitter(job, n) for n in (1, 2, 3)}
+    made["1+here"] = ParallelFitter(job, 1, train_here=True)
     yield made
     for fitter in made.values():
         fitter.close()
@@ -121,9 +127,10 @@ def tasks_for(indices: list[int], traps: dict[int, str] | None = None) -> list[F
 
 
 @pytest.mark.parametrize("strategy_name", ["fedavg", "fedprox"])
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, 2, 3, "1+here"])
 def test_every_round_equals_the_serial_engine(
-    job: TrapJob, fitters: dict[int, ParallelFitter], workers: int, strategy_name: str
+    job: TrapJob, fitters: dict[int | str, ParallelFitter], workers: int | str,
+    strategy_name: str
 ) -> None:
     # The strategy runs in this process: the workers see only its fit configs (FedProx
     # sends proximal_mu, which changes every client's training).
@@ -153,7 +160,7 @@ def test_fedprox_reference_differs_from_fedavg(job: TrapJob) -> None:
     assert not np.array_equal(avg[1]["0.weight"], prox[1]["0.weight"])
 
 
-def test_results_come_in_task_order(job: TrapJob, fitters: dict[int, ParallelFitter]) -> None:
+def test_results_come_in_task_order(job: TrapJob, fitters: dict[int | str, ParallelFitter]) -> None:
     weights, tasks = job.initial_weights(), tasks_for([6, 0, 4, 2, 5, 1, 3])
     expected = list(serial(job).fit(weights, tasks))
     actual = list(fitters[3].fit(weights, tasks))
@@ -167,7 +174,7 @@ def test_results_come_in_task_order(job: TrapJob, fitters: dict[int, ParallelFit
 
 
 def test_first_result_arrives_while_another_worker_still_fits(
-    job: TrapJob, fitters: dict[int, ParallelFitter], tmp_path: Path
+    job: TrapJob, fitters: dict[int | str, ParallelFitter], tmp_path: Path
 ) -> None:
     # Worker 1 fits client 1 only once this test has read client 0's result (from
     # worker 0); a fitter that waited for every worker would stall until the trap
@@ -183,7 +190,7 @@ def test_first_result_arrives_while_another_worker_still_fits(
 
 
 def test_a_client_exception_fills_its_slot_and_the_round_goes_on(
-    job: TrapJob, fitters: dict[int, ParallelFitter]
+    job: TrapJob, fitters: dict[int | str, ParallelFitter]
 ) -> None:
     weights = job.initial_weights()
     tasks = tasks_for([0, 1, 2, 3, 4], {3: "raise"})
@@ -240,7 +247,7 @@ def test_a_dead_worker_fails_its_tasks_and_is_replaced_for_the_next_round(
 
 
 def test_a_new_fit_discards_the_unread_rest_of_the_last_round(
-    job: TrapJob, fitters: dict[int, ParallelFitter]
+    job: TrapJob, fitters: dict[int | str, ParallelFitter]
 ) -> None:
     weights = job.initial_weights()
     old = fitters[2].fit(weights, tasks_for([0, 1, 2, 3]))
@@ -309,3 +316,31 @@ def test_one_client_chunks_give_the_same_outputs(job: TrapJob) -> None:
     with pytest.raises(ConfigError) as info:
         ParallelFitter(job, 2, chunk_bytes=0)
     assert info.value.setting == "chunk_bytes"
+
+
+def test_with_train_here_this_process_fits_while_the_worker_is_busy(
+    job: TrapJob, fitters: dict[int | str, ParallelFitter], tmp_path: Path,
+) -> None:
+    # Chunks of two: the worker holds [0, 1] and [2, 3]; client 0 waits a second for
+    # its release, and meanwhile this process fits [4, 5] and [6] itself. (A first
+    # round starts both sides: the worker's imports, this process's first optimizer.)
+    fitter, release = fitters["1+here"], tmp_path / "release"
+    indices = [0, 1, 2, 3, 4, 5, 6]
+    list(fitter.fit(job.initial_weights(), tasks_for(indices)))
+    traps = {i: "pid" for i in indices[1:]} | {0: f"wait:{release}"}
+    timer = threading.Timer(1.0, release.touch)
+    timer.start()
+    try:
+        results = list(fitter.fit(job.initial_weights(), tasks_for(indices, traps)))
+    finally:
+        timer.cancel()
+    pids = [r.metrics.get("pid") if isinstance(r, FitOutput) else r for r in results]
+    worker = pids[1]
+    assert worker != os.getpid()
+    assert pids[1:] == [worker, worker, worker, os.getpid(), os.getpid(), os.getpid()]
+    expected = list(serial(job).fit(job.initial_weights(), tasks_for(indices)))
+    for got, want in zip(results, expected, strict=True):
+        assert isinstance(got, FitOutput)
+        assert_same_output(FitOutput(got.weights, got.num_examples,
+                                     {k: v for k, v in got.metrics.items() if k != "pid"}),
+                           want)

@@ -57,8 +57,9 @@ class Script:
     def __init__(self, workers: list[FakeWorker], steps: list[tuple[str, int]]) -> None:
         self.workers, self.steps = workers, collections.deque(steps)
 
-    def wait(self, objects: list[Any]) -> list[Any]:
-        while not any(w.ready() for w in self.workers if w.waitables[0] in objects):
+    def wait(self, objects: list[Any], timeout: float | None = None) -> list[Any]:
+        while timeout is None and not any(
+                w.ready() for w in self.workers if w.waitables[0] in objects):
             kind, value = self.steps.popleft()
             if kind == "finish":
                 next(w for w in self.workers if value in w.given).finished.add(value)
@@ -72,10 +73,45 @@ def chunks(n: int) -> list[list[FitTask]]:
 
 
 def run(monkeypatch: pytest.MonkeyPatch, workers: list[FakeWorker], n: int,
-        steps: list[tuple[str, int]]) -> list[Taken]:
+        steps: list[tuple[str, int]], local: Any = None) -> list[Taken]:
     monkeypatch.setattr(parallel, "wait", Script(workers, steps).wait)
-    schedule = parallel._Schedule(workers, chunks(n), window=2 * len(workers))  # type: ignore[arg-type]
+    window = 2 * (len(workers) + (local is not None))
+    schedule = parallel._Schedule(workers, chunks(n), window, local)  # type: ignore[arg-type]
     return [schedule.next()[1] for _ in range(n)]
+
+
+class Here:
+    """This process's trainer: records which chunks (by first client) it trained."""
+
+    def __init__(self) -> None:
+        self.trained: list[int] = []
+
+    def __call__(self, tasks: list[FitTask]) -> str:
+        self.trained.append(tasks[0].index)
+        return f"here {tasks[0].index}"
+
+
+def test_this_process_trains_the_next_chunk_while_the_one_it_needs_is_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    workers, here = [FakeWorker(0)], Here()
+    steps = [("finish", c) for c in (0, 1, 4, 5)]
+    taken = run(monkeypatch, workers, 6, steps, local=here)
+    assert [t.chunk for t in taken] == list(range(6))
+    assert here.trained == [2, 3]  # while chunk 0 was out, up to the window
+    assert workers[0].given == [0, 1, 4, 5]
+    assert [t.message for t in taken] == [b"chunk 0", b"chunk 1", "here 2", "here 3",
+                                          b"chunk 4", b"chunk 5"]
+
+
+def test_with_every_worker_gone_this_process_trains_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    workers, here = [FakeWorker(0)], Here()
+    taken = run(monkeypatch, workers, 6, [("die", 0)], local=here)
+    assert [t.message is None for t in taken] == [True, True, False, False, False, False]
+    assert taken[0].failure == "worker 0 exited with code -9 while fitting clients 0, 1"
+    assert here.trained == [2, 3, 4, 5]
 
 
 def test_chunks_go_least_loaded_first_within_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
