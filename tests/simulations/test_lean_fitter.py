@@ -199,3 +199,25 @@ def test_settings_are_checked_and_close_drops_the_round(job: Job) -> None:
     assert lean._round is weights and lean._starts
     lean.close()
     assert lean._round is None and not lean._starts
+
+
+def test_the_torch_copy_path_of_accelerators_gives_the_same_outputs(
+    job: Job, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors off the CPU have no numpy views: weights then move with torch's copies
+    (the path a CUDA module takes), exercised here by withholding the views."""
+    from fedloom.simulations import lean
+
+    real_init = lean._Start.__init__
+
+    def without_views(self: Any, module: torch.nn.Module, weights: Weights) -> None:
+        real_init(self, module, weights)
+        self.views = None
+
+    monkeypatch.setattr(lean._Start, "__init__", without_views)
+    weights = job.initial_weights()
+    tasks = [FitTask(i, cfg) for i, cfg in enumerate(CONFIGS[:4])]
+    expected = list(SerialFitter(shared_clients(job).__getitem__).fit(weights, tasks))
+    outputs = list(LeanFitter(shared_clients(job).__getitem__).fit(weights, tasks))
+    for actual, wanted in zip(outputs, expected, strict=True):
+        assert_same_output(actual, wanted)
