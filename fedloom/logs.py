@@ -55,7 +55,25 @@ class JsonFormatter(logging.Formatter):
 
 
 class _Handler(logging.StreamHandler[TextIO]):
-    """The handler `configure_logging` installs (so a second call can replace it)."""
+    """The handler `configure_logging` installs (so a second call can replace it).
+
+    Without a stream of its own it writes to whatever ``sys.stderr`` is when a record
+    arrives, as logging's last-resort handler does, not to the one it was made with:
+    an application (or a test runner) that swaps or closes stderr later keeps its logs.
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._own: TextIO | None = stream
+        super().__init__(stream)
+
+    @property
+    def stream(self) -> TextIO:
+        return self._own if self._own is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO | None) -> None:
+        if value is not sys.stderr:  # the base class stores sys.stderr for None
+            self._own = value
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
@@ -66,7 +84,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | N
     """
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    handler = _Handler(stream or sys.stderr)
+    handler = _Handler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:

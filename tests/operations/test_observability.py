@@ -6,6 +6,7 @@ import concurrent.futures
 import io
 import json
 import logging
+import sys
 import urllib.error
 import urllib.request
 
@@ -239,6 +240,26 @@ def test_configure_logging_replaces_its_own_handler_and_keeps_others() -> None:
         assert all(h in root.handlers for h in saved[1])  # pytest's own stay
         with pytest.raises(ValueError, match="json"):
             configure_logging("INFO", "yaml")
+    finally:
+        root.setLevel(saved[0])
+        for h in [h for h in root.handlers if h not in saved[1]]:
+            root.removeHandler(h)
+
+
+def test_configure_logging_without_a_stream_follows_stderr_as_it_is_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    first, later = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", first)
+        configure_logging("INFO", "text")
+        logging.getLogger("fedloom.test").info("one")
+        first.close()  # e.g. a test runner's capture, closed after its test
+        monkeypatch.setattr(sys, "stderr", later)
+        logging.getLogger("fedloom.test").info("two")
+        assert later.getvalue().rstrip().endswith("INFO fedloom.test: two")
     finally:
         root.setLevel(saved[0])
         for h in [h for h in root.handlers if h not in saved[1]]:
