@@ -4,9 +4,9 @@ A `fedloom.simulations.fitting.RoundFitter` for the local engine. ``workers`` pr
 start once, each with one torch thread and its own copy of the `Job`; each builds the
 clients it is asked for from the job (cached, sharing one model object per process)
 and trains them as the serial local engine does (`fedloom.simulations.lean`). With
-``train_here``, this process trains chunks too, between taking the workers' results. A round
-sends every worker its weights, pickled once for all workers, then chunks of tasks
-(`fedloom.simulations._parallel_worker` has the messages).
+``train_here``, this process trains chunks too, between taking the workers' results.
+A round sends every worker its weights, pickled once for all workers, then chunks of
+tasks (`fedloom.simulations._parallel_worker` has the messages).
 
 The round's tasks are cut into chunks of consecutive tasks: small enough that each
 worker gets `CHUNKS_PER_WORKER` of them, and never holding more than ``chunk_bytes`` of
@@ -15,8 +15,8 @@ trained weights. A chunk goes to the worker with the fewest in hand (at most
 larger shares, takes fewer. A worker sends each chunk back as one message, its clients'
 weights as rows of one array per tensor, through a pipe widened to hold a few small
 chunks; the engine reads the chunks in task order, and hands chunks out no further than
-``IN_FLIGHT * workers`` ahead of the one it reads next: memory stays bounded by a few
-chunks, even for a large model (whose chunks hold one client each).
+`IN_FLIGHT` per training process ahead of the one it reads next: memory stays bounded
+by a few chunks, even for a large model (whose chunks hold one client each).
 
 Each client's `FitOutput` equals what its `TorchClient.fit` returns, bit for bit (the
 same code on one thread); the round's aggregate differs from the serial engine's only
