@@ -3,7 +3,8 @@
 Flower's Ray backend calls ``ray.init`` once and ends the simulation if it fails. A local
 Ray head is a handful of processes (GCS server, raylet, ...); on a loaded machine the
 GCS server now and then never reports its port, and ``ray.init`` gives up after Ray's
-fixed 30 s wait ("Timed out waiting for file .../gcs_server_port_..."). Such a failure
+fixed 30 s wait ("Timed out waiting for file .../gcs_server_port_..."), or the raylet
+does not register in time ("The current node timed out during startup"). Such a failure
 says nothing about the run, and a fresh head (a new session directory and fresh
 processes) almost always starts. So `start_ray` starts Ray itself, as Flower would (the
 same ``init_args``, logging defaults, no dashboard, the driver's ``sys.path`` passed to
@@ -61,7 +62,9 @@ def start_ray(backend_config: Mapping[str, Any], *, verbose: bool = False,
         try:
             ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **args)
             return True
-        except (RuntimeError, ConnectionError, TimeoutError) as exc:
+        except Exception as exc:
+            if not _failed_to_start(exc):
+                raise
             last = exc
             ray.shutdown()  # the half-started head's processes, before a fresh one
             if attempt < attempts:
@@ -69,6 +72,16 @@ def start_ray(backend_config: Mapping[str, Any], *, verbose: bool = False,
                             "Ray head", attempt, attempts, exc)
     raise RuntimeError(f"Ray did not start in {attempts} attempts; last error: {last}"
                        ) from last
+
+
+def _failed_to_start(exc: Exception) -> bool:
+    """Whether ``exc`` is Ray's head not coming up (worth a fresh head), not a mistake
+    in the arguments: the GCS server's port never reported (RuntimeError), the GCS not
+    answering (ConnectionError, TimeoutError), or the raylet not registering within
+    Ray's wait, which Ray raises as a bare Exception."""
+    if isinstance(exc, RuntimeError | ConnectionError | TimeoutError):
+        return True
+    return type(exc) is Exception and "timed out during startup" in str(exc)
 
 
 def stop_ray() -> None:
