@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -102,15 +102,14 @@ def bare_loop_phase(job: Job, per_round: int, rounds: int, seed: int = 0) -> dic
 
 
 def engine_phase(
-    job: Job, name: str, fitter: RoundFitter | str, per_round: int, rounds: int
+    job: Job, name: str, fitter: RoundFitter | Literal["lean"], per_round: int, rounds: int
 ) -> dict[str, Any]:
     """``rounds`` of FedAvg over ``per_round`` sampled clients with ``fitter``
     (``"lean"``: the local engine's, over clients sharing one module)."""
     n = job.scenario.num_clients
-    shared = job.make_model()
-    clients = {i: job.make_client(i, model=shared) for i in range(n)} if fitter == "lean" else {}
-    if isinstance(fitter, str):
-        fitter = LeanFitter(clients.__getitem__)
+    client_fn = job.client_fn()
+    if fitter == "lean":
+        fitter = LeanFitter(client_fn)
     phase = Phase(name, per_round)
 
     def on_round(record: RoundRecord) -> None:
@@ -120,7 +119,7 @@ def engine_phase(
     run_local(
         FedAvg(selection=SelectionConfig(fraction_fit=per_round / n, min_fit_clients=per_round,
                                          fraction_evaluate=0.0, seed=0)),
-        clients.__getitem__, job.initial_weights(), num_clients=n, num_rounds=rounds,
+        client_fn, job.initial_weights(), num_clients=n, num_rounds=rounds,
         fit_defaults=job.fit_defaults(), on_round=on_round, fitter=fitter,
     )
     return phase.result()

@@ -131,7 +131,7 @@ class LeanFitter:
     def fit(self, weights: Weights, tasks: Sequence[FitTask]) -> Iterator[FitOutput | Exception]:
         """One result per task, in task order, a chunk at a time: its `FitOutput`, or
         the exception that task raised."""
-        rows = self.rows_per_chunk(weights)
+        rows = rows_within(self.chunk_bytes, weights)
         for begin in range(0, len(tasks), rows):
             part = tasks[begin:begin + rows]
             yield from chunk_outputs(weights, part, self.train_chunk(weights, part))
@@ -141,10 +141,6 @@ class LeanFitter:
         self._round, self._starts = None, {}
 
     # -- chunks ------------------------------------------------------------------------
-    def rows_per_chunk(self, weights: Weights) -> int:
-        """How many clients' weights fit in ``chunk_bytes`` (one at least)."""
-        return max(1, self.chunk_bytes // max(1, weights.nbytes))
-
     def train_chunk(self, weights: Weights, tasks: Sequence[FitTask]) -> TrainedChunk:
         """Train ``tasks`` from ``weights``, one after another; `chunk_outputs` makes
         their results. A client that is not a `TorchClient` runs its own ``fit``."""
@@ -192,6 +188,11 @@ class LeanFitter:
         if start is None:
             start = self._starts[module] = _Start(module, weights)
         return start
+
+
+def rows_within(chunk_bytes: int, weights: Weights) -> int:
+    """How many clients' copies of ``weights`` fit in ``chunk_bytes`` (one at least)."""
+    return max(1, chunk_bytes // max(1, weights.nbytes))
 
 
 class Trained(NamedTuple):

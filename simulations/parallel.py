@@ -66,7 +66,13 @@ from fedloom.client_sdk._client import FitOutput
 from fedloom.errors import ConfigError
 from fedloom.simulations._parallel_worker import Taken, Worker, outputs
 from fedloom.simulations.fitting import FitTask
-from fedloom.simulations.lean import CHUNK_BYTES, LeanFitter, TrainedChunk, chunk_outputs
+from fedloom.simulations.lean import (
+    CHUNK_BYTES,
+    LeanFitter,
+    TrainedChunk,
+    chunk_outputs,
+    rows_within,
+)
 from fedloom.weights import Weights
 
 if TYPE_CHECKING:
@@ -226,15 +232,12 @@ class ParallelFitter:
         for worker in self._workers:
             worker.start_round(blob)
         count = len(self._workers) + (self._local is not None)
-        size = chunk_size(len(tasks), count, self._rows(weights))
+        size = chunk_size(len(tasks), count, rows_within(self.chunk_bytes, weights))
         chunks = [list(tasks[begin:begin + size]) for begin in range(0, len(tasks), size)]
         local = self._local
         schedule = _Schedule(list(self._workers), chunks, IN_FLIGHT * count, None if local is None
                              else lambda part: local.train_chunk(weights, part))
         return self._results(self._round, schedule, weights)
-
-    def _rows(self, weights: Weights) -> int:
-        return max(1, self.chunk_bytes // max(1, weights.nbytes))
 
     def _results(self, round_id: int, schedule: _Schedule, weights: Weights
                  ) -> Iterator[FitOutput | Exception]:

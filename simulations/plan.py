@@ -29,6 +29,7 @@ from fedloom.weights import Weights
 
 #: A client's seed lies in [0, 2**31): valid for torch, numpy and 32-bit consumers.
 SEED_BOUND = 2**31
+_WORD = 2**32  # an int below it is one SeedSequence entropy word
 
 
 def fit_seed(base_seed: int, client_index: int, server_round: int) -> int:
@@ -52,9 +53,6 @@ def fit_seed(base_seed: int, client_index: int, server_round: int) -> int:
         entropy = np.array(entropy, np.uint32)
     words = np.random.SeedSequence(entropy).generate_state(1)
     return int(words[0]) % SEED_BOUND
-
-
-_WORD = 2**32
 
 
 def client_id(client_index: int) -> str:
