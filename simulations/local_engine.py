@@ -5,7 +5,7 @@ bridge (`FlowerStrategy` under Flower's ``Strategy.start``) does, step for step:
 
 1. round 0: ``evaluate_fn(0, initial)``;
 2. each round r: ``configure_fit`` over `plan.client_infos` → each sampled client
-   fits, in plan order, with `plan.client_fit_config` (its ``seed`` from `fit_seed`) →
+   fits, in plan order, with `plan.client_fit_configs` (each ``seed`` from `fit_seed`) →
    its new weights become a delta (`plan.to_update`) → ``aggregate_fit``;
    ``configure_evaluate`` → ``aggregate_evaluate``; ``evaluate_fn(r, weights)``.
 
@@ -47,7 +47,7 @@ from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import CompressionSpec, SimulatedCompression
 from fedloom.simulations.fitting import FitTask, RoundFitter, SerialFitter
 from fedloom.simulations.history import History, RoundRecord, RoundRecorder
-from fedloom.simulations.plan import client_fit_config, client_infos, to_update
+from fedloom.simulations.plan import client_fit_configs, client_infos, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import ClientInfo, ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
 from fedloom.weights import Weights
@@ -189,13 +189,10 @@ def _fit_updates(
     trains at once). A client that fails is appended to ``failures`` and skipped.
     """
     received = compression.broadcast(current)
-    tasks = [
-        FitTask(int(cid), client_fit_config(
-            plan.config, base_seed=base_seed, client_index=int(cid),
-            server_round=server_round, defaults=fit_defaults,
-        ))
-        for cid in plan.client_ids
-    ]
+    indices = [int(cid) for cid in plan.client_ids]
+    configs = client_fit_configs(plan.config, base_seed=base_seed, client_indices=indices,
+                                 server_round=server_round, defaults=fit_defaults)
+    tasks = [FitTask(index, config) for index, config in zip(indices, configs, strict=True)]
     for cid, out in zip(plan.client_ids, fitter.fit(received, tasks), strict=True):
         try:
             if isinstance(out, Exception):

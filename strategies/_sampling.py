@@ -23,13 +23,26 @@ class ClientSampler:
     def __init__(self, seed: int) -> None:
         self._seed = seed
         self._rng = np.random.default_rng(seed)
+        # The last tuple of clients and its ordering: a run that offers the same tuple
+        # every round (the simulation engines do) sorts it once. A tuple of frozen
+        # `ClientInfo`s cannot change, and holding it keeps its identity unique.
+        self._ordered: tuple[tuple[ClientInfo, ...], list[ClientInfo]] | None = None
+
+    def _order(self, clients: Sequence[ClientInfo]) -> list[ClientInfo]:
+        cached = self._ordered
+        if cached is not None and cached[0] is clients:
+            return cached[1]
+        ordered = sorted(clients, key=lambda c: (c.name, c.client_id))
+        if isinstance(clients, tuple):
+            self._ordered = (clients, ordered)
+        return ordered
 
     def sample(
         self, clients: Sequence[ClientInfo], fraction: float, min_clients: int
     ) -> tuple[str, ...]:
         if not 0.0 <= fraction <= 1.0:
             raise ConfigError("fraction", f"must be in [0, 1], got {fraction}")
-        ordered = sorted(clients, key=lambda c: (c.name, c.client_id))
+        ordered = self._order(clients)
         n = len(ordered)
         k = min(n, max(math.floor(n * fraction + 1e-9), min_clients))
         if k == 0:
@@ -47,7 +60,7 @@ class ClientSampler:
         """
         if not 0.0 <= rate <= 1.0:
             raise ConfigError("fraction", f"must be in [0, 1], got {rate}")
-        ordered = sorted(clients, key=lambda c: (c.name, c.client_id))
+        ordered = self._order(clients)
         picked = self._rng.random(len(ordered)) < rate
         return tuple(c.client_id for c, keep in zip(ordered, picked, strict=True) if keep)
 
