@@ -120,7 +120,7 @@ class TorchClient(Client):
         train_loader: yields ``(inputs, targets)`` batches of local training data.
         val_loader: yields batches for `evaluate`; without one, evaluation uses
             ``train_loader``.
-        loss_fn: defaults to cross-entropy.
+        loss_fn: defaults to cross-entropy (`torch.nn.functional.cross_entropy`).
         optimizer_factory: builds a fresh optimizer per fit (default SGD, lr 0.05,
             momentum 0.9); momentum does not carry over between rounds.
         local_epochs: passes over ``train_loader`` per fit.
@@ -141,10 +141,13 @@ class TorchClient(Client):
         if local_epochs < 1:
             raise ConfigError("local_epochs", f"must be at least 1, got {local_epochs}")
         self.device = resolve_device(device)
-        self.model = model.to(self.device)
+        # ``Module.to`` walks every submodule even when nothing moves; clients built
+        # by the thousand on one shared module (simulations) skip that walk.
+        self.model = model if _on_device(model, self.device) else model.to(self.device)
         self.train_loader = train_loader
         self.val_loader = val_loader if val_loader is not None else train_loader
-        self.loss_fn = loss_fn or torch.nn.CrossEntropyLoss()
+        # The function `torch.nn.CrossEntropyLoss()` calls, without a module per client.
+        self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.optimizer_factory = optimizer_factory or _default_optimizer
         self.local_epochs = local_epochs
 
@@ -216,6 +219,12 @@ class TorchClient(Client):
         load_weights(self.model, weights)
         loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
         return EvaluateOutput(loss, n, {"accuracy": accuracy})
+
+
+def _on_device(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``model`` is on ``device`` already."""
+    return all(t.device == device for t in model.parameters()) and all(
+        t.device == device for t in model.buffers())
 
 
 def _grad_resetter(optimizer: torch.optim.Optimizer) -> Callable[[], None]:

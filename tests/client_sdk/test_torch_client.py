@@ -213,3 +213,32 @@ def test_train_in_place_leaves_the_trained_weights_in_the_module() -> None:
     assert client.get_weights().allclose(fitted.weights, rtol=0, atol=0)
     with pytest.raises(ConfigError, match="max_update_norm"):
         client.train_in_place({"max_update_norm": -1.0})
+
+
+class _CountingTo(torch.nn.Sequential):
+    """A module that counts its ``to`` calls (each walks every submodule)."""
+
+    moves = 0
+
+    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        type(self).moves += 1
+        return super().to(*args, **kwargs)
+
+
+def test_a_model_already_on_the_device_is_not_walked_again_per_client() -> None:
+    # Simulations build a client per partition on one shared module: each build used
+    # to walk the whole module to "move" it where it already was.
+    shared = _CountingTo(torch.nn.Linear(8, 2))
+    data = _data()
+    clients = [TorchClient(shared, data, device="cpu") for _ in range(3)]
+    assert _CountingTo.moves == 0 and all(c.model is shared for c in clients)
+    if CUDA:  # a module elsewhere is still moved
+        TorchClient(shared, data, device="cuda")
+        assert _CountingTo.moves == 1 and next(shared.parameters()).is_cuda
+
+
+def test_the_default_loss_is_cross_entropy() -> None:
+    client = _client()
+    logits, labels = torch.randn(5, 2), torch.tensor([0, 1, 1, 0, 1])
+    assert torch.equal(client.loss_fn(logits, labels),
+                       torch.nn.CrossEntropyLoss()(logits, labels))
