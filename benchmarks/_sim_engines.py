@@ -110,6 +110,8 @@ def engine_phase(
     client_fn = job.client_fn()
     if fitter == "lean":
         fitter = LeanFitter(client_fn)
+        for index in range(n):  # built before the timed rounds, as the bare loop's tensors
+            client_fn(index)
     phase = Phase(name, per_round)
 
     def on_round(record: RoundRecord) -> None:
@@ -142,7 +144,7 @@ def in_process_phases(
     parallel = (ParallelFitter(job, workers - 1, train_here=True)
                 if "parallel" in engines else None)
     if parallel is not None:  # start the workers (import torch, build clients) untimed
-        warm = [FitTask(i % job.scenario.num_clients, {"seed": i}) for i in range(2 * workers)]
+        warm = [FitTask(i, {"seed": i}) for i in range(job.scenario.num_clients)]
         list(parallel.fit(job.initial_weights(), warm))
     vectorized = (VectorizedFitter.from_job(job, chunk_size=chunk_size)
                   if "vectorized" in engines else None)
