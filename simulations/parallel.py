@@ -8,15 +8,18 @@ and trains them as the serial local engine does (`fedloom.simulations.lean`). Wi
 A round sends every worker its weights, pickled once for all workers, then chunks of
 tasks (`fedloom.simulations._parallel_worker` has the messages).
 
-The round's tasks are cut into chunks of consecutive tasks: small enough that each
-worker gets `CHUNKS_PER_WORKER` of them, and never holding more than ``chunk_bytes`` of
-trained weights. A chunk goes to the worker with the fewest in hand (at most
-`IN_FLIGHT`: one training, one waiting), so a worker slowed by other work, or by
-larger shares, takes fewer. A worker sends each chunk back as one message, its clients'
-weights as rows of one array per tensor, through a pipe widened to hold a few small
-chunks; the engine reads the chunks in task order, and hands chunks out no further than
-`IN_FLIGHT` per training process ahead of the one it reads next: memory stays bounded
-by a few chunks, even for a large model (whose chunks hold one client each).
+The round's tasks are cut into chunks of consecutive tasks that shrink as the round
+goes on (`chunk_sizes`: large chunks first, for few messages; small ones last, so that
+no process waits long at the round's end for another to finish), none holding more
+than ``chunk_bytes`` of trained weights. A chunk goes to the worker with the fewest in
+hand (at most `IN_FLIGHT`: one training, one waiting), so a worker slowed by other
+work, or by larger shares, takes fewer. A worker sends each chunk back as one message,
+its clients' weights as rows of one array per tensor, through a pipe widened to hold a
+few small chunks; the engine reads the chunks in task order, and hands chunks out only
+while those from the one it reads next on hold at most `IN_FLIGHT` chunk budgets per
+training process: memory stays bounded by a few budgets. A small model's whole round
+fits in them, so no process waits on the engine's reading; a large model's chunks hold
+one client each.
 
 Each client's `FitOutput` equals what its `TorchClient.fit` returns, bit for bit (the
 same code on one thread); the round's aggregate differs from the serial engine's only
@@ -53,6 +56,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import pickle
@@ -83,17 +87,30 @@ if TYPE_CHECKING:
 #: Start methods that give a worker a fresh interpreter. ``fork`` is refused: it copies
 #: a parent that has imported torch, whose thread pools and locks do not survive it.
 START_METHODS = ("spawn", "forkserver")
-#: Chunks a round gives each worker (when its byte budget allows): enough that a
-#: worker slowed by the engine's own work takes fewer of them.
+#: Sets the smallest chunk (`chunk_sizes`): a ``1 / (2 * CHUNKS_PER_WORKER)`` share of
+#: one process's part of the round.
 CHUNKS_PER_WORKER = 3
 #: Chunks a worker holds at once: one training, one waiting in its pipe.
 IN_FLIGHT = 2
 
 
-def chunk_size(tasks: int, workers: int, rows: int) -> int:
-    """Tasks per chunk: at most ``rows`` (the weights that fit in the chunk budget), and
-    small enough that each worker gets `CHUNKS_PER_WORKER` of them."""
-    return max(1, min(rows, math.ceil(tasks / (CHUNKS_PER_WORKER * workers))))
+def chunk_sizes(tasks: int, workers: int, rows: int) -> list[int]:
+    """The sizes of a round's chunks, in task order: each at most ``rows`` (the weights
+    that fit in the chunk budget).
+
+    Guided, by factoring (Hummel, Schonberg and Flynn, CACM 1992): each chunk takes
+    ``1 / (2 * workers)`` of the tasks not yet chunked, so chunks shrink as the round
+    goes on, down to a floor of ``tasks / (2 * CHUNKS_PER_WORKER * workers)``. The large
+    chunks first keep the messages few; the small ones last keep short the time a
+    process waits at the round's end for another to finish the chunks it holds.
+    """
+    floor = max(1, math.ceil(tasks / (2 * CHUNKS_PER_WORKER * workers)))
+    sizes, left = [], tasks
+    while left > 0:
+        size = max(1, min(rows, left, max(floor, math.ceil(left / (2 * workers)))))
+        sizes.append(size)
+        left -= size
+    return sizes
 
 
 class _Schedule:
@@ -101,14 +118,23 @@ class _Schedule:
     chunk goes to the worker with the fewest in flight (at most `IN_FLIGHT` each: one
     training, one waiting in its pipe); this process trains the next chunk itself
     whenever the one the engine reads next is not back yet; and chunks are handed out
-    no further than ``window`` ahead of that one, which bounds what waits here."""
+    only while they hold at most ``window`` tasks from that one on (that one always),
+    which bounds what waits here."""
 
     def __init__(self, workers: list[Worker], chunks: list[list[FitTask]], window: int,
                  local: Callable[[list[FitTask]], TrainedChunk] | None = None) -> None:
         self.workers, self.chunks, self.window, self.local = workers, chunks, window, local
         self.assigned = self.consumed = 0
         self.done: dict[int, Taken] = {}
+        self._ends = list(itertools.accumulate(len(c) for c in chunks))  # tasks to chunk end
         self._top_up()
+
+    def _open(self, chunk: int) -> bool:
+        """Whether ``chunk`` may be handed out now (within the window)."""
+        if chunk >= len(self.chunks):
+            return False
+        start = self._ends[self.consumed - 1] if self.consumed else 0
+        return chunk == self.consumed or self._ends[chunk] - start <= self.window
 
     def next(self) -> tuple[list[FitTask], Taken]:
         """The next chunk in task order, with its result or why it has none."""
@@ -119,7 +145,7 @@ class _Schedule:
                 self._collect(busy, timeout=0.0)
                 if chunk in self.done:
                     break
-                if self.assigned < min(len(self.chunks), self.consumed + self.window):
+                if self._open(self.assigned):
                     mine = self.assigned
                     self.assigned += 1
                     self.done[mine] = Taken(mine, self.local(self.chunks[mine]))
@@ -146,7 +172,7 @@ class _Schedule:
         self._top_up()
 
     def _top_up(self) -> None:
-        while self.assigned < min(len(self.chunks), self.consumed + self.window):
+        while self._open(self.assigned):
             idle = [w for w in self.workers if not w.exited and len(w.pending) < IN_FLIGHT]
             if not idle:
                 return
@@ -232,10 +258,16 @@ class ParallelFitter:
         for worker in self._workers:
             worker.start_round(blob)
         count = len(self._workers) + (self._local is not None)
-        size = chunk_size(len(tasks), count, rows_within(self.chunk_bytes, weights))
-        chunks = [list(tasks[begin:begin + size]) for begin in range(0, len(tasks), size)]
+        rows = rows_within(self.chunk_bytes, weights)
+        chunks, begin = [], 0
+        for size in chunk_sizes(len(tasks), count, rows):
+            chunks.append(list(tasks[begin:begin + size]))
+            begin += size
         local = self._local
-        schedule = _Schedule(list(self._workers), chunks, IN_FLIGHT * count, None if local is None
+        # Up to IN_FLIGHT chunk budgets per training process handed out at once: a small
+        # model's round fits in that whole, so no process waits on the window.
+        window = IN_FLIGHT * count * rows
+        schedule = _Schedule(list(self._workers), chunks, window, None if local is None
                              else lambda part: local.train_chunk(weights, part))
         return self._results(self._round, schedule, weights)
 

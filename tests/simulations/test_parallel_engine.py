@@ -8,6 +8,8 @@ pickled copy of the job, so equal models mean the same code ran on the same data
 
 from __future__ import annotations
 
+import itertools
+import math
 import multiprocessing
 import os
 import signal
@@ -20,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sim_fits import assert_same_output
 
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
@@ -27,7 +31,7 @@ from fedloom.errors import ConfigError
 from fedloom.simulations.fitting import FitTask, RoundFitter, SerialFitter
 from fedloom.simulations.job import Job
 from fedloom.simulations.local_engine import run_local
-from fedloom.simulations.parallel import ParallelFitter, chunk_size
+from fedloom.simulations.parallel import ParallelFitter, chunk_sizes
 from fedloom.simulations.scenario import scenario_from_mapping
 from fedloom.strategies import Strategy
 from fedloom.types import Config
@@ -220,16 +224,16 @@ def test_a_dead_worker_fails_its_tasks_and_is_replaced_for_the_next_round(
 
     with ParallelFitter(job, 2) as fitter:
         note_children()
-        # One client a chunk: worker 0 gets clients 0 and 2, worker 1 clients 1 and 3,
-        # and client 4 waits until the engine has read chunk 0. Worker 0 dies at its
-        # first client: the engine learns it reading chunk 0, so client 4 goes to
-        # worker 1 whatever the timing.
+        # Chunks of 2, 1, 1 and 1 clients, all handed out at once (a small model's
+        # round fits the window), least-loaded first: worker 0 gets clients 0, 1 and 3,
+        # worker 1 clients 2 and 4. Worker 0 dies at its first client, so its chunks
+        # fail and worker 1's stand, whatever the timing.
         results = list(fitter.fit(weights, tasks_for([0, 1, 2, 3, 4], {0: "kill"})))
-        for slot in (0, 2):
+        for slot in (0, 1, 3):
             assert isinstance(results[slot], RuntimeError)
             assert str(results[slot]) == (
-                "worker 0 exited with code -9 while fitting clients 0, 2")
-        for slot in (1, 3, 4):
+                "worker 0 exited with code -9 while fitting clients 0, 1, 3")
+        for slot in (2, 4):
             assert_same_output(results[slot], expected[slot])
         again = list(fitter.fit(weights, tasks_for([0, 1, 2, 3, 4])))
         for got, want in zip(again, expected, strict=True):
@@ -293,17 +297,29 @@ def assert_reaped(pids: set[int]) -> None:
 
 
 @pytest.mark.parametrize(("tasks", "workers", "rows", "expected"), [
-    (100, 2, 10**6, 17),  # three chunks a worker
-    (10, 2, 10**6, 2),
-    (3, 2, 10**6, 1),
-    (1, 4, 10**6, 1),
-    (100, 2, 7, 7),  # the byte budget caps it
-    (100, 2, 1, 1),  # a large model: one client a chunk
+    # a quarter of what is left, then less, down to a floor of 100 / 12 (and the rest)
+    (100, 2, 10**6, [25, 19, 14, 11, 9, 9, 9, 4]),
+    (10, 2, 10**6, [3, 2, 2, 1, 1, 1]),
+    (3, 2, 10**6, [1, 1, 1]),
+    (1, 4, 10**6, [1]),
+    (100, 2, 7, [7] * 14 + [2]),  # the byte budget caps every chunk
+    (100, 2, 1, [1] * 100),  # a large model: one client a chunk
 ])
-def test_chunks_give_each_worker_three_within_the_byte_budget(
-    tasks: int, workers: int, rows: int, expected: int
+def test_chunks_shrink_as_the_round_goes_on_within_the_byte_budget(
+    tasks: int, workers: int, rows: int, expected: list[int]
 ) -> None:
-    assert chunk_size(tasks, workers, rows) == expected
+    assert chunk_sizes(tasks, workers, rows) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 16), st.integers(1, 10**4))
+def test_chunk_sizes_cover_the_round_and_never_grow(tasks: int, workers: int, rows: int) -> None:
+    sizes = chunk_sizes(tasks, workers, rows)
+    assert sum(sizes) == tasks and all(1 <= s <= rows for s in sizes)
+    assert all(a >= b for a, b in itertools.pairwise(sizes))
+    # The round ends on a small chunk (the floor at most), so no process is left
+    # training a large one while the others wait.
+    assert sizes[-1] <= math.ceil(tasks / (6 * workers))
 
 
 def test_one_client_chunks_give_the_same_outputs(job: TrapJob) -> None:

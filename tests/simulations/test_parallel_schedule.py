@@ -176,3 +176,22 @@ def test_chunks_nobody_is_left_to_fit_fail_with_the_reasons(
     assert taken[3].message is None
     assert taken[3].failure == ("no worker left to fit clients 3 (worker 0 exited with "
                                 "code -9 while fitting clients 1, 2)")
+
+
+def test_the_window_counts_tasks_so_small_chunks_go_out_further_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The window bounds the tasks (weights) handed out ahead of the chunk the engine
+    # reads next, not the chunks: five tasks are three chunks of 3, then 1 and 1, and
+    # the chunk the engine reads next always goes out, whatever its size.
+    workers = [FakeWorker(0), FakeWorker(1), FakeWorker(2)]
+    sized = [[FitTask(i, {}) for i in range(n)] for n in (3, 1, 1, 2, 6)]
+    steps = [("finish", 0), ("finish", 1), ("finish", 2), ("finish", 3)]
+    monkeypatch.setattr(parallel, "wait", Script(workers, steps).wait)
+    schedule = parallel._Schedule(workers, sized, window=5)  # type: ignore[arg-type]
+    assert [w.given for w in workers] == [[0], [1], [2]]  # 3 + 1 + 1 tasks
+    schedule.next()  # chunk 0 read: chunks 1..3 hold 4 tasks; chunk 4 would make 10
+    assert [w.given for w in workers] == [[0, 3], [1], [2]]
+    for _ in range(3):
+        schedule.next()
+    assert [w.given for w in workers] == [[0, 3, 4], [1], [2]]  # alone, over the window
