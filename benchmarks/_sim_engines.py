@@ -6,9 +6,11 @@
   back (as every engine reports ``train_loss``), then the update added into a torch
   running mean. No configs, no metrics, no layout checks, no float64 sums;
 - **local engine**: `run_local` with `LeanFitter`, as `fedloom simulate` runs it: one
-  client after another on the module they share;
+  client after another on the module they share (the clients built before the timed
+  rounds, as the bare loop's tensors are);
 - **parallel engine**: `run_local` with `ParallelFitter` as `fedloom simulate` builds it
-  for ``workers = --workers``: this process and ``--workers - 1`` worker processes;
+  for ``workers = --workers``: this process and ``--workers - 1`` worker processes,
+  warmed by one untimed fit of every client;
 - **vectorized engine**: `run_local` with `VectorizedFitter` (``torch.func``).
 
 Every fedloom row runs the same FedAvg over the same job as the Flower rows; each
