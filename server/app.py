@@ -227,19 +227,20 @@ class ServerHandle:
         return f"127.0.0.1:{self.port}"
 
     def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            self._task = loop.create_task(self.server.serve())
-            self.history = loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            coordinator = self.server.coordinator
-            self.history = coordinator.history if coordinator else []
-        except BaseException as exc:  # reported by wait()
-            self.error = exc
-            self.server._ready.set()
-        finally:
-            loop.close()
+        # The Runner's close, as asyncio.run's, cancels and awaits what is still
+        # scheduled when serve() returns (e.g. the last step of an RPC that gRPC's stop
+        # cut short), then closes the loop: no task is left to be destroyed pending.
+        with asyncio.Runner() as runner:
+            loop = self._loop = runner.get_loop()
+            try:
+                self._task = loop.create_task(self.server.serve())
+                self.history = loop.run_until_complete(self._task)
+            except asyncio.CancelledError:
+                coordinator = self.server.coordinator
+                self.history = coordinator.history if coordinator else []
+            except BaseException as exc:  # reported by wait()
+                self.error = exc
+                self.server._ready.set()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
