@@ -108,8 +108,10 @@ class Connection:
         # The channel the next large push will use, opened (and connecting) when a task
         # with a large model arrives, so its handshake overlaps the training.
         self._upload: tuple[grpc.Channel, grpc.Future] | None = None
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self.cancel_active()
         self._close_tasks()
         self._watchdog.close()
@@ -163,13 +165,18 @@ class Connection:
         return grant
 
     def heartbeat(self) -> None:
+        """Tell the server this session is alive; `TransportError` when it cannot be
+        told, including when `close` (from another thread: the session's end) closed
+        the channel just before the call."""
+        request = pb.HeartbeatRequest(session=self._session_proto())
         try:
-            self._stub.Heartbeat(
-                pb.HeartbeatRequest(session=self._session_proto()),
-                timeout=self.config.rpc_timeout_s,
-            )
+            self._stub.Heartbeat(request, timeout=self.config.rpc_timeout_s)
         except grpc.RpcError as exc:
             raise translate(exc, "heartbeat") from exc
+        except ValueError as exc:  # gRPC's refusal of a call on a closed channel
+            if not self._closed:
+                raise
+            raise TransportError("heartbeat: the connection is closed") from exc
 
     def leave(self, reason: str, session: Session | None = None) -> None:
         """End this connection's session, or ``session`` (an earlier one of this client,
