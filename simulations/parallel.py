@@ -87,24 +87,25 @@ if TYPE_CHECKING:
 #: Start methods that give a worker a fresh interpreter. ``fork`` is refused: it copies
 #: a parent that has imported torch, whose thread pools and locks do not survive it.
 START_METHODS = ("spawn", "forkserver")
-#: Sets the smallest chunk (`chunk_sizes`): a ``1 / (2 * CHUNKS_PER_WORKER)`` share of
-#: one process's part of the round.
-CHUNKS_PER_WORKER = 3
+#: The smallest chunk (`chunk_sizes`) is a ``1 / TAIL_SHARE`` share of one training
+#: process's part of a round.
+TAIL_SHARE = 6
 #: Chunks a worker holds at once: one training, one waiting in its pipe.
 IN_FLIGHT = 2
 
 
 def chunk_sizes(tasks: int, workers: int, rows: int) -> list[int]:
-    """The sizes of a round's chunks, in task order: each at most ``rows`` (the weights
-    that fit in the chunk budget).
+    """The sizes of a round's chunks, in task order, for ``workers`` training processes
+    (this one included when it trains): each at most ``rows`` (the weights that fit in
+    the chunk budget).
 
     Guided, by factoring (Hummel, Schonberg and Flynn, CACM 1992): each chunk takes
     ``1 / (2 * workers)`` of the tasks not yet chunked, so chunks shrink as the round
-    goes on, down to a floor of ``tasks / (2 * CHUNKS_PER_WORKER * workers)``. The large
+    goes on, down to a floor of ``tasks / (TAIL_SHARE * workers)``. The large
     chunks first keep the messages few; the small ones last keep short the time a
     process waits at the round's end for another to finish the chunks it holds.
     """
-    floor = max(1, math.ceil(tasks / (2 * CHUNKS_PER_WORKER * workers)))
+    floor = max(1, math.ceil(tasks / (TAIL_SHARE * workers)))
     sizes, left = [], tasks
     while left > 0:
         size = max(1, min(rows, left, max(floor, math.ceil(left / (2 * workers)))))
