@@ -127,15 +127,16 @@ class _Schedule:
         self.workers, self.chunks, self.window, self.local = workers, chunks, window, local
         self.assigned = self.consumed = 0
         self.done: dict[int, Taken] = {}
-        self._ends = list(itertools.accumulate(len(c) for c in chunks))  # tasks to chunk end
+        # tasks before each chunk (and, last, in all)
+        self._offsets = list(itertools.accumulate((len(c) for c in chunks), initial=0))
         self._top_up()
 
     def _open(self, chunk: int) -> bool:
         """Whether ``chunk`` may be handed out now (within the window)."""
         if chunk >= len(self.chunks):
             return False
-        start = self._ends[self.consumed - 1] if self.consumed else 0
-        return chunk == self.consumed or self._ends[chunk] - start <= self.window
+        ahead = self._offsets[chunk + 1] - self._offsets[self.consumed]
+        return chunk == self.consumed or ahead <= self.window
 
     def next(self) -> tuple[list[FitTask], Taken]:
         """The next chunk in task order, with its result or why it has none."""

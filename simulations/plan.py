@@ -109,10 +109,8 @@ def client_fit_config(
         server_round: the round, from 1.
         defaults: run-wide client settings (e.g. ``local_epochs``, ``lr``).
     """
-    config: dict[str, Scalar] = dict(defaults or {})
-    config.update(plan_config)
-    config[SEED] = fit_seed(base_seed, client_index, server_round)
-    return config
+    return client_fit_configs(plan_config, base_seed=base_seed, client_indices=[client_index],
+                              server_round=server_round, defaults=defaults)[0]
 
 
 def client_fit_configs(
@@ -123,7 +121,8 @@ def client_fit_configs(
     server_round: int,
     defaults: Mapping[str, Scalar] | None = None,
 ) -> list[dict[str, Scalar]]:
-    """`client_fit_config` of each of ``client_indices``, the shared part merged once."""
+    """`client_fit_config` of each of ``client_indices`` (the rule lives here): the
+    defaults, then the plan's config, merged once; then each client's seed."""
     shared: dict[str, Scalar] = {**(defaults or {}), **plan_config}
     return [{**shared, SEED: seed}
             for seed in fit_seeds(base_seed, client_indices, server_round)]
