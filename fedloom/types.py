@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping
+from typing import NoReturn
 
 from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.weights import Weights
@@ -33,16 +34,68 @@ class TaskKind(enum.StrEnum):
     SECAGG = "secagg"  # a secure-aggregation stage of a fit round (fedloom.secagg)
 
 
-def validate_record(record: Mapping[str, Scalar], what: str) -> Mapping[str, Scalar]:
-    """Validate a config/metrics record and return a validated copy.
+class FrozenRecord(dict[str, Scalar]):
+    """A validated config or metrics record: a dict that refuses every change.
+
+    The frozen dataclasses here hold their records as these, so a record cannot change
+    after it was checked, and `validate_record` passes one on as it is: a client's
+    metrics checked once in its `FitOutput` are not checked again in its
+    `ClientUpdate`, nor when an engine replaces the update's delta. Reading, iterating,
+    JSON and pickling work as for a dict; ``dict(record)`` (or ``record.copy()``) is a
+    changeable copy.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self) -> NoReturn:
+        raise TypeError("a validated record is read-only; change a copy (dict(record))")
+
+    def __setitem__(self, key: str, value: Scalar) -> NoReturn:
+        self._refuse()
+
+    def __delitem__(self, key: str) -> NoReturn:
+        self._refuse()
+
+    def __ior__(self, other: object) -> NoReturn:  # type: ignore[misc]
+        self._refuse()
+
+    def clear(self) -> NoReturn:
+        self._refuse()
+
+    def pop(self, *args: object) -> NoReturn:
+        self._refuse()
+
+    def popitem(self) -> NoReturn:
+        self._refuse()
+
+    def setdefault(self, *args: object) -> NoReturn:
+        self._refuse()
+
+    def update(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse()
+
+    def __reduce__(self) -> tuple[type[FrozenRecord], tuple[dict[str, Scalar]]]:
+        return FrozenRecord, (dict(self),)  # (pickle would rebuild it item by item)
+
+    def __copy__(self) -> FrozenRecord:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> FrozenRecord:
+        return self  # its keys and values are immutable
+
+
+def validate_record(record: Mapping[str, Scalar], what: str) -> FrozenRecord:
+    """Validate a config/metrics record and return it as a `FrozenRecord`.
 
     Keys are non-empty strings of at most 256 characters; values are bool, int, float,
     str or bytes; there are at most 256 entries. Floats may be NaN only in metrics the
-    caller chooses to accept; here they must be finite.
+    caller chooses to accept; here they must be finite. A `FrozenRecord` was validated
+    when it was made and cannot have changed since: it is returned as it is.
     """
+    if type(record) is FrozenRecord:
+        return record
     if len(record) > MAX_ENTRIES:
         raise ValueError(f"{what}: {len(record)} entries, at most {MAX_ENTRIES} allowed")
-    out: dict[str, Scalar] = {}
     for key, value in record.items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"{what}: key {key!r} must be a string of 1..{MAX_KEY_LENGTH}")
@@ -54,8 +107,7 @@ def validate_record(record: Mapping[str, Scalar], what: str) -> Mapping[str, Sca
             raise ValueError(f"{what}[{key!r}]: {value} is not finite")
         if isinstance(value, str | bytes) and len(value) > MAX_STRING_VALUE:
             raise ValueError(f"{what}[{key!r}]: longer than {MAX_STRING_VALUE}")
-        out[key] = value
-    return out
+    return FrozenRecord(record)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,81 @@
+"""`FrozenRecord`: configs and metrics are checked once, then cannot change."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedloom.client_sdk import FitOutput
+from fedloom.types import ClientUpdate, FitPlan, FrozenRecord, validate_record
+from fedloom.weights import Weights
+
+CHANGES: dict[str, Callable[[Any], object]] = {
+    "set": lambda r: r.__setitem__("loss", 1.0),
+    "delete": lambda r: r.__delitem__("loss"),
+    "update": lambda r: r.update(loss=1.0),
+    "or-assign": lambda r: r.__ior__({"loss": 1.0}),
+    "pop": lambda r: r.pop("loss"),
+    "popitem": lambda r: r.popitem(),
+    "setdefault": lambda r: r.setdefault("other", 1),
+    "clear": lambda r: r.clear(),
+}
+
+
+def _weights() -> Weights:
+    return Weights({"w": np.zeros(3, np.float32)})
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=list(CHANGES))
+def test_a_validated_record_refuses_every_change(change: str) -> None:
+    record = validate_record({"loss": 0.5, "name": "a"}, "metrics")
+    with pytest.raises(TypeError, match="read-only"):
+        CHANGES[change](record)
+    assert record == {"loss": 0.5, "name": "a"}
+
+
+def test_the_frozen_dataclasses_cannot_have_their_records_changed() -> None:
+    out = FitOutput(_weights(), 3, {"loss": 0.5})
+    with pytest.raises(TypeError, match="read-only"):
+        out.metrics["loss"] = float("nan")  # type: ignore[index]
+    plan = FitPlan(("1",), {"lr": 0.1})
+    with pytest.raises(TypeError, match="read-only"):
+        plan.config["lr"] = "not a number"  # type: ignore[index]
+
+
+def test_a_validated_record_is_passed_on_unchecked_and_unchanged() -> None:
+    out = FitOutput(_weights(), 3, {"loss": 0.5})
+    update = ClientUpdate("1", out.weights, out.num_examples, 0, out.metrics)
+    assert update.metrics is out.metrics  # not copied, not checked again
+    assert validate_record(out.metrics, "metrics") is out.metrics
+
+
+def test_a_plain_dict_is_still_checked_and_copied() -> None:
+    raw = {"loss": 0.5}
+    record = validate_record(raw, "metrics")
+    assert type(record) is FrozenRecord and record == raw and record is not raw
+    raw["loss"] = float("inf")  # the caller's dict may change; the record does not
+    assert record["loss"] == 0.5
+    with pytest.raises(ValueError, match="not finite"):
+        validate_record(raw, "metrics")
+    with pytest.raises(ValueError, match="not a bool, int, float, str or bytes"):
+        ClientUpdate("1", _weights(), 3, 0, {"loss": [1.0]})  # type: ignore[dict-item]
+
+
+def test_a_frozen_record_pickles_copies_and_serialises_as_a_dict() -> None:
+    record = validate_record({"loss": 0.5, "round": 2, "tag": b"x"}, "metrics")
+    back = pickle.loads(pickle.dumps(record))
+    assert type(back) is FrozenRecord and back == record
+    assert copy.copy(record) is record and copy.deepcopy(record) is record
+    assert json.loads(json.dumps({k: v for k, v in record.items() if k != "tag"})) == {
+        "loss": 0.5, "round": 2}
+    assert json.dumps(validate_record({"a": 1}, "m")) == '{"a": 1}'
+    changeable = record.copy()
+    changeable["loss"] = 1.0
+    assert type(changeable) is dict and record["loss"] == 0.5
+    assert dict(record, loss=2.0) == {"loss": 2.0, "round": 2, "tag": b"x"}
