@@ -103,6 +103,35 @@ def bare_loop_phase(job: Job, per_round: int, rounds: int, seed: int = 0) -> dic
     return phase.result()
 
 
+def _bare_share(job: Job, per_round: int, rounds: int, seed: int) -> dict[str, Any]:
+    """One process's part of `bare_processes_phase` (a worker's task)."""
+    torch.set_num_threads(1)
+    return bare_loop_phase(job, per_round, rounds, seed)
+
+
+def bare_processes_phase(job: Job, per_round: int, rounds: int, pool: Any, processes: int
+                         ) -> dict[str, Any]:
+    """What ``processes`` cores give the bare loop: as many processes (``pool``'s), each
+    running `bare_loop_phase` on its share of every round's clients, with nothing
+    between them (no weights sent, no aggregate). The parallel engine's limit on this
+    machine: cores that other work shares scale less than their number. Fits per second
+    are all the processes' steady fits over the longest steady time."""
+    share = max(1, per_round // processes)
+    futures = [pool.submit(_bare_share, job, share, rounds, seed)
+               for seed in range(processes)]
+    parts = [f.result() for f in futures]
+    steady_s = max(p["steady_s"] for p in parts)
+    return {
+        "engine": f"bare PyTorch loop ({processes} processes)",
+        "clients_per_round": per_round,
+        "rounds": rounds,
+        "first_round_s": max(p["first_round_s"] for p in parts),
+        "steady_s": steady_s,
+        "steady_fits_per_s": (rounds - 1) * share * processes / steady_s,
+        "first_round_end": min(p["first_round_end"] for p in parts),
+    }
+
+
 def engine_phase(
     job: Job, name: str, fitter: RoundFitter | Literal["lean"], per_round: int, rounds: int
 ) -> dict[str, Any]:
@@ -129,8 +158,9 @@ def engine_phase(
     return phase.result()
 
 
-#: The in-process rows, by the name ``--engines`` gives them.
-IN_PROCESS = ("bare", "local", "parallel", "vectorized")
+#: The in-process rows, by the name ``--engines`` gives them ("bare-processes": the
+#: bare loop in ``--workers`` processes, the parallel engine's limit).
+IN_PROCESS = ("bare", "bare-processes", "local", "parallel", "vectorized")
 
 
 def in_process_phases(
@@ -139,10 +169,19 @@ def in_process_phases(
 ) -> list[dict[str, Any]]:
     """Each in-process row of ``engines`` for each (clients per round, rounds) of
     ``plan``, the rows alternating within each repeat so load changes hit them alike."""
+    import concurrent.futures
+    import multiprocessing
+
     from fedloom.simulations.parallel import ParallelFitter
     from fedloom.simulations.vectorized import VectorizedFitter
 
     torch.set_num_threads(1)
+    pool = (concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"))
+        if "bare-processes" in engines else None)
+    if pool is not None:  # start the processes (import torch) untimed
+        list(pool.map(_bare_share, [job] * workers, [1] * workers, [2] * workers,
+                      range(workers)))
     parallel = (ParallelFitter(job, workers - 1, train_here=True)
                 if "parallel" in engines else None)
     if parallel is not None:  # start the workers (import torch, build clients) untimed
@@ -153,6 +192,7 @@ def in_process_phases(
     parallel_name = f"parallel engine ({workers} processes)"
     rows: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
         ("bare", lambda k, r: bare_loop_phase(job, k, r)),
+        ("bare-processes", lambda k, r: bare_processes_phase(job, k, r, pool, workers)),
         ("local", lambda k, r: engine_phase(job, "local engine", "lean", k, r)),
         ("parallel", lambda k, r: engine_phase(job, parallel_name, parallel, k, r)),
         ("vectorized", lambda k, r: engine_phase(job, "vectorized engine", vectorized, k, r)),
@@ -168,4 +208,6 @@ def in_process_phases(
         for fitter in (parallel, vectorized):
             if fitter is not None:
                 fitter.close()
+        if pool is not None:
+            pool.shutdown()
     return results
