@@ -5,6 +5,9 @@
   fresh SGD (lr 0.05, momentum 0.9), one shuffled epoch at batch 32 with its loss read
   back (as every engine reports ``train_loss``), then the update added into a torch
   running mean. No configs, no metrics, no layout checks, no float64 sums;
+- **bare PyTorch loop (N processes)** (the parallel engine's limit): the bare loop in
+  ``--workers`` spawned processes, each on its share of every round's clients, started
+  together, with nothing sent between them;
 - **local engine**: `run_local` with `LeanFitter`, as `fedloom simulate` runs it: one
   client after another on the module they share (the clients built before the timed
   rounds, as the bare loop's tensors are);

@@ -9,6 +9,9 @@ in-process rows only, ``--large-rounds 0`` skips it).
 - **plain Flower**: a ``ClientApp`` written the Flower way (``to_torch_state_dict``,
   train, ``ArrayRecord(model.state_dict())``) under Flower's message-API ``FedAvg``;
 - **fedloom bridge**: `FlowerStrategy(FedAvg)` over `to_client_app(TorchClient)`;
+- **bare PyTorch loop (N processes)**: the bare loop in ``--workers`` processes, each
+  on its share of every round's clients, with nothing between them: what the cores
+  give the parallel engine at best;
 - **bare PyTorch loop**, **local**, **parallel** and **vectorized engine**: in this
   process (`_sim_engines`), no Ray.
 
