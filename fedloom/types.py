@@ -37,15 +37,21 @@ class TaskKind(enum.StrEnum):
 class FrozenRecord(dict[str, Scalar]):
     """A validated config or metrics record: a dict that refuses every change.
 
-    The frozen dataclasses here hold their records as these, so a record cannot change
-    after it was checked, and `validate_record` passes one on as it is: a client's
-    metrics checked once in its `FitOutput` are not checked again in its
-    `ClientUpdate`, nor when an engine replaces the update's delta. Reading, iterating,
-    JSON and pickling work as for a dict; ``dict(record)`` (or ``record.copy()``) is a
-    changeable copy.
+    Made from a mapping, which it checks (`validate_record`'s rules, errors naming
+    ``what``) and copies. The frozen dataclasses here hold their records as these, so a
+    record cannot change after it was checked, and `validate_record` passes one on as
+    it is: a client's metrics checked once in its `FitOutput` are not checked again in
+    its `ClientUpdate`, nor when an engine replaces the update's delta. Reading,
+    iterating, JSON and pickling work as for a dict; ``dict(record)`` (or
+    ``record.copy()``) is a changeable copy.
     """
 
     __slots__ = ()
+
+    def __init__(self, record: Mapping[str, Scalar] | None = None, what: str = "record") -> None:
+        if record:
+            _check_entries(record, what)
+            dict.update(self, record)
 
     def _refuse(self) -> NoReturn:
         raise TypeError("a validated record is read-only; change a copy (dict(record))")
@@ -94,6 +100,13 @@ def validate_record(record: Mapping[str, Scalar], what: str) -> FrozenRecord:
     """
     if type(record) is FrozenRecord:
         return record
+    _check_entries(record, what)
+    checked = dict.__new__(FrozenRecord)  # checked above: not again in __init__
+    dict.update(checked, record)
+    return checked
+
+
+def _check_entries(record: Mapping[str, Scalar], what: str) -> None:
     if len(record) > MAX_ENTRIES:
         raise ValueError(f"{what}: {len(record)} entries, at most {MAX_ENTRIES} allowed")
     for key, value in record.items():
@@ -107,7 +120,6 @@ def validate_record(record: Mapping[str, Scalar], what: str) -> FrozenRecord:
             raise ValueError(f"{what}[{key!r}]: {value} is not finite")
         if isinstance(value, str | bytes) and len(value) > MAX_STRING_VALUE:
             raise ValueError(f"{what}[{key!r}]: longer than {MAX_STRING_VALUE}")
-    return FrozenRecord(record)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -67,6 +67,19 @@ def test_a_plain_dict_is_still_checked_and_copied() -> None:
         ClientUpdate("1", _weights(), 3, 0, {"loss": [1.0]})  # type: ignore[dict-item]
 
 
+def test_a_frozen_record_made_directly_is_checked_too() -> None:
+    # validate_record trusts a FrozenRecord, so none may exist unchecked.
+    with pytest.raises(ValueError, match=r"config\['lr'\]: nan is not finite"):
+        FrozenRecord({"lr": float("nan")}, "config")
+    with pytest.raises(ValueError, match="key 1 must be a string"):
+        FrozenRecord({1: 2})  # type: ignore[dict-item]
+    assert FrozenRecord() == {} and FrozenRecord({"a": 1}) == {"a": 1}
+    with pytest.raises(TypeError, match="read-only"):
+        FrozenRecord.fromkeys(["a"], 1)
+    merged = validate_record({"a": 1}, "m") | {"b": 2}
+    assert type(merged) is dict and merged == {"a": 1, "b": 2}
+
+
 def test_a_frozen_record_pickles_copies_and_serialises_as_a_dict() -> None:
     record = validate_record({"loss": 0.5, "round": 2, "tag": b"x"}, "metrics")
     back = pickle.loads(pickle.dumps(record))
