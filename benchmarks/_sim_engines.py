@@ -14,7 +14,9 @@
 - **parallel engine**: `run_local` with `ParallelFitter` as `fedloom simulate` builds it
   for ``workers = --workers``: this process and ``--workers - 1`` worker processes,
   warmed by one untimed fit of every client;
-- **vectorized engine**: `run_local` with `VectorizedFitter` (``torch.func``).
+- **vectorized engine**: `run_local` with `VectorizedFitter` (``torch.func``), on one
+  torch thread, and (row "vectorized-threads") on ``--workers`` threads, as
+  ``[engine] threads`` runs it.
 
 Every fedloom row runs the same FedAvg over the same job as the Flower rows; each
 phase times the rounds after its first, as `Phase` does for all of them.
@@ -161,9 +163,19 @@ def engine_phase(
     return phase.result()
 
 
+def threaded_phase(threads: int, *args: Any) -> dict[str, Any]:
+    """`engine_phase` with ``threads`` torch threads (every other row runs on one)."""
+    torch.set_num_threads(threads)
+    try:
+        return engine_phase(*args)
+    finally:
+        torch.set_num_threads(1)
+
+
 #: The in-process rows, by the name ``--engines`` gives them ("bare-processes": the
 #: bare loop in ``--workers`` processes, the parallel engine's limit).
-IN_PROCESS = ("bare", "bare-processes", "local", "parallel", "vectorized")
+IN_PROCESS = ("bare", "bare-processes", "local", "parallel", "vectorized",
+              "vectorized-threads")
 
 
 def in_process_phases(
@@ -191,7 +203,7 @@ def in_process_phases(
         warm = [FitTask(i, {"seed": i}) for i in range(job.scenario.num_clients)]
         list(parallel.fit(job.initial_weights(), warm))
     vectorized = (VectorizedFitter.from_job(job, chunk_size=chunk_size)
-                  if "vectorized" in engines else None)
+                  if {"vectorized", "vectorized-threads"} & set(engines) else None)
     parallel_name = f"parallel engine ({workers} processes)"
     rows: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
         ("bare", lambda k, r: bare_loop_phase(job, k, r)),
@@ -199,6 +211,8 @@ def in_process_phases(
         ("local", lambda k, r: engine_phase(job, "local engine", "lean", k, r)),
         ("parallel", lambda k, r: engine_phase(job, parallel_name, parallel, k, r)),
         ("vectorized", lambda k, r: engine_phase(job, "vectorized engine", vectorized, k, r)),
+        ("vectorized-threads", lambda k, r: threaded_phase(
+            workers, job, f"vectorized engine ({workers} threads)", vectorized, k, r)),
     ]
     rows = [(name, run) for name, run in rows if name in engines]
     results = []

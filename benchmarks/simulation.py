@@ -12,6 +12,8 @@ in-process rows only, ``--large-rounds 0`` skips it).
 - **bare PyTorch loop (N processes)**: the bare loop in ``--workers`` processes, each
   on its share of every round's clients, with nothing between them: what the cores
   give the parallel engine at best;
+- **vectorized engine (N threads)**: the vectorized engine on ``--workers`` torch
+  threads (``[engine] threads``), where every other in-process row runs on one;
 - **bare PyTorch loop**, **local**, **parallel** and **vectorized engine**: in this
   process (`_sim_engines`), no Ray.
 

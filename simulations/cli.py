@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int,
                         help="processes that train the local engine's clients, this one included "
                              "(engine.workers)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads of the vectorized engine's batched computation "
+                             "(engine.threads)")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--seed", type=int, help="override the seed")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -97,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _apply(data, f"engine.name={args.engine}")
         if args.workers is not None:
             _apply(data, f"engine.workers={args.workers}")
+        if args.threads is not None:
+            _apply(data, f"engine.threads={args.threads}")
         for key in ("rounds", "seed"):
             if getattr(args, key) is not None:
                 server = key == "rounds" and _server_form(data)

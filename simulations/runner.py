@@ -96,7 +96,9 @@ def _run_local(
         secure = LocalSecureAggregation(scenario.secure_aggregation, scenario.secure_dropout,
                                         run_id=scenario.name, seed=scenario.seed)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as Ray's actors run (OMP_NUM_THREADS=1): same kernels
+    # One thread per client, as Ray's actors run (OMP_NUM_THREADS=1): the same kernels
+    # on every engine; the vectorized engine's batched computation may use more.
+    torch.set_num_threads(scenario.engine_options.threads)
     try:
         if scenario.rounds_config.asynchronous:
             return run_local_async(

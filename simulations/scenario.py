@@ -53,6 +53,7 @@
     name = "local"
     workers = 1                 # local: processes that train a round's clients (1: this one)
     chunk_size = 64             # vectorized: clients trained in one batched computation
+    threads = 1                 # vectorized: torch threads of that computation
 
     [compression]               # codecs on the simulated wire (simulations.compression)
     upload = ""                 # "fp16", "bf16", "q8", "q4", "topk" (error feedback)
@@ -203,15 +204,19 @@ class EngineSpec:
     ``workers`` > 1 spreads a round's clients over that many processes, this one and
     ``workers - 1`` worker processes (`fedloom.simulations.parallel`); ``chunk_size``
     bounds how many clients the vectorized engine trains in one batched computation
-    (its memory grows with it).
+    (its memory grows with it); ``threads`` is how many torch threads the vectorized
+    engine's batched computation uses (1, the default, runs the kernels every engine
+    runs; more use more cores, with results within the vectorized engine's tolerance).
     """
 
     workers: int = 1
     chunk_size: int = 64
+    threads: int = 1
 
     def __post_init__(self) -> None:
         _check(self.workers >= 1, "engine.workers", "must be at least 1")
         _check(self.chunk_size >= 1, "engine.chunk_size", "must be at least 1")
+        _check(self.threads >= 1, "engine.threads", "must be at least 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +278,10 @@ class Scenario:
         _check(self.engine_options.workers == 1 or self.engine == "local", "engine.workers",
                f'worker processes serve engine = "local" only, not {self.engine!r}: '
                "set workers = 1")
+        _check(self.engine_options.threads == 1 or self.engine == "vectorized", "engine.threads",
+               f'torch threads serve engine = "vectorized" only, not {self.engine!r}: the '
+               "other engines train each client on one thread, as Ray's actors do; set "
+               "threads = 1")
         _check(self.num_clients >= 1, "num_clients", "must be at least 1")
         _check(
             1 <= self.clients_per_round <= self.num_clients,

@@ -143,7 +143,8 @@ def test_engine_table_gives_the_name_and_options():
 @pytest.mark.parametrize(("engine", "match"), [
     ({"name": "local", "workers": 0}, r"engine\.workers.*at least 1"),
     ({"name": "local", "chunk_size": 0}, r"engine\.chunk_size.*at least 1"),
-    ({"name": "local", "threads": 2}, r"engine\.threads.*unknown setting"),
+    ({"name": "local", "threads": 2}, r"engine\.threads.*\"vectorized\" only.*threads = 1"),
+    ({"name": "local", "gpus": 2}, r"engine\.gpus.*unknown setting"),
     ({"name": "vectorized", "workers": 2}, r"engine\.workers.*'vectorized'.*workers = 1"),
     ({"name": "flower", "workers": 2}, r"engine\.workers.*'flower'"),
 ])
@@ -165,3 +166,6 @@ def test_cli_engine_flags_keep_the_engine_table():
     data = {"engine": "local"}
     _apply(data, "engine.workers=2")
     assert scenario_from_mapping(data).engine_options.workers == 2
+    data = {"engine": "vectorized"}
+    _apply(data, "engine.threads=2")
+    assert scenario_from_mapping(data).engine_options.threads == 2
