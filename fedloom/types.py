@@ -98,12 +98,7 @@ def validate_record(record: Mapping[str, Scalar], what: str) -> FrozenRecord:
     caller chooses to accept; here they must be finite. A `FrozenRecord` was validated
     when it was made and cannot have changed since: it is returned as it is.
     """
-    if type(record) is FrozenRecord:
-        return record
-    _check_entries(record, what)
-    checked = dict.__new__(FrozenRecord)  # checked above: not again in __init__
-    dict.update(checked, record)
-    return checked
+    return record if type(record) is FrozenRecord else FrozenRecord(record, what)
 
 
 def _check_entries(record: Mapping[str, Scalar], what: str) -> None:
