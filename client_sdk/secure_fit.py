@@ -49,9 +49,10 @@ from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import (
+    accounted_noise_multiplier,
     encode_for_secagg,
     from_fit_config,
-    noise_multiplier_of,
+    noisy_shares,
     survivor_floor,
 )
 from fedloom.privacy._noise_reserve import NoiseReserve
@@ -92,8 +93,10 @@ class SecureFit:
         identity: this client's certificate and key (authenticated rounds).
         peers: the client CA, to check the other participants (with ``identity``).
         ledger: the rounds this client took part in, kept across its sessions.
-        min_noise_multiplier: in a distributed-DP round, refuse announced noise that,
-            summed over the round's survivor floor, is below this multiplier.
+        min_noise_multiplier: in a distributed-DP round, refuse announced noise below
+            this multiplier as the server's ledger counts it over the round's survivor
+            floor (`fedloom.privacy._distributed.accounted_noise_multiplier`; the
+            colluding clients of ``policy``, or the default, are not counted).
     """
 
     def __init__(self, client: Client, client_id: str, policy: SecAggConfig | None = None,
@@ -172,20 +175,21 @@ class SecureFit:
         if config_digest(task.config) != setup.config_digest:
             raise SecureAggregationError(
                 "the fit config delivered for this round is not the one its setup binds")
+        size = sum(spec.size for spec in weights.specs())
+        private = from_fit_config(task.config, size)  # distributed DP: encode it here
+        if private is not None:  # every attempt: a retried one may unmask fewer survivors
+            self._check_noise(private[0], setup, survivor_floor(task.config))
         key = (setup.round_id.run_id, setup.round_id.server_round, setup.model_digest,
                setup.config_digest)
         if self._trained is not None and self._trained[0] == key:
             return self._trained[1], self._trained[2]  # a retried attempt of this round
-        vector, num_examples = self._train(task, setup, weights)
+        vector, num_examples = self._train(task, setup, weights, private)
         self._trained = (key, vector, num_examples)
         return vector, num_examples
 
-    def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights
-               ) -> tuple[np.ndarray, int]:
+    def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights,
+               private: tuple[SkellamParams, bytes] | None) -> tuple[np.ndarray, int]:
         size = sum(spec.size for spec in weights.specs())
-        private = from_fit_config(task.config, size)  # distributed DP: encode it here
-        if private is not None:
-            self._check_noise(private[0], setup, survivor_floor(task.config))
         expected = size if private is None else private[0].padded_dimension
         if expected != setup.vector_length:
             raise SecureAggregationError(
@@ -198,8 +202,15 @@ class SecureFit:
         delta = fit.weights.subtract(weights)
         if private is not None:  # clipped, rotated, rounded and noised, in the ring
             params, length = private[0], private[0].padded_dimension
+            flat = flatten(delta, dtype=None)
+            if not np.isfinite(flat).all():
+                # Taking part with a zero update, rather than dropping out, keeps whether
+                # this client is in the sum independent of its data (the guarantee's).
+                log.warning("secure round %d: the update holds non-finite values; this "
+                            "client sends a zero update with its noise", task.round)
+                flat = np.zeros_like(flat)
             noise = self._noise.take(params.client_noise_mu, length)
-            vector = encode_for_secagg(flatten(delta, dtype=None), *private, noise=noise)
+            vector = encode_for_secagg(flat, *private, noise=noise)
             self._noise.refill(params.client_noise_mu, length)  # while the server works
             return vector, fit.num_examples
         setup.config().weight_of(fit.num_examples)  # refuse early: weight above 1
@@ -214,11 +225,15 @@ class SecureFit:
             raise SecureAggregationError(
                 f"the round's noise needs {floor} survivors, but its setup would unmask a "
                 f"sum of {setup.min_survivors}")
-        announced = noise_multiplier_of(params, floor)
-        if announced < self.min_noise_multiplier:
+        if self.min_noise_multiplier <= 0:
+            return
+        colluding = (self.protocol.policy or SecAggConfig()).colluding_clients
+        accounted = accounted_noise_multiplier(params, noisy_shares(floor, colluding))
+        if accounted < self.min_noise_multiplier:
             raise SecureAggregationError(
-                f"the round announces noise multiplier {announced:.4g} over its {floor} "
-                f"survivors; this client requires at least {self.min_noise_multiplier:g}")
+                f"the round's noise, as its accountant counts it over {floor} survivors "
+                f"({colluding} colluding), is noise multiplier {accounted:.4g}; this client "
+                f"requires at least {self.min_noise_multiplier:g}")
 
     def _masked_payload(self, reply: MaskedInputReply
                         ) -> tuple[MaskedInputHeader, memoryview, PayloadInfo]:

@@ -85,9 +85,9 @@ class ClientConfig:
         True, "read tasks from one long-lived Tasks stream; off: one long-poll Pull per task "
         "(advanced: for proxies that cut long streams)")
     min_noise_multiplier: float = described(
-        0.0, "distributed DP: refuse a round whose announced Skellam noise, over the round's "
-        "survivor floor, is below this noise multiplier z (0: take the server's word; "
-        "docs/privacy.md)")
+        0.0, "distributed DP: refuse a round whose announced Skellam noise, as the server's "
+        "accountant counts it over the round's survivor floor, is below this noise "
+        "multiplier z (0: take the server's word; docs/privacy.md)")
     upload_codecs: tuple[str, ...] = described(
         (), "codecs to send updates in, most wanted first; the server grants the first it "
         f"accepts, or none ({', '.join(UPLOAD_CODECS)}; each may end in +zstd for the "

@@ -13,7 +13,8 @@
    server never sees a sum with less noise than the accountant assumed);
 3. decodes the unmasked sum (`aggregate_secure_sum`), divides by the survivors and hands
    the mean, as the round's one update, to the inner strategy's server optimizer;
-4. records the round's RDP at the noise really summed (`SkellamLedger`).
+4. records the round's RDP at the noise really summed (`SkellamLedger`), as soon as the
+   sum is unmasked: a sum the round then cannot use was still seen by the server.
 
 The run stops before a round whose worst allowed case (the survivor floor) would take
 ε past ``target_epsilon``. Client fit metrics are never seen (secure aggregation).
@@ -119,6 +120,9 @@ class DistributedDPStrategy(PrivateMeanWrapper):
             raise AggregationError(f"round {server_round} was not configured by this strategy")
         params, seed, floor = planned
         survivors = len(outcome.survivors)
+        # The server holds this noised sum from now on, whatever becomes of the round (a
+        # bad count, too few survivors, a failed step): it is a release, accounted here.
+        epsilon = self.ledger.record(params, noisy_shares(survivors, self.colluding_clients))
         total, count = decode_secagg_total(outcome.total, params, seed)
         if count != survivors:
             raise AggregationError(f"the unmasked sum counts {count} contributors, but "
@@ -128,9 +132,9 @@ class DistributedDPStrategy(PrivateMeanWrapper):
         total /= survivors
         result = self._step(server_round, current, delta_like(total, current))
         if result.weights is None:
-            return AggregateResult(None, num_updates=survivors, reason=result.reason)
+            return AggregateResult(None, {"privacy_epsilon": epsilon},
+                                   num_updates=survivors, reason=result.reason)
         del self._planned[server_round]
-        epsilon = self.ledger.record(params, noisy_shares(survivors, self.colluding_clients))
         metrics = self._metrics(result, survivors, epsilon, clip_norm=params.clip_norm,
                                 ddp_scale=params.scale)
         return AggregateResult(result.weights, metrics, num_updates=survivors)

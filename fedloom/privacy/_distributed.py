@@ -12,12 +12,16 @@ contributors); SecAgg+ masks that uint32 vector as it is. The server unmasks the
 deltas and the number of contributors.
 
 Accounting (`SkellamLedger`): each round adds the Theorem-3.5 RDP bound of Agarwal,
-Kairouz and Liu (NeurIPS 2021) at the noise actually in the sum. Of the ``s`` survivors
-whose input was summed, the ledger counts ``s - 1 - c`` noise shares: one client's own
-noise leaves with it when it is removed (add-or-remove neighbours), and ``c`` clients
-colluding with the server know (and can subtract) theirs. No amplification by sampling
-is claimed (dp-accounting has no subsampled-Skellam bound); dp-accounting converts the
-composed RDP to ε.
+Kairouz and Liu (NeurIPS 2021) at the noise actually in the sum. The neighbouring
+relation is zero-out: two runs differ in one client's data, replaced by data whose
+update is zero (the client still takes part). Secure aggregation shows the server who
+took part, so participation itself is not what is hidden; the content of each update
+is. Of the ``s`` survivors whose input was summed, the ledger counts ``s - 1 - c`` noise
+shares: ``c`` clients colluding with the server know (and can subtract) theirs, and the
+one share more left out is slack (under zero-out every survivor's noise stays in the
+sum). Every survivor's Δ1 and Δ2 bound ``enc(x) - enc(0)``, since zero encodes to
+zero. No amplification by sampling is claimed (dp-accounting has no subsampled-Skellam
+bound); dp-accounting converts the composed RDP to ε.
 """
 
 from __future__ import annotations
@@ -134,6 +138,18 @@ def noise_multiplier_of(params: SkellamParams, survivors: int) -> float:
     """The noise multiplier z (std over C, in the update domain) of ``survivors`` clients'
     noise: ``sqrt(2 mu_client survivors) / (gamma C)``."""
     return math.sqrt(2.0 * params.client_noise_mu * survivors) / (params.scale * params.clip_norm)
+
+
+def accounted_noise_multiplier(params: SkellamParams, noisy: int) -> float:
+    """The noise multiplier the ledger accounts for a sum with ``noisy`` clients' noise
+    (`noisy_shares`): ``sqrt(2 mu_client noisy) / Δ2``, the noise's standard deviation
+    over the L2 bound of one client's encoded update (the Gaussian multiplier whose ε
+    the Skellam bound tracks). Below `noise_multiplier_of` of the same survivors: it
+    leaves out the shares the ledger does not count and uses Δ2, which the rounding
+    makes a little larger than gamma C."""
+    if noisy < 1:
+        return 0.0
+    return math.sqrt(2.0 * params.client_noise_mu * noisy) / params.l2_bound
 
 
 def noisy_shares(survivors: int, colluding: int) -> int:

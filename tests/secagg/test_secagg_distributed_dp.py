@@ -196,14 +196,21 @@ def test_a_client_refuses_noise_below_its_floor_or_a_setup_below_the_survivor_fl
     """A server that announces less noise than the client requires, or would unmask a
     sum over fewer survivors than the noise was calibrated for, is refused."""
     from fedloom.client_sdk.secure_fit import SecureFit
-    from fedloom.privacy._distributed import noise_multiplier_of
+    from fedloom.privacy._distributed import (
+        accounted_noise_multiplier,
+        noise_multiplier_of,
+        noisy_shares,
+    )
 
     params = calibrate(CLIP, 1000, 10, 1.0)
     assert noise_multiplier_of(params, 10) == pytest.approx(1.0, rel=1e-6)
-    strict = SecureFit(RecordingClient(0, 1), "c0", min_noise_multiplier=1.2)
+    # what the ledger counts: 10 - 1 - 1 colluding shares, over Δ2
+    accounted = accounted_noise_multiplier(params, noisy_shares(10, 1))
+    assert accounted == pytest.approx(np.sqrt(8 / 10), rel=1e-3)
+    strict = SecureFit(RecordingClient(0, 1), "c0", min_noise_multiplier=accounted * 1.01)
     with pytest.raises(SecureAggregationError, match="requires at least"):
         strict._check_noise(params, _setup(10), floor=10)
-    lenient = SecureFit(RecordingClient(0, 1), "c0", min_noise_multiplier=0.9)
+    lenient = SecureFit(RecordingClient(0, 1), "c0", min_noise_multiplier=accounted * 0.99)
     lenient._check_noise(params, _setup(10), floor=10)  # accepted
     with pytest.raises(SecureAggregationError, match="survivors"):
         lenient._check_noise(params, _setup(5), floor=10)
@@ -246,3 +253,37 @@ def test_rotation_seeds_are_fresh_unless_a_simulation_seeds_them() -> None:
     assert seed_of(build(None)) != seed_of(build(None))  # the OS CSPRNG
     seeded = [seed_of(build(np.random.default_rng(7))) for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_an_unmasked_sum_is_accounted_even_when_the_round_cannot_use_it() -> None:
+    """The server holds the noised sum once it is unmasked: a round that then fails (a
+    contributor count that does not match, too few survivors) still spent budget."""
+    from fedloom.errors import AggregationError
+    from fedloom.secagg import SecAggResult
+    from fedloom.types import ClientInfo
+
+    strategy = DistributedDPStrategy(FedAvg(selection=SelectionConfig(min_fit_clients=6)),
+                                     _private(1.0), rng=np.random.default_rng(0))
+    weights = small_weights()
+    clients = [ClientInfo(str(i)) for i in range(6)]
+    plan = strategy.configure_fit(1, weights, clients)
+    params, seed = from_fit_config(plan.config, sum(s.size for s in weights.specs()))
+    encoded = [encode_for_secagg(np.zeros(params.dimension), params, seed,
+                                 np.random.default_rng(i)) for i in range(6)]
+    total = np.sum(encoded, axis=0, dtype=np.uint32)
+    empty = np.zeros(0)
+
+    def outcome(survivors: int) -> SecAggResult:
+        return SecAggResult(empty, empty, 0.0, 0.0, tuple(map(str, range(survivors))), (),
+                            total)
+
+    assert strategy.ledger.num_rounds == 0
+    with pytest.raises(AggregationError, match="counts 6 contributors, but 5 survived"):
+        strategy.aggregate_secure_sum(1, weights, outcome(5))
+    assert strategy.ledger.num_rounds == 1
+    first = strategy.ledger.epsilon()
+    assert math.isfinite(first) and first > 0
+    result = strategy.aggregate_secure_sum(1, weights, outcome(6))  # the round's retry
+    assert result.weights is not None and strategy.ledger.num_rounds == 2
+    assert result.metrics["privacy_epsilon"] == pytest.approx(strategy.ledger.epsilon())
+    assert strategy.ledger.epsilon() > first
