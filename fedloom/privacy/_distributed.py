@@ -207,6 +207,11 @@ class SkellamLedger:
         self._rdp, self.num_rounds = rdp, rounds
 
 
+def announces_distributed_dp(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` announces a distributed-DP round (any of its keys)."""
+    return any(key in config for key in DDP_KEYS)
+
+
 def masked_length(config: Mapping[str, Any], size: int) -> int:
     """The float-vector length a secure round announces (``RoundSetup.vector_length``):
     the model's ``size``, or its padded length in a distributed-DP round."""

@@ -9,10 +9,17 @@ security of a client's input rests on the checks made here, not on the server:
   so masks are never reused; it takes part in at most ``max_attempts`` attempts of one
   round. (Unauthenticated attempts may use keys offered with the previous share-keys
   reply, a `KeyOffer`, once.)
-- **one sum per round**: once it has revealed shares in an attempt of a round, it takes
-  part in no other attempt of that round. Two unmasked attempts of one round over
-  survivor sets that differ by one client would hand the server that client's update
-  (the difference of the two sums; a retried attempt masks the same update).
+- **one unmasking per round**: once it has revealed shares in an attempt of a round,
+  it takes part in no other attempt of that round. Two unmasked attempts of one round
+  over survivor sets that differ by one client would hand the server that client's
+  update (the difference of the two sums; a retried attempt masks the same update). A
+  client that confirmed an attempt's survivors but was not asked to unmask may join a
+  retry: its neighbours may have revealed its self mask, so a deviating server can get
+  that attempt's sum and the retry's, whose difference is the sum over the first
+  attempt's revealers — a group that holds t neighbours of every survivor, within the
+  bound of docs/secure-aggregation.md. An input the caller encoded itself (distributed
+  DP), whose noise is calibrated for one sum, takes part in no other attempt once
+  confirmed.
 - **signed keys** (authenticated attempts, when the client holds a `SigningIdentity`):
   it signs its keys, bound to the setup, its id and identity; it checks every other
   participant's certificate against the client CA (`PeerVerifier`), its name against
@@ -294,6 +301,7 @@ class SecAggClient(ClientAttempts):
                 self._refuse(f"the encoded input has shape {values.shape}; the round expects "
                              f"({setup.masked_length},)")
             masked = values.copy()
+            attempt.encoded = True
         elif values.shape != (setup.vector_length,):
             self._refuse(f"the update has shape {values.shape}; the round expects "
                          f"({setup.vector_length},)")
@@ -328,6 +336,11 @@ class SecAggClient(ClientAttempts):
         reply = ConsistencyReply(setup.round_id, self.client_id, signature)
         attempt.view = request.survivors
         attempt.answered[Stage.CONSISTENCY] = (request, reply)
+        if attempt.encoded:
+            # With this signature its neighbours may reveal its self-mask shares without
+            # it: a distributed-DP input may then be in this attempt's sum, and its noise
+            # was calibrated for one sum over the round's floor, so no other attempt.
+            self.ledger.revealed.add((setup.round_id.run_id, setup.round_id.server_round))
         return reply
 
     def _unmask(self, request: UnmaskRequest) -> UnmaskReply:

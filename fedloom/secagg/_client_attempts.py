@@ -59,9 +59,11 @@ class ClientAttempts(ClientChecks):
         if self.client_id not in setup.participants:
             self._ignore("this client is not among the round's participants")
         if key in ledger.revealed:
-            self._ignore(f"this client revealed shares in an earlier attempt of round "
-                         f"{rid.server_round}: a second unmasked attempt would show the server a "
-                         "second sum, and the difference of the two its missing clients' updates")
+            self._ignore(f"this client's input may be in the sum of an earlier attempt of round "
+                         f"{rid.server_round} (it revealed shares, or confirmed the survivors of "
+                         "a distributed-DP attempt): a second unmasked attempt would show the "
+                         "server a second sum, and the difference of the two its missing "
+                         "clients' updates")
         limit = (self.policy or SecAggConfig()).max_attempts
         if ledger.attempts.get(key, 0) >= limit:
             self._ignore(f"this client already took part in {limit} attempts of round "

@@ -68,6 +68,8 @@ class ClientChecks:
                 self._refuse(f"the keys of {who!r} are for another round attempt")
             if who not in setup.participants:
                 self._refuse(f"{who!r} advertised keys but is not a participant")
+            if who in attempt.roster:  # (the message refuses it too; a roster built here)
+                self._refuse(f"the roster lists {who!r} twice")
             for k in (keys.cipher_public_key, keys.mask_public_key):
                 if k in seen_keys:
                     self._refuse(f"{who!r} advertised a public key listed before (keys were "

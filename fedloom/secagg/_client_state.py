@@ -36,7 +36,9 @@ def new_offer() -> Offer:
 @dataclasses.dataclass(eq=False)
 class RoundLedger:
     """What a client remembers of each round across its sessions: the newest attempt id
-    it has seen, how many attempts it began, and whether it revealed shares.
+    it has seen, how many attempts it began, and whether its input may be in a sum the
+    server unmasked (``revealed``: it revealed shares, or confirmed the survivors of an
+    attempt whose input it encoded itself, distributed DP).
 
     A server can end a session at will (the client then joins again under a new id), so
     a client that keeps one ledger for all its sessions (`ClientRunner` does) cannot be
@@ -69,6 +71,8 @@ class Attempt:
     # owner -> (share of owner's mask key, share of owner's self-mask seed)
     held: dict[str, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict)
     view: tuple[str, ...] | None = None  # the survivor set this client confirmed
+    # the input was encoded by the caller (distributed DP): its noise may be in one sum
+    encoded: bool = False
     answered: dict[Stage, tuple[SecAggRequest, SecAggReply]] = dataclasses.field(
         default_factory=dict
     )

@@ -109,6 +109,12 @@ class SecAggServer(AttemptState):
         return not self.pending()
 
     @property
+    def confirmed(self) -> frozenset[str]:
+        """The survivors whose confirmation of the survivor set was taken (authenticated
+        attempts): their neighbours may reveal their self masks from then on."""
+        return frozenset(self._confirmations)
+
+    @property
     def survivors(self) -> frozenset[str]:
         """The clients whose masked input was accepted (set when masked_input closes)."""
         return self._survivors

@@ -53,7 +53,11 @@ from typing import Any
 from fedloom.errors import ConfigError, RejectReason, SecureAggregationError
 from fedloom.messages import Capability
 from fedloom.payload import PayloadInfo
-from fedloom.privacy._distributed import masked_length, round_secagg
+from fedloom.privacy._distributed import (
+    announces_distributed_dp,
+    masked_length,
+    round_secagg,
+)
 from fedloom.secagg import (
     KeyOffer,
     PeerVerifier,
@@ -253,7 +257,10 @@ class SecureRounds(RoundDriver):
                 log.warning("secure round %d: client %s dealt shares that do not reconstruct "
                             "its committed secret", setup.round_id.server_round, culprit)
                 self.parts.fleet.strike_id(culprit, RejectReason.INVALID)
-            return str(exc), machine.failed_clients | machine.culprits | machine.revealed
+            excluded = machine.failed_clients | machine.culprits | machine.revealed
+            if announces_distributed_dp(fit_config):  # they count a confirmation as taking
+                excluded |= machine.confirmed        # part (fedloom.secagg._client)
+            return str(exc), excluded
         finally:
             attempt.close_stage(end=True)  # the book keeps how its tasks ended
             ServerMetrics.tasks_closed("fit", attempt.fit_outcomes())

@@ -88,9 +88,10 @@ def test_used_and_older_attempts_are_refused(authenticated: bool) -> None:
     # a newer attempt of the same round is refused too: this client revealed shares in
     # round 4 already (a second sum would reveal the difference); the next round is not
     newer = make_setup(CONFIG, ids, 8, RoundId("run-1", 4, 3), authenticated=authenticated)
-    why = (f"client {ids[0]!r} refuses: this client revealed shares in an earlier attempt of "
-           "round 4: a second unmasked attempt would show the server a second sum, and the "
-           "difference of the two its missing clients' updates")
+    why = (f"client {ids[0]!r} refuses: this client's input may be in the sum of an earlier "
+           "attempt of round 4 (it revealed shares, or confirmed the survivors of a "
+           "distributed-DP attempt): a second unmasked attempt would show the server a second "
+           "sum, and the difference of the two its missing clients' updates")
     with pytest.raises(SecureAggregationError, match=exactly(why)):
         client.handle(AdvertiseKeysRequest(newer))
     fresh = make_setup(CONFIG, ids, 8, RoundId("run-1", 5, 4), authenticated=authenticated)
