@@ -109,11 +109,21 @@ class RunPersistence:
         finished: bool = False,
     ) -> RunPersistence:
         state_dir = Path(config.state_dir)
+        lost: list[int] = []  # newer rounds whose checkpoints cannot be used
         for record in reversed(store.rounds(run_id)):
+            if lost and config.privacy.enabled:
+                raise ConfigError(
+                    "state_dir",
+                    f"run {run_id} is private and its newest checkpoints (rounds "
+                    f"{', '.join(map(str, sorted(lost)))}) are not usable: resuming from an "
+                    "older one would forget the privacy those rounds spent (their models "
+                    "were released). Restore the checkpoints, or start a new run with a "
+                    "new budget (resume = false)")
             try:
                 checkpoint = load_checkpoint(state_dir / record.checkpoint, record.sha256)
             except CheckpointError as exc:
                 log.error("round %d of run %s is not usable: %s", record.round, run_id, exc)
+                lost.append(record.round)
                 continue
             if checkpoint.run_id != run_id or checkpoint.round != record.round:
                 log.error(
@@ -122,6 +132,7 @@ class RunPersistence:
                     checkpoint.run_id,
                     checkpoint.round,
                 )
+                lost.append(record.round)
                 continue
             if initial_weights is not None:
                 try:

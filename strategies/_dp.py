@@ -34,6 +34,7 @@ operator's logs (who took part) are outside the guarantee, which covers the mode
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from collections.abc import Iterable, Sequence
@@ -49,6 +50,7 @@ from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.strategies._metrics import DP_MEAN_ID, warn_unused_fit_hook
 from fedloom.strategies._norm_bound import MODE_KEY
+from fedloom.strategies._sampling import ClientSampler
 from fedloom.strategies._secure_mean import MEAN_STRATEGIES
 from fedloom.types import (
     MAX_NORM_KEY,
@@ -62,6 +64,8 @@ from fedloom.types import (
     Scalar,
 )
 from fedloom.weights import Weights
+
+logger = logging.getLogger(__name__)
 
 #: The fit metric with the client's norm before it clipped (`TorchClient` reports it).
 REPORTED_NORM_KEY = UPDATE_NORM
@@ -142,7 +146,12 @@ class CentralDPStrategy(PrivateMeanWrapper):
         inner: a mean-based `ComposedStrategy` (FedAvg, FedAvgM, FedProx, FedAdagrad,
             FedAdam, FedYogi) whose sampler and server optimizer are used.
         privacy: the ``[privacy]`` settings, ``mode = "central"``.
-        rng: the noise generator; leave it out (a CSPRNG-seeded one) except in tests.
+        rng: the noise generator; leave it out except in tests and reproducible
+            studies. Left out, the noise comes from a CSPRNG-seeded generator and the
+            inner strategy samples clients secretly (`ClientSampler.secret`: the
+            ``selection.seed`` is not used, and neither is checkpointed); given, both
+            are as reproducible as the seeds, and the reported ε assumes what only a
+            secret sample gives.
     """
 
     def __init__(self, inner: ComposedStrategy, privacy: PrivacyConfig, *,
@@ -155,6 +164,8 @@ class CentralDPStrategy(PrivateMeanWrapper):
         self.clip_norm = privacy.clip_norm
         self.accountant = PrivacyAccountant(privacy.accountant, privacy.sampling, privacy.delta)
         self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
+        if rng is None:  # amplification by sampling needs a sample nobody can predict
+            self.inner.sampler = ClientSampler.secret()
         # round -> (the event it would record, the data-independent denominator)
         self._planned: dict[int, _Planned] = {}
 
@@ -207,10 +218,16 @@ class CentralDPStrategy(PrivateMeanWrapper):
             before = (float(reported) if isinstance(reported, int | float)
                       and not isinstance(reported, bool) and math.isfinite(reported) else norm)
             unclipped += before <= clip
+            count += 1
+            if not math.isfinite(norm):
+                # min(1, C / nan) is 1: unclipped, it would pass every other value whole.
+                # It counts as a zero update (bounded, like any other), never as a hole.
+                logger.warning("round %d: client %s sent a non-finite update; it counts as zero",
+                            server_round, update.client_id)
+                continue
             scale = min(1.0, clip / norm) if norm > 0 else 1.0
             for name, total in sums.items():
                 total += arrays[name] * scale
-            count += 1
         if count == 0:
             return AggregateResult(None, num_updates=0, reason="no client returned an update")
         for total in sums.values():

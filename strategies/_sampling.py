@@ -1,8 +1,10 @@
-"""Seeded client selection, checkpointable so a resumed run samples the same clients."""
+"""Seeded client selection, checkpointable so a resumed run samples the same clients;
+or, for differential privacy, secret selection (`ClientSampler.secret`)."""
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ class ClientSampler:
     def __init__(self, seed: int) -> None:
         self._seed = seed
         self._rng = np.random.default_rng(seed)
+        self._secret = False
         # The last tuple of clients and its ordering: a run that offers the same tuple
         # every round (the simulation engines do) sorts it once. A tuple of frozen
         # `ClientInfo`s cannot change, and holding it keeps its identity unique.
@@ -64,10 +67,35 @@ class ClientSampler:
         picked = self._rng.random(len(ordered)) < rate
         return tuple(c.client_id for c, keep in zip(ordered, picked, strict=True) if keep)
 
+    @classmethod
+    def secret(cls) -> ClientSampler:
+        """A sampler whose choices nobody can predict: seeded from the OS CSPRNG, and
+        never checkpointed (a resumed run draws from a fresh seed).
+
+        Differential privacy's amplification by sampling assumes the adversary does not
+        know who was sampled; with a seeded sampler, whoever has the run's config (seed
+        0 by default) or a checkpoint would, and each round would cost its full,
+        unamplified ε for the clients in it.
+        """
+        sampler = cls(0)
+        sampler._rng = np.random.default_rng(secrets.randbits(128))
+        sampler._secret = True
+        return sampler
+
+    @property
+    def is_secret(self) -> bool:
+        return self._secret
+
     def state_dict(self) -> dict[str, Any]:
+        if self._secret:
+            return {"secret": True}
         return {"seed": self._seed, "bit_generator": self._rng.bit_generator.state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("secret") or self._secret:  # nothing to restore: draw afresh
+            fresh = ClientSampler.secret()
+            self._seed, self._rng, self._secret = fresh._seed, fresh._rng, True
+            return
         self._seed = int(state["seed"])
         self._rng = np.random.default_rng(self._seed)
         self._rng.bit_generator.state = state["bit_generator"]

@@ -111,6 +111,10 @@ def dp_event(event: RoundEvent, sampling: str) -> Any:
     if sampling == "poisson":
         return dpa.PoissonSampledDpEvent(event.rate, dpa.GaussianDpEvent(z))
     if sampling == "none":
+        if 0 < event.sampled < event.population:
+            # A fixed-size round of m < n: a client added to the population may take the
+            # place of one who was in, moving the clipped sum by up to 2C (replace-one).
+            return dpa.GaussianDpEvent(z / 2)
         return dpa.GaussianDpEvent(z)
     raise ValueError(f"unknown sampling {sampling!r}")
 

@@ -38,7 +38,10 @@ def reference_event(event: RoundEvent, sampling: str) -> Any:
       one client's clipped delta u (norm <= C) by v moves the sum by u - v, of norm up to
       2C; noise std z C over sensitivity 2C is a Gaussian of multiplier z / 2.
     - ``"poisson"``: each client with probability q, add-or-remove (sensitivity C): z.
-    - ``"none"``: every round a plain Gaussian of multiplier z (no amplification).
+    - ``"none"``: no amplification. Every eligible client in the round: adding one
+      adds its clipped delta (norm <= C), a plain Gaussian of multiplier z. A fixed-size
+      round of m < n: an added client may be sampled in place of one who was in, moving
+      the sum by up to 2C, so z / 2.
     """
     z = event.noise_multiplier
     if sampling == "fixed":
@@ -50,7 +53,8 @@ def reference_event(event: RoundEvent, sampling: str) -> Any:
     if sampling == "poisson":
         return dp_accounting.PoissonSampledDpEvent(event.rate, dp_accounting.GaussianDpEvent(z))
     assert sampling == "none"
-    return dp_accounting.GaussianDpEvent(z)
+    displaced = 0 < event.sampled < event.population
+    return dp_accounting.GaussianDpEvent(z / 2 if displaced else z)
 
 
 def reference_backend(kind: str, sampling: str) -> Any:
@@ -74,7 +78,7 @@ FIXED_ROUNDS = [RoundEvent(1.1, 10, 100), RoundEvent(1.1, 10, 100), RoundEvent(0
 POISSON_ROUNDS = [RoundEvent(3.0, 0, 100, 0.1), RoundEvent(3.0, 0, 100, 0.1),
                   RoundEvent(3.0, 0, 80, 0.15), RoundEvent(2.5, 0, 80, 0.15)]
 NONE_ROUNDS = [RoundEvent(3.0, 10, 100), RoundEvent(3.0, 10, 100), RoundEvent(4.0, 12, 80),
-               RoundEvent(3.0, 10, 100)]
+               RoundEvent(3.0, 10, 100), RoundEvent(3.0, 60, 60)]
 ROUNDS = {"fixed": FIXED_ROUNDS, "poisson": POISSON_ROUNDS, "none": NONE_ROUNDS}
 
 
@@ -180,13 +184,21 @@ def _flower_epsilon(method: str, z: float, sample_size: int, population: int,
 @pytest.mark.parametrize("z", [0.7, 1.5, 4.0])
 def test_no_amplification_equals_flowers_accountant(z: float, rounds: int) -> None:
     """Flower's fixed-clipping DP accounts each round as a plain Gaussian of multiplier z
-    (uniform weights, no amplification, add-or-remove): fedloom's ``sampling = "none"``."""
-    n, m = 50, 10
-    accountant = PrivacyAccountant("rdp", "none", DELTA)
+    (uniform weights, no amplification, add-or-remove): fedloom's ``sampling = "none"``
+    when every eligible client takes part. When a fixed-size round samples m < n, an
+    added client may displace one who was in (sensitivity 2C): fedloom then accounts a
+    Gaussian of z / 2, which Flower's accountant does not (it reports the smaller ε)."""
+    n = 50
+    full = PrivacyAccountant("rdp", "none", DELTA)
+    part = PrivacyAccountant("rdp", "none", DELTA)
     for _ in range(rounds):
-        accountant.record(RoundEvent(z, m, n))
-    expected = _flower_epsilon("no-amplification", z, m, n, rounds)
-    assert accountant.epsilon() == pytest.approx(expected, rel=1e-9)
+        full.record(RoundEvent(z, n, n))
+        part.record(RoundEvent(z, 10, n))
+    assert full.epsilon() == pytest.approx(
+        _flower_epsilon("no-amplification", z, n, n, rounds), rel=1e-9)
+    assert part.epsilon() == pytest.approx(
+        _flower_epsilon("no-amplification", z / 2, 10, n, rounds), rel=1e-9)
+    assert part.epsilon() > _flower_epsilon("no-amplification", z, 10, n, rounds)
 
 
 @pytest.mark.parametrize("rounds", [1, 4])

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+
 import numpy as np
 import pytest
 from central_dp_support import (
@@ -71,3 +74,29 @@ def test_the_fit_config_asks_clients_to_clip_to_c() -> None:
     strategy = dp_strategy(clip_norm=0.7)
     plan = strategy.configure_fit(1, model(), clients(3))
     assert plan.config["max_update_norm"] == 0.7
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_update_counts_as_zero_and_cannot_pass_the_clip_whole(
+        bad: float, caplog: pytest.LogCaptureFixture) -> None:
+    """A NaN or inf makes the update's norm NaN, and ``min(1, C / nan)`` is 1: unguarded,
+    every other value of that update would be summed unclipped (a norm of 35,000 against
+    C = 1 here). Such an update counts as a zero update, and the server says so."""
+    current = model()
+
+    def delta(cid: str) -> Weights:
+        w = np.full((4, 3), 1e4, np.float32)
+        b = np.zeros(5, np.float32)
+        if cid == "c000":
+            b[0] = bad
+        return Weights({"w": w, "b": b, "steps": np.array(3, np.int64)})
+
+    with caplog.at_level(logging.WARNING):
+        chosen, result = run_round(dp_strategy(clip_norm=1.0), 1, current, 2, delta)
+    assert len(chosen) == 2 and result.weights is not None
+    assert result.num_updates == 2
+    moved = {k: result.weights[k].astype(np.float64) - current[k] for k in ("w", "b")}
+    assert all(np.isfinite(v).all() for v in moved.values())
+    norm = math.sqrt(sum(float(np.sum(v**2)) for v in moved.values()))
+    assert norm == pytest.approx(1.0 / 2, rel=1e-3)  # the other client's C, over m = 2
+    assert any("non-finite update" in r.getMessage() for r in caplog.records)

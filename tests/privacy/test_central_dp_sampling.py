@@ -4,10 +4,12 @@ fraction_fit, and the mean over the expected cohort size."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from central_dp_support import (
     TINY_Z,
+    central,
     clients,
     clipped,
     delta_of_norm,
@@ -56,3 +58,34 @@ def test_poisson_rounds_divide_by_the_expected_count_and_record_the_rate() -> No
             np.testing.assert_allclose(result.weights[k], expected, rtol=1e-6, atol=1e-6)
         current = result.weights
     assert strategy.accountant.state_dict()["events"] == [[[TINY_Z, 0, n, q], 2]]
+
+
+def test_a_deployed_run_samples_secretly_and_never_checkpoints_the_sampler() -> None:
+    """Amplification by sampling assumes nobody knows who was sampled. With the seeded
+    sampler (seed 0 by default) anyone holding the config or a checkpoint would: every
+    round would then cost the sampled clients their unamplified ε. A strategy built for
+    a deployment (`apply_privacy`, no test generator) samples from a CSPRNG-seeded
+    generator and checkpoints none of its state."""
+    from fedloom.strategies import apply_privacy
+
+    population = clients(200)
+
+    def build() -> Any:
+        return apply_privacy(FedAvg(selection=SelectionConfig(fraction_fit=0.1, seed=0)),
+                             central(sampling="poisson"))
+
+    a, b = build(), build()
+    picks = [s.configure_fit(1, model(), population).client_ids for s in (a, b)]
+    assert picks[0] != picks[1]  # the same config and seed, two unpredictable samples
+    state = a.state_dict()
+    assert state["inner"]["sampler"] == {"secret": True}
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert resumed.inner.sampler.is_secret
+    again = [resumed.configure_fit(2, model(), population).client_ids for _ in range(2)]
+    assert again[0] != again[1]
+    # a test or study that passes its own generator keeps the seeded, replayable sampler
+    seeded = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=0.1, seed=0)),
+                         sampling="poisson")
+    assert not seeded.inner.sampler.is_secret and "bit_generator" in seeded.state_dict(
+    )["inner"]["sampler"]
