@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from e2e_harness import (
+    Behaviour,
     RecordingClient,
     checkpoints,
     secagg,
@@ -287,3 +288,32 @@ def test_an_unmasked_sum_is_accounted_even_when_the_round_cannot_use_it() -> Non
     assert result.weights is not None and strategy.ledger.num_rounds == 2
     assert result.metrics["privacy_epsilon"] == pytest.approx(strategy.ledger.epsilon())
     assert strategy.ledger.epsilon() > first
+
+
+def test_a_distributed_dp_attempt_that_fails_after_consistency_is_not_retried_with_its_confirmers(
+        server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
+    """One client vanishes after its masked input: it never confirms, so the attempt fails
+    at consistency. Its confirmers' inputs may already be unmasked by their neighbours,
+    so as distributed-DP clients they take part in no retry of the round, and the server
+    does not ask them: the round fails after one attempt (the next one runs as usual)."""
+    from fedloom.secagg import Stage
+
+    config = server_config(**mtls, num_rounds=2, min_clients=8, min_fit_clients=8,
+                           fraction_evaluate=0.0, secure_aggregation=secagg(),
+                           privacy=_private(1e-4, expected_dropout=0.25))
+    server = Server(config, initial_weights=small_weights())
+    handle = server.start()
+    clients = [RecordingClient(seed=i, num_examples=10) for i in range(8)]
+    # the others answer masked input 1 s later: the victim is gone before the stage
+    # closes, with its masked input in (a survivor that will never confirm)
+    behaviours = {i: Behaviour(delay={Stage.MASKED_INPUT: 1.0}) for i in range(1, 8)}
+    behaviours[0] = Behaviour(vanish_after=Stage.MASKED_INPUT, stay_away=False)
+    runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
+    history = handle.wait(90)
+    stop_runners(runners, threads)
+    assert behaviours[0].vanished.is_set()
+    first = history[0].secure_aggregation
+    assert history[0].status == "failed", history
+    assert first["attempts"] == 1
+    assert "did not confirm the survivor set" in first["failure"]
+    assert history[1].status == "ok", history
