@@ -310,7 +310,9 @@ class ServerConfig:
         self.secure_aggregation.check_server(self.min_fit_clients, self.over_selection,
                                              authenticated=self.mutual_tls)
         self.privacy.check_server(secure=self.secure_aggregation.enabled,
-                                  over_selection=self.over_selection)
+                                  over_selection=self.over_selection,
+                                  min_fit_clients=self.min_fit_clients,
+                                  round_retries=self.round_retries)
         if self.rounds.asynchronous:
             _check_async(self)
         check_compression(self.compression, secure=self.secure_aggregation.enabled)

@@ -191,7 +191,8 @@ class PrivacyConfig:
         """The clipped count's noise std: the setting, or expected clients / 20."""
         return self.count_noise_std or max(expected_clients, 1.0) / 20.0
 
-    def check_server(self, *, secure: bool, over_selection: float) -> None:
+    def check_server(self, *, secure: bool, over_selection: float, min_fit_clients: int = 1,
+                     round_retries: int = 0) -> None:
         """Refuse what a server cannot run with these settings (raises `ConfigError`)."""
         if not self.enabled:
             return
@@ -201,6 +202,21 @@ class PrivacyConfig:
                 "must be 1 with [privacy]: with over-selection the aggregated clients are "
                 "the first to answer, which the accountant cannot account for",
             )
+        if self.mode == "central" and self.sampling == "poisson":
+            # Rounds not released (too few updates) or drawn again (a retry) make the
+            # released ones likelier to hold a given client than the rate q says.
+            if min_fit_clients > 1:
+                raise ConfigError(
+                    "min_fit_clients",
+                    f"is {min_fit_clients}, but with [privacy] sampling = \"poisson\" every "
+                    "round must be released whatever its size (a round held back for too "
+                    "few updates skews who is in the released ones): set it to 1, or use "
+                    'sampling = "fixed"')
+            if round_retries > 0:
+                raise ConfigError(
+                    "round_retries",
+                    "must be 0 with [privacy] sampling = \"poisson\": a failed round drawn "
+                    "again skews who is in the released rounds")
         if self.mode == "distributed" and not secure:
             raise _fail(
                 "mode",
