@@ -76,7 +76,8 @@ class SelectionConfig:
 
     The server builds it from its own top-level settings (`ServerConfig.selection`), a
     simulation from its scenario, so a strategy samples exactly what its runner waits
-    for. Sampling is seeded and checkpointed (`fedloom.strategies.ClientSampler`).
+    for. Sampling is seeded and checkpointed (`fedloom.strategies.ClientSampler`), except
+    under central differential privacy, which samples secretly (`ClientSampler.secret`).
 
     >>> SelectionConfig(fraction_fit=0.5, min_fit_clients=3, seed=1).fraction_evaluate
     1.0
@@ -92,7 +93,7 @@ class SelectionConfig:
     min_evaluate_clients: int = described(
         0, "fewest clients sampled for federated evaluation, when it is enabled")
     seed: int = described(0, "seed of client sampling (checkpointed, so a resumed run "
-                             "samples alike)")
+                             "samples alike; central DP samples secretly instead)")
 
     def __post_init__(self) -> None:
         check(math.isfinite(self.fraction_fit) and 0.0 < self.fraction_fit <= 1.0,

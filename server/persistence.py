@@ -111,7 +111,7 @@ class RunPersistence:
         state_dir = Path(config.state_dir)
         lost: list[int] = []  # newer rounds whose checkpoints cannot be used
         for record in reversed(store.rounds(run_id)):
-            if lost and config.privacy.enabled:
+            if lost and config.privacy.enabled and not finished:  # finished: trains nothing
                 raise ConfigError(
                     "state_dir",
                     f"run {run_id} is private and its newest checkpoints (rounds "

@@ -5,7 +5,8 @@ rules...) into a Flower ``ServerApp``; Flower's own ``Strategy.start`` runs the 
 What it adds to Flower's behaviour, by design:
 
 - **seeded sampling**: clients are chosen by the fedloom strategy's seeded sampler
-  (Flower's own strategies use an unseeded ``random.sample``). To sample by partition
+  (Flower's own strategies use an unseeded ``random.sample``; central DP samples
+  secretly, `fedloom.strategies.ClientSampler.secret`). To sample by partition
   rather than by Flower's random node ids, the bridge asks each new node once for its
   ``partition-id`` (the ``query.fedloom_identity`` message that `to_client_app`
   answers; see "Identity" below) and presents it as `plan.client_info`;

@@ -68,6 +68,7 @@ from fedloom.errors import ConfigError, MessageRejectedError, SecureAggregationE
 from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.payload import digest, serialize
 from fedloom.privacy._distributed import (
+    announces_distributed_dp,
     encode_for_secagg,
     from_fit_config,
     masked_length,
@@ -206,7 +207,8 @@ class LocalSecureAggregation:
                 outcome = f"the round cannot start: {exc}"
                 break
             report.participants = setup.participants
-            outcome, failed = self._run_attempt(setup, server_round, inputs, report)
+            outcome, failed = self._run_attempt(setup, server_round, inputs, report,
+                                                announces_distributed_dp(plan.config))
             if not isinstance(outcome, str):
                 break
             report.failures.append(outcome)
@@ -223,9 +225,11 @@ class LocalSecureAggregation:
         return dataclasses.replace(result, metrics=metrics)
 
     def _run_attempt(self, setup: RoundSetup, server_round: int,
-                     inputs: dict[str, tuple[Weights | np.ndarray, int]], report: SecureRoundReport
+                     inputs: dict[str, tuple[Weights | np.ndarray, int]],
+                     report: SecureRoundReport, private: bool = False
                      ) -> tuple[SecAggResult | str, set[str]]:
-        """One attempt; its result (or why it failed) and the clients a retry leaves out."""
+        """One attempt; its result (or why it failed) and the clients a retry leaves out
+        (as the server: in a distributed-DP round, also those that confirmed)."""
         with contextlib.ExitStack() as stack:
             map_fn: MapFn = map  # lazy: one client at a time
             if self.workers > 1 and setup.vector_length >= PARALLEL_LENGTH:
@@ -248,7 +252,8 @@ class LocalSecureAggregation:
                     self._run_stage(server, clients, inputs, vanishing, report, map_fn)
                     vanishing = frozenset()  # they are gone; nothing more to drop
             except SecureAggregationError as exc:
-                return str(exc), server.failed_clients | server.culprits | server.revealed
+                excluded = server.failed_clients | server.culprits | server.revealed
+                return str(exc), (excluded | server.confirmed) if private else excluded
             return server.result, set()
 
     def _client(self, client_id: str, server_round: int, pki: _LocalPki | None

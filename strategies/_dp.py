@@ -45,6 +45,7 @@ import numpy as np
 from fedloom.errors import AggregationError, ConfigError, PrivacyBudgetExhausted
 from fedloom.fit_config import UPDATE_NORM
 from fedloom.privacy import PrivacyAccountant, PrivacyConfig, RoundEvent
+from fedloom.privacy._accountant import none_multiplier
 from fedloom.strategies._base import StateDict
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
@@ -168,6 +169,7 @@ class CentralDPStrategy(PrivateMeanWrapper):
             self.inner.sampler = ClientSampler.secret()
         # round -> (the event it would record, the data-independent denominator)
         self._planned: dict[int, _Planned] = {}
+        self._unsampled = 0  # the round whose Poisson draw was empty, if the last was
 
     def __repr__(self) -> str:
         return (f"CentralDPStrategy({self.inner!r}, z={self.privacy.noise_multiplier}, "
@@ -188,8 +190,12 @@ class CentralDPStrategy(PrivateMeanWrapper):
             plan = inner.configure_fit(server_round, current, clients)
             chosen, config = plan.client_ids, plan.config
             m = len(chosen)
-            event, expected = RoundEvent(p.noise_multiplier, m, n), float(m)
+            z = p.noise_multiplier
+            if p.sampling == "none":  # everyone at any n, or an added client may displace
+                z = none_multiplier(z, inner.selection.fraction_fit < 1.0)
+            event, expected = RoundEvent(z, m, n), float(m)
         self._planned = {}
+        self._unsampled = 0 if chosen else server_round  # a Poisson draw of nobody
         if chosen:  # an impossible noise split is refused here, before clients train
             planned = _Planned(event, expected, *self._noise_split(expected))
             if p.target_epsilon:
@@ -204,6 +210,9 @@ class CentralDPStrategy(PrivateMeanWrapper):
         self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
     ) -> AggregateResult:
         planned = self._planned.get(server_round)
+        if planned is None and server_round == self._unsampled:
+            return AggregateResult(None, num_updates=0,
+                                   reason="no client was sampled (the Poisson draw was empty)")
         if planned is None:
             raise AggregationError(f"round {server_round} was not configured by this strategy")
         event, expected, z_delta, count_std = planned

@@ -111,12 +111,16 @@ def dp_event(event: RoundEvent, sampling: str) -> Any:
     if sampling == "poisson":
         return dpa.PoissonSampledDpEvent(event.rate, dpa.GaussianDpEvent(z))
     if sampling == "none":
-        if 0 < event.sampled < event.population:
-            # A fixed-size round of m < n: a client added to the population may take the
-            # place of one who was in, moving the clipped sum by up to 2C (replace-one).
-            return dpa.GaussianDpEvent(z / 2)
         return dpa.GaussianDpEvent(z)
     raise ValueError(f"unknown sampling {sampling!r}")
+
+
+def none_multiplier(z: float, displaceable: bool) -> float:
+    """The multiplier a ``"none"`` round is accounted at: z when the round takes every
+    eligible client whatever their number; z / 2 when a client added to the federation
+    could be sampled in place of one who was in (a fixed round size below the
+    population), which moves the clipped sum by up to 2C."""
+    return z / 2 if displaceable else z
 
 
 def new_backend(kind: str, sampling: str) -> Any:
@@ -239,9 +243,11 @@ def calibrate_noise_multiplier(
     if accountant == "pld" and sampling == "fixed":
         raise ConfigError("accountant", "PLD does not cover fixed-size sampling; use rdp")
     base, dpa = RoundEvent(1.0, sampled, population, rate), _lib()
+    # "none" over m < n clients: the run records z / 2 (`none_multiplier`)
+    factor = none_multiplier(1.0, sampled < population) if sampling == "none" else 1.0
 
     def event(z: float) -> Any:
-        one = dp_event(dataclasses.replace(base, noise_multiplier=z), sampling)
+        one = dp_event(dataclasses.replace(base, noise_multiplier=z * factor), sampling)
         return dpa.SelfComposedDpEvent(one, rounds)
 
     lowest, highest = 1e-2, 1e3

@@ -50,7 +50,7 @@ import os
 import time
 from typing import Any
 
-from fedloom.errors import ConfigError, RejectReason, SecureAggregationError
+from fedloom.errors import AggregationError, ConfigError, RejectReason, SecureAggregationError
 from fedloom.messages import Capability
 from fedloom.payload import PayloadInfo
 from fedloom.privacy._distributed import (
@@ -202,7 +202,15 @@ class SecureRounds(RoundDriver):
         record.num_updates, record.num_failures = survivors, record.num_sampled - survivors
         info.update(survivors=survivors, dropped=len(outcome.dropped),
                     total_examples=round(outcome.total_examples))
-        record.result = await self._apply(strategy, server_round, current, outcome)
+        try:
+            record.result = await self._apply(strategy, server_round, current, outcome)
+        except (AggregationError, SecureAggregationError) as exc:
+            # e.g. a distributed-DP sum whose contributor count does not match: the round
+            # fails and is committed as failed (with the strategy's state: its ledger
+            # has this unmasked sum); the server carries on
+            log.warning("secure round %d failed: %s; the global model is unchanged",
+                        server_round, exc)
+            info["failure"] = str(exc)
         return record
 
     def _setup(self, server_round: int, participants: list[str], current: Weights,

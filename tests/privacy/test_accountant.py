@@ -38,10 +38,9 @@ def reference_event(event: RoundEvent, sampling: str) -> Any:
       one client's clipped delta u (norm <= C) by v moves the sum by u - v, of norm up to
       2C; noise std z C over sensitivity 2C is a Gaussian of multiplier z / 2.
     - ``"poisson"``: each client with probability q, add-or-remove (sensitivity C): z.
-    - ``"none"``: no amplification. Every eligible client in the round: adding one
-      adds its clipped delta (norm <= C), a plain Gaussian of multiplier z. A fixed-size
-      round of m < n: an added client may be sampled in place of one who was in, moving
-      the sum by up to 2C, so z / 2.
+    - ``"none"``: a plain Gaussian of the event's multiplier (no amplification; the
+      strategy halves z when a round's sample could be displaced, see
+      `test_none_halves_z_when_an_added_client_could_displace_one`).
     """
     z = event.noise_multiplier
     if sampling == "fixed":
@@ -53,8 +52,7 @@ def reference_event(event: RoundEvent, sampling: str) -> Any:
     if sampling == "poisson":
         return dp_accounting.PoissonSampledDpEvent(event.rate, dp_accounting.GaussianDpEvent(z))
     assert sampling == "none"
-    displaced = 0 < event.sampled < event.population
-    return dp_accounting.GaussianDpEvent(z / 2 if displaced else z)
+    return dp_accounting.GaussianDpEvent(z)
 
 
 def reference_backend(kind: str, sampling: str) -> Any:
@@ -185,20 +183,14 @@ def _flower_epsilon(method: str, z: float, sample_size: int, population: int,
 def test_no_amplification_equals_flowers_accountant(z: float, rounds: int) -> None:
     """Flower's fixed-clipping DP accounts each round as a plain Gaussian of multiplier z
     (uniform weights, no amplification, add-or-remove): fedloom's ``sampling = "none"``
-    when every eligible client takes part. When a fixed-size round samples m < n, an
-    added client may displace one who was in (sensitivity 2C): fedloom then accounts a
-    Gaussian of z / 2, which Flower's accountant does not (it reports the smaller ε)."""
-    n = 50
-    full = PrivacyAccountant("rdp", "none", DELTA)
-    part = PrivacyAccountant("rdp", "none", DELTA)
+    event. (Its strategy records z / 2 when an added client could displace a
+    participant, which Flower's does not: see the strategy's test.)"""
+    n, m = 50, 10
+    accountant = PrivacyAccountant("rdp", "none", DELTA)
     for _ in range(rounds):
-        full.record(RoundEvent(z, n, n))
-        part.record(RoundEvent(z, 10, n))
-    assert full.epsilon() == pytest.approx(
-        _flower_epsilon("no-amplification", z, n, n, rounds), rel=1e-9)
-    assert part.epsilon() == pytest.approx(
-        _flower_epsilon("no-amplification", z / 2, 10, n, rounds), rel=1e-9)
-    assert part.epsilon() > _flower_epsilon("no-amplification", z, 10, n, rounds)
+        accountant.record(RoundEvent(z, m, n))
+    expected = _flower_epsilon("no-amplification", z, m, n, rounds)
+    assert accountant.epsilon() == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("rounds", [1, 4])
@@ -377,3 +369,12 @@ def test_impossible_calibrations_raise_config_error(
     with pytest.raises(ConfigError) as info:
         calibrate_noise_multiplier(*args, **kwargs)
     assert info.value.setting == setting
+
+
+def test_none_calibration_over_a_partial_round_is_twice_the_full_one() -> None:
+    """A ``"none"`` round over m < n clients is recorded at z / 2 (an added client may
+    displace a participant), so its calibrated z is twice the full round's."""
+    full = calibrate_noise_multiplier(2.0, DELTA, 5, sampling="none")
+    part = calibrate_noise_multiplier(2.0, DELTA, 5, sampling="none", sampled=10,
+                                      population=50)
+    assert part == pytest.approx(2 * full, rel=2e-3)

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import numpy as np
+import pytest
 from central_dp_support import (
     TINY_Z,
     central,
@@ -89,3 +90,34 @@ def test_a_deployed_run_samples_secretly_and_never_checkpoints_the_sampler() -> 
                          sampling="poisson")
     assert not seeded.inner.sampler.is_secret and "bit_generator" in seeded.state_dict(
     )["inner"]["sampler"]
+
+
+@pytest.mark.parametrize(("fraction", "population", "halved"), [
+    (1.0, 3, False),   # everyone, at any number of clients: an added one adds C
+    (0.5, 6, True),    # 3 of 6: an added client may be sampled in place of one who was in
+    (0.5, 3, True),    # 3 of 3 only because min_fit_clients is 3; at 4 clients, 3 of 4
+])
+def test_none_halves_z_when_an_added_client_could_displace_one(
+        fraction: float, population: int, halved: bool) -> None:
+    from fedloom.privacy import PrivacyAccountant, RoundEvent
+
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=fraction,
+                                                             min_fit_clients=3)),
+                           sampling="none", noise_multiplier=2.0)
+    chosen, result = run_round(strategy, 1, model(), population,
+                               lambda cid: delta_of_norm(np.random.default_rng(0), 0.5))
+    assert len(chosen) == 3 and result.weights is not None
+    reference = PrivacyAccountant("rdp", "none", strategy.privacy.delta)
+    reference.record(RoundEvent(1.0 if halved else 2.0, 3, population))
+    assert strategy.accountant.epsilon() == pytest.approx(reference.epsilon(), rel=1e-12)
+
+
+def test_an_empty_poisson_draw_is_a_failed_round_that_says_why() -> None:
+    """Nobody drawn: the round releases nothing and spends nothing, and says so (it is
+    not an unconfigured round)."""
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=1e-9)),
+                           sampling="poisson")
+    chosen, result = run_round(strategy, 1, model(), 5, lambda cid: None)
+    assert chosen == () and result.weights is None
+    assert "Poisson draw was empty" in result.reason
+    assert strategy.accountant.num_rounds == 0

@@ -24,12 +24,14 @@ from fedloom.simulations.history import RoundRecord
 from fedloom.strategies import FedAvg, apply_privacy
 
 
-def _three_rounds(config: ServerConfig) -> Path:
-    """Start a run, commit rounds 1-3, damage round 3's checkpoint; its path."""
+def _three_rounds(config: ServerConfig, finish: bool = False) -> Path:
+    """Start a run, commit rounds 1-3 (and finish it), damage round 3's checkpoint."""
     strategy = apply_privacy(FedAvg(), config.privacy)
     persistence = RunPersistence.open(config, small_weights(), strategy)
     for r in (1, 2, 3):
         persistence.commit(RoundRecord(r), small_weights(), strategy.state_dict(), time.time())
+    if finish:
+        persistence.finish()
     store = RunStore(Path(config.state_dir) / "fedloom.db")
     latest = store.latest_round(store.runs()[-1].run_id)
     store.close()
@@ -55,3 +57,16 @@ def test_a_private_run_refuses_to_resume_behind_its_lost_rounds(
         return
     with pytest.raises(ConfigError, match=r"newest checkpoints \(rounds 3\) are not usable"):
         RunPersistence.open(config, small_weights(), strategy)
+
+
+def test_a_finished_private_run_still_opens_as_finished(
+        server_config: Callable[..., ServerConfig]) -> None:
+    """A finished run trains nothing, so nothing more is spent: it opens as it ended (and
+    its clients are told so) even when its last checkpoint is unusable."""
+    privacy = PrivacyConfig(mode="central", noise_multiplier=1.0, clip_norm=1.0,
+                            sampling="poisson")
+    config = server_config(privacy=privacy, fraction_fit=0.5, min_fit_clients=1)
+    _three_rounds(config, finish=True)
+    opened = RunPersistence.open(config, small_weights(), apply_privacy(FedAvg(), privacy))
+    assert opened.finished and opened.completed_round == 2
+    opened.close()

@@ -317,3 +317,68 @@ def test_a_distributed_dp_attempt_that_fails_after_consistency_is_not_retried_wi
     assert first["attempts"] == 1
     assert "did not confirm the survivor set" in first["failure"]
     assert history[1].status == "ok", history
+
+
+def test_a_sum_that_fails_its_checks_fails_the_round_not_the_server(
+        server_config, mtls, pki, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every client claims two contributors in its encoding (a bug, or a client out to
+    stop the server): the unmasked sum's count does not match its survivors. Each round
+    fails and is committed as failed, the server carries on, and the checkpointed ledger
+    holds both unmasked sums (the server saw them)."""
+    from pathlib import Path
+
+    import fedloom.client_sdk.secure_fit as secure_fit
+    from fedloom.server.checkpoint import load_checkpoint
+    from fedloom.server.store import RunStore
+
+    honest = secure_fit.encode_for_secagg
+
+    def lying(*args: Any, **kwargs: Any) -> np.ndarray:
+        encoded = honest(*args, **kwargs)
+        encoded[-1] = 2
+        return encoded
+
+    monkeypatch.setattr(secure_fit, "encode_for_secagg", lying)
+    config = server_config(**mtls, num_rounds=2, min_clients=7, min_fit_clients=7,
+                           fraction_evaluate=0.0, secure_aggregation=secagg(),
+                           privacy=_private(1e-4))
+    server = Server(config, initial_weights=small_weights())
+    handle = server.start()
+    clients = [RecordingClient(seed=i, num_examples=10) for i in range(7)]
+    runners, threads = start_runners(handle.address, clients, {}, pki=pki)
+    history = handle.wait(60)
+    stop_runners(runners, threads)
+    assert [r.status for r in history] == ["failed", "failed"]
+    assert "counts 14 contributors, but 7 survived" in history[0].secure_aggregation["failure"]
+    store = RunStore(Path(config.state_dir) / "fedloom.db")
+    last = store.latest_round(store.runs()[-1].run_id)
+    store.close()
+    assert last is not None and last.round == 2
+    state = load_checkpoint(Path(config.state_dir) / last.checkpoint, last.sha256)
+    rounds = state.strategy_state["privacy"]["ledger"]["rounds"]
+    assert int(np.asarray(rounds).reshape(-1)[0]) == 2
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_the_local_engine_leaves_out_distributed_dp_confirmers_as_the_server_does(
+        private: bool) -> None:
+    """A client vanishes after its masked input: attempt 1 fails at consistency. As over
+    gRPC, a distributed-DP round does not retry with the clients that confirmed (their
+    inputs may be unmasked already); a plain secure round retries without the one gone."""
+    from fedloom.simulations.local_engine import run_local
+    from fedloom.simulations.local_secure import LocalSecureAggregation
+    from fedloom.simulations.secure_dropout import SecureDropout
+
+    secure = LocalSecureAggregation(secagg(max_weight=200.0), seed=1,
+                                    dropout=SecureDropout(fraction=0.125, after="masked_input"))
+    clients = {i: RecordingClient(seed=i, num_examples=10) for i in range(8)}
+    inner = FedAvg(selection=SelectionConfig(min_fit_clients=8))
+    strategy = apply_privacy(inner, _private(1.0, expected_dropout=0.25)) if private else inner
+    history = run_local(strategy, lambda i: clients[i], small_weights(), num_clients=8,
+                        num_rounds=1, secure_aggregation=secure)
+    report = secure.reports[0]
+    assert "did not confirm the survivor set" in report.failures[0]
+    if private:
+        assert report.attempts == 1 and history.rounds[1].metrics.get("num_updates", 0) == 0
+    else:
+        assert report.attempts == 2 and len(report.survivors) == 7
