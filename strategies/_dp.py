@@ -231,8 +231,8 @@ class CentralDPStrategy(PrivateMeanWrapper):
             if not math.isfinite(norm):
                 # min(1, C / nan) is 1: unclipped, it would pass every other value whole.
                 # It counts as a zero update (bounded, like any other), never as a hole.
-                logger.warning("round %d: client %s sent a non-finite update; it counts as zero",
-                            server_round, update.client_id)
+                logger.warning("round %d: client %s sent a non-finite update; it counts "
+                               "as zero", server_round, update.client_id)
                 continue
             scale = min(1.0, clip / norm) if norm > 0 else 1.0
             for name, total in sums.items():

@@ -226,8 +226,9 @@ def calibrate_noise_multiplier(
 
     The search is dp-accounting's (`mechanism_calibration.calibrate_dp_mechanism`) over
     the same events a run records: ``sampling = "fixed"`` needs ``sampled`` m and
-    ``population`` n, ``"poisson"`` needs ``rate`` q. Raises `ConfigError` for
-    settings it cannot account for.
+    ``population`` n, ``"poisson"`` needs ``rate`` q; ``"none"`` takes m and n when the
+    round does not take every client (its events are then at z / 2, `none_multiplier`).
+    Raises `ConfigError` for settings it cannot account for.
     """
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ConfigError("target_epsilon", f"must be a positive number, got {target_epsilon}")
