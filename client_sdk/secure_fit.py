@@ -60,6 +60,7 @@ from fedloom.privacy._skellam import SkellamParams
 from fedloom.secagg import (
     STAGE_OF,
     AdvertiseKeysRequest,
+    DealerAccused,
     MaskedInputReply,
     MaskedInputRequest,
     PeerVerifier,
@@ -70,6 +71,7 @@ from fedloom.secagg import (
     SecAggReply,
     SecAggRequest,
     SigningIdentity,
+    accusation_failure,
     clip_delta,
     config_digest,
     flatten,
@@ -129,8 +131,9 @@ class SecureFit:
             reply, payload, update = self._answer(task, request, weights)
         except SecureAggregationError as exc:
             log.warning("secure round %d: %s", task.round, exc)
-            return ResultHeader(session, task.task_id, task.round, None,
-                                failure=f"SecureAggregationError: {exc}"), None
+            failure = (accusation_failure(exc) if isinstance(exc, DealerAccused)
+                       else f"SecureAggregationError: {exc}")
+            return ResultHeader(session, task.task_id, task.round, None, failure=failure), None
         header = ResultHeader(session, task.task_id, task.round, TaskKind.SECAGG, update=update,
                               secagg=reply)
         stage = str(STAGE_OF[type(request)])  # the protocol's own cost, training apart

@@ -39,6 +39,7 @@ is the adversary; it must not learn one honest client's update.
 """
 
 from fedloom.secagg._client import RoundLedger, SecAggClient
+from fedloom.secagg._client_state import DealerAccused, accusation_failure, accused_dealer
 from fedloom.secagg._config import SecAggConfig, ceil_log2, dropout_failure_bound
 from fedloom.secagg._crypto import (
     MASK_KEY,
@@ -109,6 +110,7 @@ __all__ = [
     "Confirmation",
     "ConsistencyReply",
     "ConsistencyRequest",
+    "DealerAccused",
     "EncryptedShare",
     "KeyOffer",
     "MaskExpander",
@@ -134,6 +136,8 @@ __all__ = [
     "UnmaskReply",
     "UnmaskRequest",
     "VerifiedPeer",
+    "accusation_failure",
+    "accused_dealer",
     "aes_ctr_keystream",
     "agree",
     "ceil_log2",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from fedloom.errors import SecureAggregationError
-from fedloom.secagg._client_state import Attempt, NotThisAttempt
+from fedloom.secagg._client_state import Attempt, DealerAccused, NotThisAttempt
 from fedloom.secagg._config import SecAggConfig
 from fedloom.secagg._crypto import (
     MASK_KEY,
@@ -175,16 +175,17 @@ class ClientChecks:
             plaintext = open_share(key, setup, sender, self.client_id, share.nonce,
                                    share.ciphertext, graph_seed=attempt.graph_seed)
         except SecureAggregationError as exc:
-            self._refuse(str(exc))
+            self._accuse(sender, str(exc))
         if len(plaintext) != 2 * SHARE_BYTES:
-            self._refuse(f"the share from {sender!r} is malformed")
+            self._accuse(sender, f"the share from {sender!r} is malformed")
         key_share, seed_share = plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:]
         if (commit_share(setup, sender, self.client_id, MASK_KEY, key_share)
                 != commitment.mask_key
                 or commit_share(setup, sender, self.client_id, SELF_MASK, seed_share)
                 != commitment.self_mask):
-            self._refuse(f"the shares from {sender!r} do not match the commitments published "
-                         "with them (a dealer that commits to one share and sends another)")
+            self._accuse(sender, f"the shares from {sender!r} do not match the commitments "
+                         "published with them (a dealer that commits to one share and sends "
+                         "another)")
         return key_share, seed_share
 
     def _check_policy(self, setup: RoundSetup) -> None:
@@ -208,6 +209,10 @@ class ClientChecks:
     def _refuse(self, why: str) -> NoReturn:
         """Refuse a request of the current attempt; `_guarded` then ends the attempt."""
         raise SecureAggregationError(f"client {self.client_id!r} refuses: {why}")
+
+    def _accuse(self, dealer: str, why: str) -> NoReturn:
+        """Refuse the attempt over ``dealer``'s share, naming it (`DealerAccused`)."""
+        raise DealerAccused(dealer, f"client {self.client_id!r} refuses: {why}")
 
     def _ignore(self, why: str) -> NoReturn:
         """Refuse a request that is not part of the current attempt (which goes on)."""

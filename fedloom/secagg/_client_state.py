@@ -19,6 +19,33 @@ class NotThisAttempt(SecureAggregationError):
     """A request for another (older, used or foreign) round attempt."""
 
 
+class DealerAccused(SecureAggregationError):
+    """A share from ``dealer`` does not open, or does not match the commitment its
+    dealer published: this client refuses the attempt and names the dealer."""
+
+    def __init__(self, dealer: str, message: str) -> None:
+        super().__init__(message)
+        self.dealer = dealer
+
+
+#: How a client's task failure names the dealer it accuses (`accusation_failure`); the
+#: server reads it back with `accused_dealer`.
+ACCUSATION_PREFIX = "DealerAccused "
+
+
+def accusation_failure(exc: DealerAccused) -> str:
+    """The task failure a client reports for ``exc``: the prefix, the dealer, the why."""
+    return f"{ACCUSATION_PREFIX}{exc.dealer}: {exc}"
+
+
+def accused_dealer(failure: str) -> str | None:
+    """The dealer a task failure accuses (`accusation_failure`), or None."""
+    if not failure.startswith(ACCUSATION_PREFIX):
+        return None
+    dealer, sep, _ = failure[len(ACCUSATION_PREFIX):].partition(": ")
+    return dealer if sep and dealer and " " not in dealer else None
+
+
 @dataclasses.dataclass(eq=False)
 class Offer:
     """The private halves of the client's outstanding `KeyOffer`."""

@@ -53,6 +53,7 @@ from fedloom.secagg import (
     SecAggServer,
     SecAggStatus,
     Stage,
+    accused_dealer,
 )
 from fedloom.secagg._unmask import MapFn
 from fedloom.server.registry import ClientRecord
@@ -136,6 +137,10 @@ class SecureAttempt:
         self._book = book
         self._ended = False  # the attempt is over: no result is taken any more
         self._dropped: set[str] = set()
+        #: dealers named by a neighbour that refused their share (left out of a retry)
+        self.accused: set[str] = set()
+        #: survivors that refused to confirm the survivor set (sat out of later rounds)
+        self.withheld: set[str] = set()
         self._spool_dir = spool_dir
         self._loop = asyncio.get_running_loop()
         self._open: dict[str, StageTask] = {}  # client id -> its task of the open stage
@@ -255,6 +260,18 @@ class SecureAttempt:
     def failed(self, task: Task, message: str) -> None:
         stage = _stage(task)
         log.warning("client %s failed secure stage %s: %s", task.client_id, stage, message)
+        if stage is Stage.CONSISTENCY:  # refused the survivor set an honest server sent
+            self.withheld.add(task.client_id)
+        dealer = accused_dealer(message) if stage is Stage.MASKED_INPUT else None
+        if dealer is not None and dealer in self.machine.graph.get(task.client_id, ()):
+            # Unproven (the share cannot be shown without revealing it), so no strike; but
+            # a retry leaves the accused out, as it leaves out the accuser (who refused):
+            # a dealer of bad shares cannot sink attempt after attempt, and a false
+            # accusation costs its maker its own seat.
+            self.accused.add(dealer)
+            log.warning("secure round %s: client %s accuses client %s of dealing a share "
+                        "that does not open or match its commitment", self.setup.round_id,
+                        task.client_id, dealer)
         self.drop(task.client_id, f"client failure in {stage}")
 
     def end_reason(self, task: Task) -> str:

@@ -80,6 +80,9 @@ log = logging.getLogger("fedloom.server")
 
 __all__ = ["SecureRounds"]
 
+#: Rounds a client that refused to confirm a survivor set sits out (`SecureRounds._bench`).
+BENCH_ROUNDS = 5
+
 class SecureRounds(RoundDriver):
     """The round driver of secure (SecAgg+) fit rounds: one or more attempts a round."""
 
@@ -119,6 +122,8 @@ class SecureRounds(RoundDriver):
         self.last_setup: RoundSetup | None = None
         #: Wall seconds of each stage of the last attempt (also in the round's record).
         self.last_stage_s: dict[str, float] = {}
+        # identity (or session id) -> the last round it sits out (`BENCH_ROUNDS`)
+        self._benched: dict[str, int] = {}
 
     @property
     def running(self) -> tuple[int, Stage] | None:
@@ -148,6 +153,8 @@ class SecureRounds(RoundDriver):
         parts.reporter.round_started(server_round, self.config.num_rounds,
                                      self.config.min_fit_clients)
         eligible = await parts.fleet.wait_for(self.config.min_fit_clients, Capability.SECAGG)
+        eligible = [c for c in eligible if self._benched.get(self._who(c.client_id), 0)
+                    < server_round]
         current, payload, payload_info = parts.model.weights, parts.model.payload, parts.model.info
         try:
             outcome = await self._run_round(server_round, current, eligible, payload,
@@ -266,6 +273,8 @@ class SecureRounds(RoundDriver):
                             "its committed secret", setup.round_id.server_round, culprit)
                 self.parts.fleet.strike_id(culprit, RejectReason.INVALID)
             excluded = machine.failed_clients | machine.culprits | machine.revealed
+            excluded |= attempt.accused & set(setup.participants)
+            self._bench(attempt.withheld, setup.round_id.server_round)
             if announces_distributed_dp(fit_config):  # they count a confirmation as taking
                 excluded |= machine.confirmed        # part (fedloom.secagg._client)
             return str(exc), excluded
@@ -274,6 +283,21 @@ class SecureRounds(RoundDriver):
             ServerMetrics.tasks_closed("fit", attempt.fit_outcomes())
             self._offers.update(attempt.machine.new_offers)  # unused: for a later attempt
             self._attempt = None
+
+    def _who(self, client_id: str) -> str:
+        record = self.registry.get(client_id)
+        return (record.identity or client_id) if record is not None else client_id
+
+    def _bench(self, clients: set[str], server_round: int) -> None:
+        """Survivors that refused to confirm the survivor set: an honest server's set is
+        one every honest client confirms, so each refusal fails the attempt on purpose
+        (in a distributed-DP round, the whole round). Each gets a strike and sits out
+        the next `BENCH_ROUNDS` rounds, so it cannot fail round after round."""
+        for client_id in sorted(clients):
+            log.warning("secure round %d: client %s refused to confirm the survivor set; it "
+                        "sits out %d rounds", server_round, client_id, BENCH_ROUNDS)
+            self._benched[self._who(client_id)] = server_round + BENCH_ROUNDS
+            self.parts.fleet.strike_id(client_id, RejectReason.INVALID)
 
     async def _apply(self, strategy: Strategy, server_round: int, current: Weights,
                      outcome: SecAggResult) -> AggregateResult:

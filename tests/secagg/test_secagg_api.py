@@ -18,7 +18,7 @@ EXPORTED = {
     "AdvertiseKeysRequest", "AdvertisedKeys", "Confirmation", "ConsistencyReply",
     "ConsistencyRequest", "EncryptedShare", "KeyOffer", "MaskExpander",
     "MaskedInputReply", "MaskedInputRequest", "PeerVerifier", "RevealedShare", "RoundId",
-    "RoundLedger",
+    "RoundLedger", "DealerAccused", "accusation_failure", "accused_dealer",
     "RoundSetup", "SecAggConfig", "SecAggReply", "SecAggRequest", "ShareCommitment",
     "ShareKeysReply", "ShareKeysRequest", "SigningIdentity", "Stage", "UnmaskReply",
     "UnmaskRequest", "VerifiedPeer", "aes_ctr_keystream", "agree", "ceil_log2",

@@ -382,3 +382,45 @@ def test_the_local_engine_leaves_out_distributed_dp_confirmers_as_the_server_doe
         assert report.attempts == 1 and history.rounds[1].metrics.get("num_updates", 0) == 0
     else:
         assert report.attempts == 2 and len(report.survivors) == 7
+
+
+def test_a_client_that_refuses_to_confirm_sits_out_the_next_rounds(
+        server_config, mtls, pki, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Threat model: one client answers every consistency task with a refusal (an honest
+    server's survivor set is one every honest client confirms). In a distributed-DP round
+    that fails the round (the confirmers join no retry). The refuser gets a strike and
+    sits out the next rounds, so the run goes on without it instead of failing again."""
+    import logging
+    import threading
+
+    import e2e_harness
+    from e2e_harness import HarnessRunner
+
+    from fedloom.secagg import Stage
+
+    class Refuser(HarnessRunner):
+        def _misbehave(self, context: Any, call_next: Any) -> Any:
+            if context.stage is Stage.CONSISTENCY:
+                return context.failure("this client refuses to confirm")
+            return super()._misbehave(context, call_next)
+
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    config = server_config(**mtls, num_rounds=3, min_clients=8, min_fit_clients=8,
+                           fraction_evaluate=0.0, secure_aggregation=secagg(),
+                           privacy=_private(1e-4, expected_dropout=0.25))
+    server = Server(config, initial_weights=small_weights())
+    handle = server.start()
+    clients = [RecordingClient(seed=i, num_examples=10) for i in range(8)]
+    runners = [(Refuser if i == 0 else HarnessRunner)(
+        c, e2e_harness.client_config(handle.address, pki, i), Behaviour())
+        for i, c in enumerate(clients)]
+    threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
+    for thread in threads:
+        thread.start()
+    history = handle.wait(120)
+    stop_runners(runners, threads)
+    assert [r.status for r in history] == ["failed", "ok", "ok"], history
+    assert history[0].secure_aggregation["attempts"] == 1
+    assert all(r.num_updates == 7 for r in history[1:])
+    assert any("refused to confirm the survivor set; it sits out 5 rounds" in r.getMessage()
+               for r in caplog.records)
