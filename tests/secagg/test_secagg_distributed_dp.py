@@ -290,6 +290,16 @@ def test_an_unmasked_sum_is_accounted_even_when_the_round_cannot_use_it() -> Non
     assert strategy.ledger.epsilon() > first
 
 
+def _eight_client_ddp_run(server_config: Any, mtls: Any, rounds: int) -> tuple[Any, list[Any]]:
+    """A started server for ``rounds`` distributed-DP rounds of 8 clients (floor 6), and
+    the 8 clients to run against it."""
+    config = server_config(**mtls, num_rounds=rounds, min_clients=8, min_fit_clients=8,
+                           fraction_evaluate=0.0, secure_aggregation=secagg(),
+                           privacy=_private(1e-4, expected_dropout=0.25))
+    handle = Server(config, initial_weights=small_weights()).start()
+    return handle, [RecordingClient(seed=i, num_examples=10) for i in range(8)]
+
+
 def test_a_distributed_dp_attempt_that_fails_after_consistency_is_not_retried_with_its_confirmers(
         server_config, mtls, pki) -> None:  # type: ignore[no-untyped-def]
     """One client vanishes after its masked input: it never confirms, so the attempt fails
@@ -298,12 +308,7 @@ def test_a_distributed_dp_attempt_that_fails_after_consistency_is_not_retried_wi
     does not ask them: the round fails after one attempt (the next one runs as usual)."""
     from fedloom.secagg import Stage
 
-    config = server_config(**mtls, num_rounds=2, min_clients=8, min_fit_clients=8,
-                           fraction_evaluate=0.0, secure_aggregation=secagg(),
-                           privacy=_private(1e-4, expected_dropout=0.25))
-    server = Server(config, initial_weights=small_weights())
-    handle = server.start()
-    clients = [RecordingClient(seed=i, num_examples=10) for i in range(8)]
+    handle, clients = _eight_client_ddp_run(server_config, mtls, rounds=2)
     # the others answer masked input 1 s later: the victim is gone before the stage
     # closes, with its masked input in (a survivor that will never confirm)
     behaviours = {i: Behaviour(delay={Stage.MASKED_INPUT: 1.0}) for i in range(1, 8)}
@@ -405,12 +410,7 @@ def test_a_client_that_refuses_to_confirm_sits_out_the_next_rounds(
             return super()._misbehave(context, call_next)
 
     caplog.set_level(logging.WARNING, logger="fedloom")
-    config = server_config(**mtls, num_rounds=3, min_clients=8, min_fit_clients=8,
-                           fraction_evaluate=0.0, secure_aggregation=secagg(),
-                           privacy=_private(1e-4, expected_dropout=0.25))
-    server = Server(config, initial_weights=small_weights())
-    handle = server.start()
-    clients = [RecordingClient(seed=i, num_examples=10) for i in range(8)]
+    handle, clients = _eight_client_ddp_run(server_config, mtls, rounds=3)
     runners = [(Refuser if i == 0 else HarnessRunner)(
         c, e2e_harness.client_config(handle.address, pki, i), Behaviour())
         for i, c in enumerate(clients)]
