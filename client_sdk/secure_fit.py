@@ -186,13 +186,12 @@ class SecureFit:
                setup.config_digest)
         if self._trained is not None and self._trained[0] == key:
             return self._trained[1], self._trained[2]  # a retried attempt of this round
-        vector, num_examples = self._train(task, setup, weights, private)
+        vector, num_examples = self._train(task, setup, weights, size, private)
         self._trained = (key, vector, num_examples)
         return vector, num_examples
 
-    def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights,
+    def _train(self, task: TaskHeader, setup: RoundSetup, weights: Weights, size: int,
                private: tuple[SkellamParams, bytes] | None) -> tuple[np.ndarray, int]:
-        size = sum(spec.size for spec in weights.specs())
         expected = size if private is None else private[0].padded_dimension
         if expected != setup.vector_length:
             raise SecureAggregationError(

@@ -168,8 +168,8 @@ class CentralDPStrategy(PrivateMeanWrapper):
         if rng is None:  # amplification by sampling needs a sample nobody can predict
             self.inner.sampler = ClientSampler.secret()
         # round -> (the event it would record, the data-independent denominator)
-        self._planned: dict[int, _Planned] = {}
-        self._unsampled = 0  # the round whose Poisson draw was empty, if the last was
+        # (None: a round whose Poisson draw was empty)
+        self._planned: dict[int, _Planned | None] = {}
 
     def __repr__(self) -> str:
         return (f"CentralDPStrategy({self.inner!r}, z={self.privacy.noise_multiplier}, "
@@ -194,8 +194,7 @@ class CentralDPStrategy(PrivateMeanWrapper):
             if p.sampling == "none":  # everyone at any n, or an added client may displace
                 z = none_multiplier(z, inner.selection.fraction_fit < 1.0)
             event, expected = RoundEvent(z, m, n), float(m)
-        self._planned = {}
-        self._unsampled = 0 if chosen else server_round  # a Poisson draw of nobody
+        self._planned = {} if chosen else {server_round: None}  # None: nobody drawn
         if chosen:  # an impossible noise split is refused here, before clients train
             planned = _Planned(event, expected, *self._noise_split(expected))
             if p.target_epsilon:
@@ -209,12 +208,12 @@ class CentralDPStrategy(PrivateMeanWrapper):
     def aggregate_fit(
         self, server_round: int, current: Weights, updates: Iterable[ClientUpdate]
     ) -> AggregateResult:
-        planned = self._planned.get(server_round)
-        if planned is None and server_round == self._unsampled:
+        if server_round not in self._planned:
+            raise AggregationError(f"round {server_round} was not configured by this strategy")
+        planned = self._planned[server_round]
+        if planned is None:
             return AggregateResult(None, num_updates=0,
                                    reason="no client was sampled (the Poisson draw was empty)")
-        if planned is None:
-            raise AggregationError(f"round {server_round} was not configured by this strategy")
         event, expected, z_delta, count_std = planned
         clip = self.clip_norm
         sums = {name: np.zeros(arr.shape, np.float64) for name, arr in current.items()

@@ -78,9 +78,11 @@ class ClientSampler:
         unamplified ε for the clients in it.
         """
         sampler = cls(0)
-        sampler._rng = np.random.default_rng(secrets.randbits(128))
-        sampler._secret = True
+        sampler._make_secret()
         return sampler
+
+    def _make_secret(self) -> None:
+        self._rng, self._secret = np.random.default_rng(secrets.randbits(128)), True
 
     @property
     def is_secret(self) -> bool:
@@ -93,8 +95,7 @@ class ClientSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("secret") or self._secret:  # nothing to restore: draw afresh
-            fresh = ClientSampler.secret()
-            self._seed, self._rng, self._secret = fresh._seed, fresh._rng, True
+            self._make_secret()
             return
         self._seed = int(state["seed"])
         self._rng = np.random.default_rng(self._seed)

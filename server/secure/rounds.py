@@ -273,7 +273,7 @@ class SecureRounds(RoundDriver):
                             "its committed secret", setup.round_id.server_round, culprit)
                 self.parts.fleet.strike_id(culprit, RejectReason.INVALID)
             excluded = machine.failed_clients | machine.culprits | machine.revealed
-            excluded |= attempt.accused & set(setup.participants)
+            excluded |= attempt.accused  # named neighbours: participants
             self._bench(attempt.withheld, setup.round_id.server_round)
             if announces_distributed_dp(fit_config):  # they count a confirmation as taking
                 excluded |= machine.confirmed        # part (fedloom.secagg._client)
