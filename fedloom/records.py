@@ -5,7 +5,10 @@ and a simulation's `fedloom.simulations.History` all hold these. A record has se
 ``fit`` (the strategy's fit metrics), ``evaluate`` (federated evaluation, aggregated by
 the strategy) and ``server`` (the evaluation function on the server's own data, as the
 function named its metrics), plus the round's counts and wall time. Round 0 holds only
-the evaluation of the initial model.
+the evaluation of the initial model. The server commits a round before evaluating its
+model, then records the evaluation: ``evaluation_pending`` marks a committed round whose
+evaluation is due and not yet recorded (a server stopped in between evaluates it when
+it resumes).
 
 `RoundRecord.metrics` is the same round as one flat mapping (fit metrics as they are,
 ``num_failures``, ``federated_<key>``, the server-side metrics as they are,
@@ -51,6 +54,8 @@ class RoundRecord:
     reason: str = ""  # why a round produced no model, when it says
     #: What a secure round adds: attempts, survivors, dropped clients, stage times.
     secure_aggregation: Mapping[str, Any] = _section()
+    #: Committed, and its evaluation is due but not recorded yet (see the module docstring).
+    evaluation_pending: bool = False
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

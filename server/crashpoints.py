@@ -30,6 +30,9 @@ POINTS = (
     "checkpoint_temp_written",  # the temp checkpoint is durable, not yet renamed
     "checkpoint_renamed",  # the checkpoint file is in place, the database not yet updated
     "round_committed",  # the database records the round
+    # An evaluation result was taken, the round's evaluation not yet recorded (one hit
+    # per result; the round is committed before its model is evaluated).
+    "mid_evaluation",
 )
 
 EXIT_CODE = 86

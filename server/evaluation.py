@@ -10,6 +10,7 @@ from typing import Any
 
 from fedloom.messages import Capability, ResultHeader
 from fedloom.server.client_metrics import evaluate_rows, records_per_client
+from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import RoundParts
 from fedloom.server.plain_round import PhaseOwner, check_num_examples, issue_phase
 from fedloom.server.registry import ClientRecord
@@ -35,6 +36,7 @@ class EvaluatePhase(PhaseOwner):
         result = EvaluateResult(client.client_id, header.num_examples, header.loss,
                                 header.metrics)
         self.phase.accept_evaluation(task, result, fingerprint)
+        crashpoint("mid_evaluation")
         self.progress()
         return False
 

@@ -202,6 +202,13 @@ class RunPersistence:
         self.completed_round = server_round
         self._prune(server_round)
 
+    def record_evaluation(self, record: RoundRecord, clients: Sequence[ClientRow] = ()) -> None:
+        """Record the evaluation of the committed round ``record.round``: the record, now
+        with its evaluation sections, replaces the committed one, and the evaluate rows
+        of ``clients`` join it (one transaction; the checkpoint is not touched)."""
+        self.store.record_evaluation(self.run_id, record.round, record.to_dict(), time.time(),
+                                     clients)
+
     def _prune(self, server_round: int) -> None:
         oldest_kept = server_round - self.keep_checkpoints + 1
         folder = self.state_dir / "checkpoints" / self.run_id

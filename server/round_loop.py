@@ -1,18 +1,21 @@
 """The round loop: rounds ``next_round..num_rounds``, each run by the round driver, then
-evaluated and committed.
+committed and evaluated.
 
 Each round: wait for ``min_clients``; the driver runs the fit (`fedloom.server.driver`);
 a new model is published (its broadcast built in the aggregation thread:
-`fedloom.server.model`), evaluated (federated, then server-side; every
-``rounds.evaluate_every`` rounds and the last) and the round is committed (checkpoint,
-then SQLite: `fedloom.server.persistence`). A failed round leaves
-the global model unchanged and the next round starts. A spent privacy budget ends the
+`fedloom.server.model`), the round is committed (checkpoint, then SQLite:
+`fedloom.server.persistence`), then the model is evaluated (federated, then
+server-side; every ``rounds.evaluate_every`` rounds and the last) and the evaluation is
+recorded in the committed round. A server stopped between the two evaluates the
+committed model when it resumes. A failed round leaves the global model unchanged and
+the next round starts. A spent privacy budget ends the
 run before the round that would exceed it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -76,6 +79,8 @@ class RoundLoop:
             if initial:
                 self.history.append(RoundRecord(0, server=initial))
                 parts.reporter.round_finished(self.history[-1])
+        if not self.persistence.finished and self.history and self.history[-1].evaluation_pending:
+            await self._evaluate_pending()
         last = parts.config.rounds.last_round(parts.config.num_rounds)
         first = last + 1 if self.persistence.finished else self.next_round
         for server_round in range(first, last + 1):
@@ -119,10 +124,10 @@ class RoundLoop:
         return outcome
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
-        """Install the new model (if any), evaluate, and commit the round."""
+        """Install the new model (if any) and commit the round; then evaluate the model
+        and record the evaluation in the committed round."""
         parts, result = self.parts, outcome.result
         sections: dict[str, Any] = {}
-        clients = list(outcome.clients)
         if result is not None and result.weights is None:
             log.warning("round %d produced no model: %s", server_round, result.reason)
             sections["reason"] = result.reason
@@ -134,30 +139,59 @@ class RoundLoop:
             await parts.model.publish(
                 result.weights, server_round, self._grants, parts.executor,
                 prepare=server_round < last or (evaluates and parts.config.fraction_evaluate > 0))
-            self.driver.model_ready(server_round)
             sections["fit"] = dict(result.metrics)
-            if evaluates:
-                sections["evaluate"], evaluated = await federated_evaluate(parts, server_round)
-                clients.extend(evaluated)
-                sections["server"] = await server_evaluate(parts, self.evaluate_fn,
-                                                           server_round, parts.model.weights)
         else:
             await parts.model.prepare(self._grants, parts.executor)
             parts.model.version = server_round  # the same weights, committed as this round
-            self.driver.model_ready(server_round)
+            evaluates = False
+        self.driver.model_ready(server_round)
         record = RoundRecord(
             server_round, "ok" if sections.get("fit") is not None else "failed",
             num_sampled=outcome.num_sampled, num_updates=outcome.num_updates,
             num_failures=outcome.num_failures, num_cancelled=outcome.num_cancelled,
             secure_aggregation=outcome.secure_aggregation, duration_s=time.time() - started,
-            **sections)
+            evaluation_pending=evaluates, **sections)
+        # Committed before the model goes to an evaluation: a server stopped while its
+        # clients evaluate keeps the round (and, in a private run, the ledger that paid
+        # for it) instead of running it again.
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
             parts.executor, self.persistence.commit, record, parts.model.weights,
-            parts.strategy.state_dict(), started, clients)
+            parts.strategy.state_dict(), started, outcome.clients)
         self.driver.committed(server_round)
+        if evaluates:
+            record = await self._evaluate(record)
+        self._finished(record)
+
+    async def _evaluate(self, record: RoundRecord) -> RoundRecord:
+        """Evaluate the committed round ``record``'s model (federated, then on the
+        server) and record the evaluation in the round."""
+        parts, started = self.parts, time.time()
+        evaluate, clients = await federated_evaluate(parts, record.round)
+        server = await server_evaluate(parts, self.evaluate_fn, record.round,
+                                       parts.model.weights)
+        record = dataclasses.replace(record, evaluate=evaluate, server=server,
+                                     evaluation_pending=False,
+                                     duration_s=record.duration_s + time.time() - started)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(parts.executor, self.persistence.record_evaluation, record,
+                                   clients)
+        return record
+
+    async def _evaluate_pending(self) -> None:
+        """A server stopped between a round's commit and its evaluation's record: the
+        committed model (the one loaded) is evaluated now, before the next round."""
+        parts, record = self.parts, self.history[-1]
+        log.info("round %d was committed but not evaluated; evaluating it", record.round)
+        if parts.config.fraction_evaluate > 0:
+            await parts.fleet.wait_for(parts.config.min_clients)
+            await parts.model.prepare(self._grants, parts.executor)
+        self.history.pop()
+        self._finished(await self._evaluate(record))
+
+    def _finished(self, record: RoundRecord) -> None:
         self.history.append(record)
         epsilon = record.fit.get("privacy_epsilon")
-        ServerMetrics.round_done(record.status, record.duration_s, server_round,
+        ServerMetrics.round_done(record.status, record.duration_s, record.round,
                                  float(epsilon) if isinstance(epsilon, int | float) else None)
-        parts.reporter.round_finished(record)
+        self.parts.reporter.round_finished(record)

@@ -215,6 +215,23 @@ class RunStore:
                 ),
             )
 
+    def record_evaluation(self, run_id: str, server_round: int, metrics: dict[str, Any],
+                          finished_at: float, clients: Sequence[ClientRow] = ()) -> None:
+        """Replace a committed round's metrics with its evaluated form and add its
+        clients' evaluate rows (one transaction). The round must be committed."""
+        client_rows = [(run_id, server_round, c.phase, position, c.client_id,
+                        c.client_name, c.num_examples, c.loss, _metrics_json(c.metrics))
+                       for position, c in enumerate(clients)]
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cursor = self._db.execute(
+                "UPDATE rounds SET metrics = ?, finished_at = ? WHERE run_id = ? AND round = ?",
+                (json.dumps(metrics), finished_at, run_id, server_round))
+            if cursor.rowcount != 1:
+                raise ValueError(f"round {server_round} of run {run_id} is not committed")
+            self._db.executemany(
+                "INSERT INTO client_metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", client_rows)
+
     def forget_rounds_after(self, run_id: str, server_round: int) -> None:
         """Drop round records after ``server_round`` (their checkpoints are unusable)."""
         with self._lock, self._db:

@@ -245,3 +245,25 @@ def test_a_differentially_private_strategy_passed_in_keeps_no_client_rows(
     server, run_id = _run(server_config, strategy=private)
     assert not server.config.privacy.enabled
     assert _client_rows(server.config.state_dir, run_id) == {}
+
+
+def test_an_evaluation_is_recorded_in_its_committed_round_with_its_rows_or_not_at_all(
+        tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "fedloom.db")
+    try:
+        store.create_run("run", 3, {})
+        store.commit_round(_row(1), [ClientRow("fit", "a", "site-a", 5, {"x": 1.0})])
+        evaluated = [ClientRow("evaluate", "a", "site-a", 5, {"acc": 0.5}, loss=0.25),
+                     ClientRow("evaluate", "b", "site-b", 7, {}, loss=0.75)]
+        store.record_evaluation("run", 1, {"evaluate": {"loss": 0.5}}, 9.0, evaluated)
+        (row,) = store.rounds("run")
+        assert row.metrics == {"evaluate": {"loss": 0.5}} and row.finished_at == 9.0
+        assert row.checkpoint == "f" and row.sha256 == "0" * 64  # the commit stands
+        assert [(r.phase, r.client_id, r.loss) for r in store.client_rows("run")[1]] == [
+            ("fit", "a", None), ("evaluate", "a", 0.25), ("evaluate", "b", 0.75)]
+        # a round that was never committed has nothing to record into; nothing is written
+        with pytest.raises(ValueError, match="round 2 of run run is not committed"):
+            store.record_evaluation("run", 2, {}, 9.0, evaluated)
+        assert sorted(store.client_rows("run")) == [1]
+    finally:
+        store.close()

@@ -302,11 +302,13 @@ def run_with_restarts(
     crashes: Sequence[str],
     *,
     timeout_s: float = 60.0,
+    **overrides: Any,
 ) -> tuple[ServerProcess, ClientPool]:
     """Start the server command, let it die at each crash point in turn (restarting it
-    with the same command each time), then let it finish the run."""
+    with the same command each time), then let it finish the run; ``overrides`` change
+    the run's settings."""
     port = free_port()
-    server = ServerProcess(folder, run_settings(folder / "state", port))
+    server = ServerProcess(folder, run_settings(folder / "state", port, **overrides))
     pool = ClientPool(f"127.0.0.1:{port}")
     try:
         for crash_at in crashes:

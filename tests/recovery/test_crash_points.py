@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from recovery_support import (
+    NUM_CLIENTS,
     NUM_ROUNDS,
     Reference,
     assert_bitwise_equal,
@@ -16,7 +17,9 @@ from recovery_support import (
     run_with_restarts,
 )
 
+from fedloom.records import RoundRecord
 from fedloom.server.crashpoints import POINTS, parse
+from fedloom.server.store import RunStore
 
 # (crash spec, what it interrupts). Hit counts: the commit points are reached once per
 # round from round 0 (the run's initial commit); mid_aggregation once per update
@@ -33,7 +36,9 @@ def test_every_named_point_is_covered() -> None:
     covered = {parse(spec)[0] for spec, _ in MID_RUN}
     # mid_secure_aggregation is reached only by secure rounds (test_secure_crash.py),
     # async_update_kept only by asynchronous rounds (tests/recovery/test_async_crash.py)
-    assert covered | {"mid_secure_aggregation", "async_update_kept"} == set(POINTS)
+    # and mid_evaluation only with federated evaluation (below)
+    assert covered | {"mid_secure_aggregation", "async_update_kept", "mid_evaluation"} == set(
+        POINTS)
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +74,31 @@ def test_killed_before_the_run_committed_round_0_starts_it_again(
     assert_bitwise_equal(weights, reference[0])
     assert_same_state(state, reference[1])
     assert not list((tmp_path / "state" / "checkpoints").rglob("*.tmp"))
+
+
+def test_killed_while_clients_evaluate_keeps_the_round_and_evaluates_it_on_resume(
+    tmp_path: Path, reference: Reference
+) -> None:
+    # Federated evaluation every round, 3 results a round: the 5th result taken is round
+    # 2's second. The round was committed before its model went to the evaluation.
+    server, pool = run_with_restarts(tmp_path, ["mid_evaluation:5"], fraction_evaluate=1.0,
+                                     min_evaluate_clients=NUM_CLIENTS)
+    weights, state, rounds = final_checkpoint(tmp_path / "state")
+    assert rounds[-1] == NUM_ROUNDS
+    assert_bitwise_equal(weights, reference[0])
+    assert_same_state(state, reference[1])
+    # Round 2 was trained once: the restart evaluated its committed model instead.
+    assert all(c.rounds == list(range(1, NUM_ROUNDS + 1)) for c in pool.clients), [
+        c.rounds for c in pool.clients]
+    assert server.starts == 2
+    assert "round 2 was committed but not evaluated; evaluating it" in server.log_tail(400)
+    store = RunStore(tmp_path / "state" / "fedloom.db")
+    try:
+        (run,) = store.runs()
+        records = [RoundRecord.from_dict(r.metrics) for r in store.rounds(run.run_id)]
+    finally:
+        store.close()
+    for record in records[1:]:
+        assert not record.evaluation_pending, record.round
+        # every client's loss is 0.0; 1 + 2 + 3 examples
+        assert dict(record.evaluate) == {"loss": 0.0, "num_examples": 6}, record
