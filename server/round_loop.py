@@ -167,6 +167,10 @@ class RoundLoop:
         """Evaluate the committed round ``record``'s model (federated, then on the
         server) and record the evaluation in the round."""
         parts, started = self.parts, time.time()
+        if parts.config.fraction_evaluate > 0:
+            # Sessions that joined since the version was published (during the commit,
+            # or before a restart) get their broadcasts built off the loop too.
+            await parts.model.prepare(self._grants, parts.executor)
         evaluate, clients = await federated_evaluate(parts, record.round)
         server = await server_evaluate(parts, self.evaluate_fn, record.round,
                                        parts.model.weights)
@@ -185,7 +189,6 @@ class RoundLoop:
         log.info("round %d was committed but not evaluated; evaluating it", record.round)
         if parts.config.fraction_evaluate > 0:
             await parts.fleet.wait_for(parts.config.min_clients)
-            await parts.model.prepare(self._grants, parts.executor)
         self.history.pop()
         self._finished(await self._evaluate(record))
 
