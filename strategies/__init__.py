@@ -24,7 +24,15 @@ from fedloom.strategies._adaptive import (
     ServerAdam,
     ServerYogi,
 )
-from fedloom.strategies._base import Aggregator, MeanUpdate, ServerOptimizer, StateDict, Strategy
+from fedloom.strategies._base import (
+    Aggregator,
+    MeanUpdate,
+    NonFiniteStepError,
+    ServerOptimizer,
+    StateDict,
+    Strategy,
+    check_finite_step,
+)
 from fedloom.strategies._bulyan import Bulyan, BulyanAggregator
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._dp import CentralDPStrategy, apply_privacy
@@ -84,6 +92,7 @@ __all__ = [
     "MeanUpdate",
     "MetricsAggregationFn",
     "MultiKrum",
+    "NonFiniteStepError",
     "NormBoundedStrategy",
     "SelectionConfig",
     "ServerAdagrad",
@@ -101,6 +110,7 @@ __all__ = [
     "aggregate_secure_mean",
     "apply_privacy",
     "build_strategy",
+    "check_finite_step",
     "check_secure_strategy",
     "clip_update",
     "describe_strategies",

@@ -39,7 +39,7 @@ from typing import Literal
 import numpy as np
 
 from fedloom.errors import ConfigError
-from fedloom.strategies._base import ServerOptimizer, StateDict
+from fedloom.strategies._base import ServerOptimizer, StateDict, check_finite_step
 from fedloom.strategies._state import (
     Buffers,
     buffer_for,
@@ -135,7 +135,7 @@ class AdaptiveServerOptimizer(ServerOptimizer):
             new_m[name], new_v[name] = m, v
             new = arr.astype(np.float64) + lr * m / (np.sqrt(v) + self.tau)
             out.append((name, new.astype(arr.dtype)))
-        result = Weights(out)
+        result = check_finite_step(Weights(out))
         # State changes only once the whole step has succeeded.
         self._m, self._v, self._steps = new_m, new_v, step
         return result

@@ -20,6 +20,9 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from fedloom.errors import AggregationError
 from fedloom.types import (
     AggregateResult,
     ClientInfo,
@@ -67,12 +70,50 @@ class Aggregator(abc.ABC):
         """Return the combined delta; the aggregator is then ready for `start` again."""
 
 
+class NonFiniteStepError(AggregationError):
+    """A server step would make the global model non-finite; nothing was changed.
+
+    Every value a client sends is finite (the server checks), but finite values can
+    still overflow a tensor's dtype in the sum or the step: float32 ends at about
+    3.4e38. A round whose step overflows produces no model, and the optimizer keeps
+    the state it had (`check_finite_step`).
+    """
+
+
+def non_finite_tensor(weights: Weights) -> str | None:
+    """The name of the first floating tensor of ``weights`` holding a NaN or an infinity
+    (None: every value is finite). One pass: NaN and infinities carry into a float64 sum,
+    and only a sum that overflowed on finite values is checked value by value."""
+    for name, arr in weights.items():
+        if arr.dtype.kind != "f" or np.isfinite(np.sum(arr, dtype=np.float64)):
+            continue
+        if not np.isfinite(arr).all():
+            return name
+    return None
+
+
+def check_finite_step(weights: Weights) -> Weights:
+    """``weights``, the result of a server step, when every value is finite; otherwise
+    `NonFiniteStepError`. Optimizers call it before they change their state."""
+    name = non_finite_tensor(weights)
+    if name is not None:
+        raise NonFiniteStepError(
+            f"the server step would make tensor {name!r} non-finite (the updates or the "
+            f"step overflowed {weights[name].dtype}); the global model and the server "
+            "optimizer's state are unchanged")
+    return weights
+
+
 class ServerOptimizer(abc.ABC):
     """Applies a mean delta (a pseudo-gradient, negated) to the global model."""
 
     @abc.abstractmethod
     def step(self, current: Weights, mean_delta: Weights) -> Weights:
-        """Return the new global weights; this is where optimizer state changes."""
+        """Return the new global weights; this is where optimizer state changes.
+
+        A step whose result is not finite raises `NonFiniteStepError` before it changes
+        any state (`check_finite_step`): the round then produces no model.
+        """
 
     def step_in_place(self, current: Weights, mean_delta: Weights) -> Weights:
         """`step` for a mean delta the caller gives up (`MeanUpdate.owned`): the new

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from fedloom.config import SelectionConfig
 from fedloom.fit_config import SERVER_ROUND
-from fedloom.strategies._base import Aggregator, ServerOptimizer, StateDict
+from fedloom.strategies._base import Aggregator, NonFiniteStepError, ServerOptimizer, StateDict
 from fedloom.strategies._metrics import (
     SERVER_MEAN_IDS,
     MetricsAggregationFn,
@@ -110,7 +112,11 @@ class ComposedStrategy:
         metrics = aggregate_metrics(self.fit_metrics_aggregation_fn,
                                     "fit_metrics_aggregation_fn", server_round, from_clients)
         step = self.optimizer.step_in_place if mean.owned else self.optimizer.step
-        new_weights = step(current, mean.delta)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # the step checks its result
+                new_weights = step(current, mean.delta)
+        except NonFiniteStepError as exc:
+            return AggregateResult(None, num_updates=mean.num_updates, reason=str(exc))
         metrics["num_updates"] = mean.num_updates
         metrics["num_examples"] = num_examples
         return AggregateResult(new_weights, metrics, num_updates=mean.num_updates)

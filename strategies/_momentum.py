@@ -16,7 +16,7 @@ import numpy as np
 
 from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError
-from fedloom.strategies._base import ServerOptimizer, StateDict
+from fedloom.strategies._base import ServerOptimizer, StateDict, check_finite_step
 from fedloom.strategies._composed import ComposedStrategy
 from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.strategies._metrics import MetricsAggregationFn
@@ -75,7 +75,7 @@ class ServerMomentum(ServerOptimizer):
                 new_momentum[name] = m
             new = arr.astype(np.float64) + self.server_learning_rate * m
             out.append((name, new.astype(arr.dtype)))
-        result = Weights(out)
+        result = check_finite_step(Weights(out))
         if keep:  # state changes only once the whole step has succeeded
             self._momentum = new_momentum
         return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedloom.errors import ConfigError
-from fedloom.strategies._base import ServerOptimizer
+from fedloom.strategies._base import ServerOptimizer, check_finite_step
 from fedloom.weights import Weights
 
 
@@ -35,7 +35,7 @@ class ServerSGD(ServerOptimizer):
         self.lr = lr
 
     def step(self, current: Weights, mean_delta: Weights) -> Weights:
-        return add_delta(current, mean_delta, self.lr)
+        return check_finite_step(add_delta(current, mean_delta, self.lr))
 
     def step_in_place(self, current: Weights, mean_delta: Weights) -> Weights:
         """``lr * delta + w`` written over each float delta of the model's own dtype
@@ -51,4 +51,4 @@ class ServerSGD(ServerOptimizer):
             else:
                 out.append((name, add_delta(Weights({name: arr}), Weights({name: d}),
                                             self.lr)[name]))
-        return Weights(out)
+        return check_finite_step(Weights(out))

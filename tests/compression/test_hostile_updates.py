@@ -146,3 +146,33 @@ def test_each_hostile_update_is_refused_and_the_round_completes_without_it(
     for name in got:
         want = sum(n * np.asarray(d[name], np.float64) for n, d in updates) / total
         np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-6)
+
+
+def test_finite_updates_that_overflow_the_model_fail_their_round_and_it_stays_finite(
+        server_config) -> None:  # type: ignore[no-untyped-def]
+    # Every value is float32's largest finite one: each update passes every check, but
+    # the second round's step (3.4e38 + 3.4e38) would overflow the model to infinity,
+    # which every client would then refuse: the run would be stuck for good.
+    config = server_config(num_rounds=3, min_clients=1, min_fit_clients=1,
+                           fraction_evaluate=0.0, keep_checkpoints=10)
+    handle = Server(config, initial_weights=small_weights()).start()
+    connection = joined(handle.address, {"mallory": ((),)})["mallory"]
+    huge = Weights({n: np.full(a.shape, np.finfo(np.float32).max, np.float32)
+                    for n, a in small_weights().items()})
+    payload = serialize(huge)
+    try:
+        for _ in range(3):
+            task = next_fit_task(connection)
+            connection.push(ResultHeader(
+                connection.session, task.task_id, task.round, TaskKind.FIT,
+                num_examples=EXAMPLES, base_round=task.round - 1,
+                update=PayloadInfo.describe(huge.specs(), payload)), payload)
+        history = handle.wait(60)
+    finally:
+        connection.close()
+    assert [r.status for r in history if r.round > 0] == ["ok", "failed", "failed"]
+    assert "would make tensor" in history[-1].reason and "non-finite" in history[-1].reason
+    models = rounds_committed(config.state_dir)
+    assert sorted(models) == [0, 1, 2, 3]
+    for weights in models.values():  # what every client is sent: finite, as before
+        assert all(np.isfinite(a).all() for a in weights.values())

@@ -186,3 +186,39 @@ def test_loading_a_foreign_state_is_refused() -> None:
     with pytest.raises(ValueError, match="mapping"):
         momentum.load_state_dict({"sampler": momentum.state_dict()["sampler"],
                                   "optimizer": {"momentum": [1.0, 2.0]}})
+
+
+#: Strategies whose step is bounded by its learning rate (Adam-like) cannot overflow here.
+BOUNDED_STEPS = {"fedadagrad", "fedadam", "fedyogi"}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_step_that_would_overflow_the_model_produces_none_and_keeps_the_state(
+        name: str) -> None:
+    # Finite values a client may send (float32's largest are about 3.4e38) sum past the
+    # dtype's range: the round produces no model, and the optimizer forgets nothing.
+    strategy = build(name, seed=3)
+    current, _ = play(strategy, initial(), range(1, 3))
+    huge = Weights({k: np.full(v.shape, 3e38, v.dtype) if v.dtype.kind == "f" else v
+                    for k, v in current.items()})
+    plan = strategy.configure_fit(3, huge, CLIENTS)
+    before = checkpoint_round_trip(strategy.state_dict())
+    poisoned = [ClientUpdate(u.client_id, Weights(
+        {k: np.full(v.shape, 3e38, v.dtype) if v.dtype.kind == "f" else v
+         for k, v in u.delta.items()}), u.num_examples, u.base_round, u.metrics)
+        for u in updates(3, plan.client_ids)]
+    result = strategy.aggregate_fit(3, huge, poisoned)
+    if name in BOUNDED_STEPS:
+        assert result.weights is not None
+        assert all(np.isfinite(a).all() for a in result.weights.values())
+        return
+    assert result.weights is None
+    assert "non-finite" in result.reason and "unchanged" in result.reason, result.reason
+    assert same_state(checkpoint_round_trip(strategy.state_dict()), before)
+    # The next round goes on from the model it had, as a twin that never saw round 3.
+    twin = build(name, seed=99)
+    twin.load_state_dict(checkpoint_round_trip(strategy.state_dict()))
+    end_a, plans_a = play(strategy, current, range(4, 6))
+    end_b, plans_b = play(twin, current, range(4, 6))
+    assert plans_a == plans_b
+    assert_bit_equal(end_a, end_b)
