@@ -250,7 +250,7 @@ class RunStore:
                 "num_examples, metrics, path, sha256, codec) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, row.version, row.client_id, row.base_round, row.num_examples,
-                 json.dumps(row.metrics), row.path, row.sha256, row.codec),
+                 _metrics_json(row.metrics), row.path, row.sha256, row.codec),
             )
             return int(cursor.lastrowid or 0)
 
@@ -261,8 +261,8 @@ class RunStore:
                 "SELECT version, client_id, base_round, num_examples, metrics, path, sha256, "
                 "seq, codec FROM buffered_updates WHERE run_id = ? ORDER BY seq", (run_id,)
             ).fetchall()
-        return [BufferedRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], r[7], r[8])
-                for r in rows]
+        return [BufferedRow(r[0], r[1], r[2], r[3], _metrics_from_json(r[4]), r[5], r[6], r[7],
+                            r[8]) for r in rows]
 
     def forget_buffered(self, run_id: str, through_version: int | None = None) -> None:
         """Drop the recorded updates of versions up to ``through_version`` (all: None)."""

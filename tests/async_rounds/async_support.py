@@ -105,7 +105,8 @@ class Harness:
                 await asyncio.sleep(0.005)
 
     async def push(self, client: int, header: TaskHeader, delta: Weights, num_examples: int,
-                   *, base_round: int | None = None) -> bool | None:
+                   *, base_round: int | None = None,
+                   metrics: dict[str, Any] | None = None) -> bool | None:
         """Send ``delta`` as the result of task ``header`` through the servicer's path.
 
         Returns whether it was a duplicate (None: a fresh result, folded)."""
@@ -115,7 +116,7 @@ class Harness:
             Session(record.client_id, b"test"), header.task_id, header.round, TaskKind.FIT,
             num_examples=num_examples,
             base_round=header.round - 1 if base_round is None else base_round,
-            update=PayloadInfo.describe(delta.specs(), payload))
+            metrics=metrics or {}, update=PayloadInfo.describe(delta.specs(), payload))
         upload = await self.coordinator.accept_result(record, result)
         if isinstance(upload, bool):
             return upload

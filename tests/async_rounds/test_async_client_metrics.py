@@ -50,3 +50,36 @@ def test_per_client_false_keeps_no_rows_in_async_rounds(tmp_path: Path) -> None:
     config = dataclasses.replace(async_config(tmp_path / "s", num_rounds=2, buffer_size=2),
                                  metrics=MetricsConfig(per_client=False))
     assert _rows(_run(config)) == {}
+
+
+def test_a_bytes_metric_is_buffered_across_a_restart_and_recorded(tmp_path: Path) -> None:
+    # Metrics may hold bytes (the wire allows them, and sync rounds record them): the
+    # durable buffer row keeps them too, through a restart, into the version's rows.
+    from fedbuff import client_delta
+
+    config = async_config(tmp_path / "s", num_rounds=1, buffer_size=2)
+    metrics = {"blob": b"\x00\x01\xff", "site": "a", "train_loss": 0.5}
+
+    async def before() -> None:
+        harness = Harness(config)
+        harness.start()
+        try:
+            header = await harness.task_of(0)
+            assert await harness.push(0, header, client_delta(0, 0, harness.initial), 10,
+                                      metrics=metrics) is None  # acknowledged
+        finally:
+            await harness.stop()
+
+    async def after() -> Harness:
+        async with Harness(config) as harness:
+            (entry,) = harness.driver._open.entries
+            assert entry.row.metrics == {**metrics, "staleness": 0}
+            await harness.answer(1, 20)
+            assert harness.run_task is not None
+            await asyncio.wait_for(harness.run_task, 20)
+        return harness
+
+    asyncio.run(before())
+    rows = _rows(asyncio.run(after()))
+    (first,) = [r for r in rows[1] if r.num_examples == 10]
+    assert first.metrics == {**metrics, "staleness": 0}
