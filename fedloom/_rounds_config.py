@@ -8,6 +8,7 @@ aggregation (FedBuff).
     concurrency = 20                # clients training at once
     buffer_size = 10                # K: updates per server step (a model version)
     max_staleness = 10              # updates older than this many versions are refused
+    max_updates_per_client = 1      # the most updates one client adds to one step (0: any)
     staleness_weighting = "polynomial"   # "constant" | "polynomial" | "hinge"
     staleness_exponent = 0.5        # polynomial: (1 + s) ** -a
     total_updates = 0               # end the run after this many updates (0: num_rounds)
@@ -50,6 +51,10 @@ class RoundsConfig:
                                      "each step is a committed model version")
     max_staleness: int = described(10, "async: updates trained on a model more than this "
                                        "many versions old are refused")
+    max_updates_per_client: int = described(
+        0, "async: the most updates one client (its identity, else its session) may add "
+           "to one server step's buffer (0: no limit); a robust strategy needs a limit, "
+           "or one fast client fills every buffer")
     staleness_weighting: str = described(
         "polynomial", 'async: how stale updates are weighted down: "constant", '
                       '"polynomial" ((1 + s) ** -a) or "hinge" (1 up to b, then '
@@ -74,6 +79,8 @@ class RoundsConfig:
         check(self.max_staleness >= 0, _setting("max_staleness"),
               f"must be >= 0 (0 accepts only updates on the current model), "
               f"got {self.max_staleness}")
+        check(self.max_updates_per_client >= 0, _setting("max_updates_per_client"),
+              f"must be >= 0 (0: no limit), got {self.max_updates_per_client}")
         check(self.staleness_weighting in WEIGHTINGS, _setting("staleness_weighting"),
               f"must be one of {', '.join(map(repr, WEIGHTINGS))}, "
               f"got {self.staleness_weighting!r}")

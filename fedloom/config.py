@@ -352,6 +352,16 @@ def _check_async(config: ServerConfig) -> None:
         "sample a cohort from the connected clients, and asynchronous updates are taken "
         'from whoever answers. Set rounds.mode = "sync" or privacy.mode = "off"',
     )
+    rounds = config.rounds
+    cap = rounds.max_updates_per_client
+    check(
+        cap == 0 or config.min_clients * cap >= rounds.buffer_size,
+        "rounds.max_updates_per_client",
+        f"{cap} update(s) from each of min_clients = {config.min_clients} clients cannot "
+        f"fill a buffer of rounds.buffer_size = {rounds.buffer_size}: raise min_clients to "
+        f"{-(-rounds.buffer_size // max(cap, 1))}, raise max_updates_per_client, or set it "
+        "to 0 (no limit)",
+    )
     check(
         config.over_selection == 1.0,
         "over_selection",

@@ -40,7 +40,13 @@ from fedloom.server.progress import RoundReporter
 from fedloom.server.servicer import FleetServicer
 from fedloom.server.tls import server_credentials, warn_plaintext
 from fedloom.server.wire import add_fleet_servicer
-from fedloom.strategies import Strategy, apply_privacy, build_strategy, check_secure_strategy
+from fedloom.strategies import (
+    Strategy,
+    apply_privacy,
+    build_strategy,
+    check_robust_async,
+    check_secure_strategy,
+)
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.server")
@@ -100,6 +106,7 @@ class Server:
             self.strategy, config.privacy,
             colluding_clients=config.secure_aggregation.colluding_clients)
         check_secure_strategy(self.strategy, config.secure_aggregation)
+        check_robust_async(self.strategy, config.rounds)
         self.initial_weights = initial_weights
         self.evaluate_fn = evaluate_fn
         self.credentials = server_credentials(config)  # None: plaintext (insecure = true)
@@ -203,6 +210,7 @@ class Server:
         if not self._ready.wait(timeout_s):
             handle.raise_if_failed()
             raise RuntimeError("server did not start in time")
+        handle.raise_if_failed()  # it failed before serving (the state_dir, a setting)
         return handle
 
 

@@ -15,6 +15,7 @@ its settings, so that a restarted server decodes it as the one that acknowledged
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import json
@@ -43,6 +44,11 @@ class BufferEntry:
 
     row: BufferedRow
     weights: Weights
+
+    @property
+    def contributor(self) -> str:
+        """Who the update counts against in ``rounds.max_updates_per_client``."""
+        return self.row.contributor or self.row.client_id
 
     def update(self) -> ClientUpdate:
         return ClientUpdate(self.row.client_id, self.weights, self.row.num_examples,
@@ -79,7 +85,7 @@ class DurableBuffer:
 
     def keep(self, version: int, client_id: str, base_round: int, num_examples: int,
              metrics: Metrics, spool_path: Path, info: PayloadInfo,
-             codec: CodecSpec | None = None) -> BufferEntry:
+             codec: CodecSpec | None = None, contributor: str = "") -> BufferEntry:
         """Record an update whose spool file is already on disk (`sync_file`): move the
         file into the buffer folder, then commit its row. Quick: call it on the loop."""
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -88,7 +94,7 @@ class DurableBuffer:
         fsync_dir(self.folder)
         row = BufferedRow(version, client_id, base_round, num_examples, dict(metrics),
                           str(target.relative_to(self.state_dir)), info.sha256.hex(),
-                          codec=_codec_text(codec))
+                          codec=_codec_text(codec), contributor=contributor)
         try:
             seq = self.store.buffer_update(self.run_id, row)
         except BaseException:
@@ -167,6 +173,7 @@ class StepBuffer:
         self.size = size
         self.updates: queue.Queue[Any] = queue.Queue()  # to the aggregation thread
         self.entries: list[BufferEntry] = []
+        self.contributors: collections.Counter[str] = collections.Counter()  # updates each
         self.tasks: list[Task] = []  # accepted into this buffer: closed at its commit
         self.num_failures = 0
         self.full = asyncio.Event()

@@ -29,6 +29,7 @@ durable, stay encoded in the buffer, and reach the strategy decoded, tensor by t
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -56,20 +57,18 @@ from fedloom.server.registry import ClientRecord
 from fedloom.server.rounds import Aggregation, end_stream, updates_from_queue
 from fedloom.server.tasks import Task, TaskStatus
 from fedloom.server.uploads import SpooledWeights, Upload
-from fedloom.strategies import StalenessWeighting, weighted_updates
+from fedloom.strategies import (
+    StalenessWeighting,
+    check_robust_async,
+    holds_all_updates,
+    weighted_updates,
+)
 from fedloom.types import AggregateResult, TaskKind
 
 log = logging.getLogger("fedloom.server")
 
 #: Seconds between checks for overdue tasks and idle clients while a buffer fills.
 POLL_S = 0.5
-
-
-def holds_updates(strategy: Any) -> bool:
-    """Whether the strategy's aggregator holds every update (a robust rule)."""
-    inner = getattr(strategy, "inner", strategy)
-    aggregator = getattr(inner, "aggregator", None)
-    return bool(getattr(aggregator, "holds_all_updates", False))
 
 
 class AsyncRounds(RoundDriver):
@@ -98,7 +97,8 @@ class AsyncRounds(RoundDriver):
         self._open = self._buffer(first)
         for entry in self.durable.recover(persistence.completed_round):
             self._enter(entry, None)
-        if holds_updates(parts.strategy):
+        if holds_all_updates(parts.strategy):
+            check_robust_async(parts.strategy, settings)
             log.info("async rounds: %s holds every update of a step in memory "
                      "(buffer_size = %d)", type(parts.strategy).__name__, settings.buffer_size)
 
@@ -201,7 +201,8 @@ class AsyncRounds(RoundDriver):
             metrics = {**header.metrics, "staleness": staleness}
             entry = self.durable.keep(buffer.version, task.client_id, task.header.round - 1,
                                       header.num_examples, metrics, upload.spool.path,
-                                      header.update, header.codec)
+                                      header.update, header.codec,
+                                      self._contributor(task.client_id))
         except BaseException:
             upload.spool.discard()
             raise
@@ -239,6 +240,7 @@ class AsyncRounds(RoundDriver):
         """Put a durable update into the open buffer; a full buffer opens the next."""
         buffer = self._open
         buffer.entries.append(entry)
+        buffer.contributors[entry.contributor] += 1
         if task is not None:
             buffer.tasks.append(task)
         buffer.updates.put(entry.update())
@@ -307,6 +309,7 @@ class AsyncRounds(RoundDriver):
         idle = sorted((info for info in registry.infos()
                        if not parts.book.busy(info.client_id)),
                       key=lambda info: (info.name, info.client_id))
+        idle = self._under_cap(idle)
         # A session that joined after this version was published may hold a grant whose
         # broadcast is not built yet: it is built in the executor, and that session
         # gets its task once it is (the loop never encodes a model).
@@ -316,6 +319,30 @@ class AsyncRounds(RoundDriver):
         chosen = ready if len(ready) <= need else self._rng.sample(ready, need)
         for info in chosen:
             self._issue(info.client_id)
+
+    def _contributor(self, client_id: str) -> str:
+        """Who a client's updates count against in ``rounds.max_updates_per_client``: its
+        authenticated identity (all its sessions together), else its session."""
+        record = self.parts.fleet.registry.get(client_id)
+        return (record.identity or client_id) if record is not None else client_id
+
+    def _under_cap(self, idle: list[Any]) -> list[Any]:
+        """The idle clients that may still add an update to the open buffer: its updates
+        from them plus their tasks in flight stay within ``max_updates_per_client`` (an
+        update lands in the buffer open when it arrives, or a later, emptier one)."""
+        cap = self.settings.max_updates_per_client
+        if not cap:
+            return idle
+        held = collections.Counter(self._open.contributors)
+        for task in self._running.values():
+            held[self._contributor(task.client_id)] += 1
+        out = []
+        for info in idle:
+            key = self._contributor(info.client_id)
+            if held[key] < cap:
+                held[key] += 1  # a second session of the same identity counts here too
+                out.append(info)
+        return out
 
     def _prepare_broadcasts(self) -> None:
         """Build what the held grants lack in the executor (one build at a time), then

@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS buffered_updates (
     metrics TEXT NOT NULL,
     path TEXT NOT NULL,
     sha256 TEXT NOT NULL,
-    codec TEXT NOT NULL DEFAULT ''
+    codec TEXT NOT NULL DEFAULT '',
+    contributor TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -118,7 +119,9 @@ def _metrics_from_json(text: str) -> dict[str, Any]:
 class BufferedRow:
     """An acknowledged asynchronous update waiting for its server step
     (`fedloom.server.async_buffer`): ``path`` is relative to the state folder; ``codec``
-    is the update's codec and settings as JSON ("" for a plain update)."""
+    is the update's codec and settings as JSON ("" for a plain update); ``contributor``
+    is who counts against ``rounds.max_updates_per_client`` (the client's identity, else
+    its session id)."""
 
     version: int
     client_id: str
@@ -129,6 +132,7 @@ class BufferedRow:
     sha256: str
     seq: int = 0
     codec: str = ""
+    contributor: str = ""
 
 
 class RunStore:
@@ -157,9 +161,10 @@ class RunStore:
         with self._lock:
             columns = {row[1] for row in
                        self._db.execute("PRAGMA table_info(buffered_updates)").fetchall()}
-            if "codec" not in columns:
-                self._db.execute(
-                    "ALTER TABLE buffered_updates ADD COLUMN codec TEXT NOT NULL DEFAULT ''")
+            for column in ("codec", "contributor"):
+                if column not in columns:
+                    self._db.execute(f"ALTER TABLE buffered_updates ADD COLUMN {column} "
+                                     "TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         # Under the lock: a commit still running in the aggregation thread finishes first
@@ -247,10 +252,11 @@ class RunStore:
             self._db.execute("BEGIN IMMEDIATE")
             cursor = self._db.execute(
                 "INSERT INTO buffered_updates (run_id, version, client_id, base_round, "
-                "num_examples, metrics, path, sha256, codec) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "num_examples, metrics, path, sha256, codec, contributor) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, row.version, row.client_id, row.base_round, row.num_examples,
-                 _metrics_json(row.metrics), row.path, row.sha256, row.codec),
+                 _metrics_json(row.metrics), row.path, row.sha256, row.codec,
+                 row.contributor),
             )
             return int(cursor.lastrowid or 0)
 
@@ -259,10 +265,11 @@ class RunStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT version, client_id, base_round, num_examples, metrics, path, sha256, "
-                "seq, codec FROM buffered_updates WHERE run_id = ? ORDER BY seq", (run_id,)
+                "seq, codec, contributor FROM buffered_updates WHERE run_id = ? ORDER BY seq",
+                (run_id,)
             ).fetchall()
         return [BufferedRow(r[0], r[1], r[2], r[3], _metrics_from_json(r[4]), r[5], r[6], r[7],
-                            r[8]) for r in rows]
+                            r[8], r[9]) for r in rows]
 
     def forget_buffered(self, run_id: str, through_version: int | None = None) -> None:
         """Drop the recorded updates of versions up to ``through_version`` (all: None)."""

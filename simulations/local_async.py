@@ -18,7 +18,8 @@ the clients' speeds (`fedloom.simulations.speed`) instead of the wall clock:
    weighted_updates(buffer, weighting))``; the result is the next version. A step takes
    no virtual time (the server's step takes milliseconds against fits of seconds).
 4. The returned client is idle at once; idle clients are sampled until
-   ``concurrency`` train, on the newest version.
+   ``concurrency`` train, on the newest version (with ``rounds.max_updates_per_client``,
+   only those with fewer updates than that in the open buffer, as the server does).
 
 Versions count as rounds: ``num_rounds`` of them, fewer when ``rounds.total_updates``
 ends the run first (`RoundsConfig.last_round`); every ``rounds.evaluate_every`` versions
@@ -58,7 +59,7 @@ from fedloom.simulations.history import History, RoundRecord, RoundRecorder
 from fedloom.simulations.local_engine import ClientFactory, EvaluateFn, federated_evaluate
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.simulations.speed import SpeedModel
-from fedloom.strategies import StalenessWeighting, Strategy, weighted_updates
+from fedloom.strategies import StalenessWeighting, Strategy, check_robust_async, weighted_updates
 from fedloom.types import ClientUpdate, Scalar
 from fedloom.weights import Weights
 
@@ -179,6 +180,10 @@ class _AsyncRun:
         if need <= 0:
             return
         idle = [info for i, info in enumerate(self.infos) if i not in self.busy]
+        cap = self.rounds.max_updates_per_client
+        if cap:  # the server's rule: at most cap updates from one client in a buffer
+            held = Counter(update.client_id for update in self.buffer)
+            idle = [info for info in idle if held[info.client_id] < cap]
         chosen = idle if len(idle) <= need else self.rng.sample(idle, need)
         for info in chosen:
             self.issue(int(info.client_id))
@@ -251,6 +256,11 @@ def run_local_async(
     if speed.num_clients < num_clients:
         raise ValueError(f"the speed model has {speed.num_clients} clients, the run "
                          f"{num_clients}")
+    cap = rounds.max_updates_per_client
+    if cap and num_clients * cap < rounds.buffer_size:
+        raise ValueError(f"{cap} update(s) from each of {num_clients} clients cannot fill a "
+                         f"buffer of rounds.buffer_size = {rounds.buffer_size}")
+    check_robust_async(strategy, rounds)
     started = time.perf_counter()
     run = _AsyncRun(strategy, client_fn, initial, num_clients=num_clients,
                     num_rounds=num_rounds, rounds=rounds, speed=speed, base_seed=base_seed,

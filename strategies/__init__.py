@@ -61,6 +61,8 @@ from fedloom.strategies._secure_mean import (
 )
 from fedloom.strategies._staleness import (
     StalenessWeighting,
+    check_robust_async,
+    holds_all_updates,
     scale_delta,
     stale_update,
     weighted_updates,
@@ -111,9 +113,11 @@ __all__ = [
     "apply_privacy",
     "build_strategy",
     "check_finite_step",
+    "check_robust_async",
     "check_secure_strategy",
     "clip_update",
     "describe_strategies",
+    "holds_all_updates",
     "scale_delta",
     "stale_update",
     "strategy_settings",

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from fedloom._rounds_config import RoundsConfig
+from fedloom.errors import ConfigError
 from fedloom.types import ClientUpdate
 from fedloom.weights import Weights
 
@@ -93,3 +94,23 @@ def weighted_updates(updates: Iterable[ClientUpdate],
     simulation engines both feed ``Strategy.aggregate_fit`` through this."""
     for update in updates:
         yield stale_update(update, int(update.metrics[STALENESS]), weighting)
+
+
+def holds_all_updates(strategy: object) -> bool:
+    """Whether ``strategy``'s aggregator holds every update of a round (a robust rule:
+    median, trimmed mean, Krum, Bulyan), seen through a wrapper's ``inner``."""
+    inner = getattr(strategy, "inner", strategy)
+    aggregator = getattr(inner, "aggregator", None)
+    return bool(getattr(aggregator, "holds_all_updates", False))
+
+
+def check_robust_async(strategy: object, rounds: RoundsConfig) -> None:
+    """A robust rule in asynchronous rounds needs ``rounds.max_updates_per_client``:
+    with no limit one fast client can send every update of every buffer, and the rule
+    then chooses among that client's own updates. `ConfigError` otherwise."""
+    if rounds.asynchronous and holds_all_updates(strategy) and not rounds.max_updates_per_client:
+        raise ConfigError(
+            "rounds.max_updates_per_client",
+            f"{type(strategy).__name__} chooses among a buffer's updates, and with no "
+            "limit one fast client can send every update of every buffer (the rule then "
+            "picks among that client's own): set it to 1")

@@ -30,11 +30,13 @@ from fedloom.types import TaskKind
 
 
 def async_config(state_dir: Path, *, num_rounds: int = 3, strategy: str = "fedavg",
-                 strategy_params: dict[str, Any] | None = None, **rounds: Any) -> ServerConfig:
+                 strategy_params: dict[str, Any] | None = None, min_clients: int = 1,
+                 **rounds: Any) -> ServerConfig:
     settings = dict(mode="async", concurrency=3, buffer_size=2, max_staleness=10)
     settings.update(rounds)
     return ServerConfig(
-        num_rounds=num_rounds, min_clients=1, min_fit_clients=1, state_dir=str(state_dir),
+        num_rounds=num_rounds, min_clients=min_clients, min_fit_clients=1,
+        state_dir=str(state_dir),
         progress=False, insecure=True, keep_checkpoints=50, fraction_evaluate=0.0,
         round_timeout_s=30.0, strategy=StrategyConfig(strategy, strategy_params or {}),
         rounds=RoundsConfig(**settings))

@@ -60,7 +60,8 @@ def test_a_robust_rule_aggregates_the_buffer_it_holds(tmp_path: Path) -> None:
 
     async def main() -> tuple[Harness, list[Weights]]:
         harness = Harness(async_config(tmp_path / "s", num_rounds=1, buffer_size=3,
-                                       strategy="fedmedian"))
+                                       strategy="fedmedian", max_updates_per_client=1,
+                                       min_clients=3))
         harness.start()
         deltas = []
         try:

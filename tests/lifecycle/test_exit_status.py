@@ -66,3 +66,19 @@ def test_a_bad_setting_exits_refused(tmp_path: Path) -> None:
     server = ServerCommand(tmp_path)
     code = cli.main(["server", "--config", str(server.config), "--finished-grace-s", "-1"])
     assert code == cli.EXIT_REFUSED
+
+
+def test_start_raises_what_stopped_the_server_before_it_served(tmp_path: Path) -> None:
+    # The state folder cannot be made (a file is in its way): start() says so, rather
+    # than handing back a server that never bound its port.
+    import numpy as np
+
+    from fedloom import Weights
+    from fedloom.config import ServerConfig
+
+    blocker = tmp_path / "state"
+    blocker.write_text("not a folder")
+    config = ServerConfig(address="127.0.0.1:0", insecure=True, state_dir=str(blocker),
+                          progress=False)
+    with pytest.raises(FileExistsError):
+        Server(config, initial_weights=Weights({"w": np.zeros(2, np.float32)})).start(10)

@@ -148,8 +148,9 @@ def test_exported_names_are_pinned() -> None:
         "ServerOptimizer", "ServerSGD", "ServerYogi", "StalenessWeighting", "StateDict",
         "Strategy", "TrimmedMeanAggregator", "WeightedMeanAggregator", "add_delta",
         "apply_privacy", "aggregate_secure_mean", "build_strategy", "check_finite_step",
-        "check_secure_strategy",
-        "clip_update", "describe_strategies", "scale_delta", "stale_update", "strategy_settings",
+        "check_robust_async", "check_secure_strategy",
+        "clip_update", "describe_strategies", "holds_all_updates", "scale_delta",
+        "stale_update", "strategy_settings",
         "update_norm", "weighted_updates",
     ])
     for name in strategies_pkg.__all__:
