@@ -56,6 +56,11 @@ class RoundLoop:
         self.evaluate_fn = evaluate_fn
         self.history: list[RoundRecord] = persistence.history()
         self.next_round = persistence.completed_round + 1
+        # Whether a due evaluation has anything to run: the flag a commit leaves for a
+        # restart (a strategy without selection settings may always evaluate).
+        selection = getattr(getattr(parts.strategy, "inner", parts.strategy), "selection", None)
+        self._federated = selection is None or selection.fraction_evaluate > 0
+        self._may_evaluate = evaluate_fn is not None or self._federated
         self.stopped_reason = ""  # why the run ended before num_rounds (the privacy budget)
         unkept = why_not_per_client(parts.config, parts.strategy)
         if unkept and parts.config.metrics.per_client:
@@ -150,7 +155,7 @@ class RoundLoop:
             num_sampled=outcome.num_sampled, num_updates=outcome.num_updates,
             num_failures=outcome.num_failures, num_cancelled=outcome.num_cancelled,
             secure_aggregation=outcome.secure_aggregation, duration_s=time.time() - started,
-            evaluation_pending=evaluates, **sections)
+            evaluation_pending=evaluates and self._may_evaluate, **sections)
         # Committed before the model goes to an evaluation: a server stopped while its
         # clients evaluate keeps the round (and, in a private run, the ledger that paid
         # for it) instead of running it again.
@@ -159,27 +164,31 @@ class RoundLoop:
             parts.executor, self.persistence.commit, record, parts.model.weights,
             parts.strategy.state_dict(), started, outcome.clients)
         self.driver.committed(server_round)
+        self.history.append(record)  # committed: in the history even if a stop comes now
         if evaluates:
             record = await self._evaluate(record)
-        self._finished(record)
+        self._report(record)
 
     async def _evaluate(self, record: RoundRecord) -> RoundRecord:
-        """Evaluate the committed round ``record``'s model (federated, then on the
-        server) and record the evaluation in the round."""
+        """Evaluate the committed round ``record`` (the history's last) — federated,
+        then on the server — and record the evaluation in the round."""
         parts, started = self.parts, time.time()
-        if parts.config.fraction_evaluate > 0:
+        if self._federated:
             # Sessions that joined since the version was published (during the commit,
             # or before a restart) get their broadcasts built off the loop too.
             await parts.model.prepare(self._grants, parts.executor)
         evaluate, clients = await federated_evaluate(parts, record.round)
         server = await server_evaluate(parts, self.evaluate_fn, record.round,
                                        parts.model.weights)
+        if not (record.evaluation_pending or evaluate or server or clients):
+            return record  # nothing ran: the committed record stands
         record = dataclasses.replace(record, evaluate=evaluate, server=server,
                                      evaluation_pending=False,
                                      duration_s=record.duration_s + time.time() - started)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(parts.executor, self.persistence.record_evaluation, record,
                                    clients)
+        self.history[-1] = record
         return record
 
     async def _evaluate_pending(self) -> None:
@@ -187,13 +196,12 @@ class RoundLoop:
         committed model (the one loaded) is evaluated now, before the next round."""
         parts, record = self.parts, self.history[-1]
         log.info("round %d was committed but not evaluated; evaluating it", record.round)
-        if parts.config.fraction_evaluate > 0:
+        if self._federated:
             await parts.fleet.wait_for(parts.config.min_clients)
-        self.history.pop()
-        self._finished(await self._evaluate(record))
+        self._report(await self._evaluate(record))
 
-    def _finished(self, record: RoundRecord) -> None:
-        self.history.append(record)
+    def _report(self, record: RoundRecord) -> None:
+        """The round is done (committed, and evaluated when due): metrics, progress."""
         epsilon = record.fit.get("privacy_epsilon")
         ServerMetrics.round_done(record.status, record.duration_s, record.round,
                                  float(epsilon) if isinstance(epsilon, int | float) else None)

@@ -128,7 +128,8 @@ class ComposedStrategy:
         s = self.selection
         if s.fraction_evaluate == 0.0:
             return EvaluatePlan(())
-        chosen = self.sampler.sample(clients, s.fraction_evaluate, s.min_evaluate_clients)
+        chosen = self.sampler.sample_evaluation(clients, s.fraction_evaluate,
+                                                s.min_evaluate_clients, server_round)
         return EvaluatePlan(chosen, {**self.evaluate_config, SERVER_ROUND: server_round})
 
     def aggregate_evaluate(self, server_round: int, results: Iterable[EvaluateResult]) -> Metrics:

@@ -13,6 +13,9 @@ import numpy as np
 from fedloom.errors import ConfigError
 from fedloom.types import ClientInfo
 
+#: Mixed into the evaluation generator's seed: its draws are not the fit draws'.
+_EVALUATION = 0x4556414C
+
 
 class ClientSampler:
     """Samples ``max(floor(n * fraction), min_clients)`` of ``n`` clients, capped at n.
@@ -43,6 +46,28 @@ class ClientSampler:
     def sample(
         self, clients: Sequence[ClientInfo], fraction: float, min_clients: int
     ) -> tuple[str, ...]:
+        """A round's fit sample: draws from the sampler's generator (its state)."""
+        return self._sample(self._rng, clients, fraction, min_clients)
+
+    def sample_evaluation(
+        self, clients: Sequence[ClientInfo], fraction: float, min_clients: int,
+        server_round: int
+    ) -> tuple[str, ...]:
+        """A round's evaluation sample, from a generator of (seed, round) alone.
+
+        Evaluation leaves the sampler's state as it was: the server commits a round
+        before it evaluates the round's model, and a run resumed from that commit must
+        draw the next fit samples an uninterrupted run draws, evaluation or not. A
+        secret sampler draws from its own generator (nothing about it is replayed).
+        """
+        rng = self._rng if self._secret else np.random.default_rng(
+            [self._seed, server_round, _EVALUATION])
+        return self._sample(rng, clients, fraction, min_clients)
+
+    def _sample(
+        self, rng: np.random.Generator, clients: Sequence[ClientInfo], fraction: float,
+        min_clients: int
+    ) -> tuple[str, ...]:
         if not 0.0 <= fraction <= 1.0:
             raise ConfigError("fraction", f"must be in [0, 1], got {fraction}")
         ordered = self._order(clients)
@@ -52,7 +77,7 @@ class ClientSampler:
             return ()
         if k == n:
             return tuple(c.client_id for c in ordered)
-        picked = self._rng.choice(n, size=k, replace=False)
+        picked = rng.choice(n, size=k, replace=False)
         return tuple(ordered[int(i)].client_id for i in sorted(picked))
 
     def sample_poisson(self, clients: Sequence[ClientInfo], rate: float) -> tuple[str, ...]:

@@ -327,21 +327,24 @@ Reference = tuple[Weights, Any, list[int]]
 _reference: dict[str, Reference] = {}
 
 
-def reference_run(tmp_root: Path) -> Reference:
-    """The uninterrupted run (in-process server, same settings): final weights, strategy
-    state and committed rounds. Computed once per test session."""
-    if "run" not in _reference:
+def reference_run(tmp_root: Path, **overrides: Any) -> Reference:
+    """The uninterrupted run (in-process server, same settings, changed by
+    ``overrides``): final weights, strategy state and committed rounds. Computed once
+    per test session and settings."""
+    key = repr(sorted(overrides.items()))
+    if key not in _reference:
         from fedloom.server import Server
 
-        folder = tmp_root / "reference"
+        folder = tmp_root / f"reference-{len(_reference)}"
         folder.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        config = server_config(run_settings(folder / "state", port))
+        config = server_config(run_settings(folder / "state", port, **overrides))
         handle = Server(config, initial_weights=initial_weights()).start()
         pool = ClientPool(handle.address)
         history = handle.wait(60)
         pool.join(15.0)
         assert [r.status for r in history] == ["ok"] * NUM_ROUNDS
-        assert all(c.rounds == list(range(1, NUM_ROUNDS + 1)) for c in pool.clients)
-        _reference["run"] = final_checkpoint(folder / "state")
-    return _reference["run"]
+        if not overrides:  # every client trains every round
+            assert all(c.rounds == list(range(1, NUM_ROUNDS + 1)) for c in pool.clients)
+        _reference[key] = final_checkpoint(folder / "state")
+    return _reference[key]

@@ -102,3 +102,23 @@ def test_killed_while_clients_evaluate_keeps_the_round_and_evaluates_it_on_resum
         assert not record.evaluation_pending, record.round
         # every client's loss is 0.0; 1 + 2 + 3 examples
         assert dict(record.evaluate) == {"loss": 0.0, "num_examples": 6}, record
+
+
+# 2 of 3 clients fit and 1 of 3 evaluates each round, both drawn from the seeded sampler.
+SAMPLED = {"fraction_fit": 0.67, "min_fit_clients": 2, "fraction_evaluate": 0.34,
+           "min_evaluate_clients": 1}
+
+
+@pytest.mark.parametrize("crash", ["mid_aggregation:5", "checkpoint_renamed:4",
+                                   "mid_evaluation:2"])
+def test_a_resume_draws_the_samples_an_uninterrupted_run_draws(
+        tmp_path: Path, crash: str) -> None:
+    # mid_aggregation:5 is round 3's first update (2 a round): round 2 committed and
+    # evaluated; a resume from round 2's checkpoint must sample round 3's clients as
+    # the uninterrupted run does, although round 2's evaluation drew a sample since.
+    want_weights, want_state, _ = reference_run(tmp_path / "reference", **SAMPLED)
+    run_with_restarts(tmp_path, [crash], **SAMPLED)
+    weights, state, rounds = final_checkpoint(tmp_path / "state")
+    assert rounds[-1] == NUM_ROUNDS
+    assert_bitwise_equal(weights, want_weights)
+    assert_same_state(state, want_state)

@@ -86,3 +86,33 @@ def test_a_client_long_polling_through_a_stop_reconnects_and_finishes(tmp_path: 
     assert [r.status for r in history] == ["ok"]
     assert outcome["stats"].run_finished and outcome["stats"].fits == 1
     assert client.rounds == [1]
+
+
+def test_a_stop_while_a_round_is_evaluated_returns_the_committed_round(
+        tmp_path: Path) -> None:
+    # The round is committed before its evaluation: a stop during the evaluation leaves
+    # it committed, and the history the server hands back says so (evaluation pending).
+    from recovery_support import NUM_ROUNDS, ClientPool, run_settings, server_config
+
+    entered, release = threading.Event(), threading.Event()
+
+    def evaluate(server_round: int, weights: Any) -> tuple[float, dict[str, float]]:
+        if server_round == 2:
+            entered.set()
+            release.wait(30)
+        return 0.0, {"round": float(server_round)}
+
+    config = server_config(run_settings(tmp_path / "state", free_port()))
+    handle = Server(config, initial_weights=initial_weights(), evaluate_fn=evaluate).start()
+    pool = ClientPool(handle.address)
+    try:
+        assert entered.wait(30)
+        handle.stop()
+        history = handle.wait(30)
+    finally:
+        release.set()
+        pool.stop.set()
+    assert [r.round for r in history if r.round > 0] == [1, 2] and NUM_ROUNDS > 2
+    assert not history[-2].evaluation_pending and history[-2].server == {
+        "loss": 0.0, "round": 1.0}
+    assert history[-1].evaluation_pending and history[-1].status == "ok"
