@@ -23,16 +23,17 @@ from fedloom.errors import ConfigError
 FILE_SETTINGS = ("state_dir", "tls.cert", "tls.key", "tls.client_ca", "auth.tokens_file")
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file, turning parse errors into `ConfigError`; the paths in its
-    `FILE_SETTINGS` are made relative to the file's folder (absolute)."""
+def load_toml(path: str | Path, setting: str = "--config") -> dict[str, Any]:
+    """Read a TOML file, turning parse errors into `ConfigError` (naming ``setting``, the
+    flag or argument that gave the file); the paths in its `FILE_SETTINGS` are made
+    relative to the file's folder (absolute)."""
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except FileNotFoundError as exc:
-        raise ConfigError("--config", f"file {str(path)!r} not found") from exc
+        raise ConfigError(setting, f"file {str(path)!r} not found") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
+        raise ConfigError(setting, f"{path} is not valid TOML: {exc}") from exc
     folder = os.path.dirname(os.path.abspath(path))
     resolved = resolve_paths(data, folder)
     _check_state_dir(data.get("state_dir"), resolved.get("state_dir"), str(path))

@@ -88,9 +88,11 @@ def _add_secagg_flags(parser: argparse.ArgumentParser) -> None:
         parsers: dict[str, Callable[[str], Any]] = {"int": int, "float": float,
                                                      "bool": _parse_bool}
         kind = parsers[str(field.type)]
+        # A true/false setting may stand alone (--secure-aggregation) or take its value.
+        switch: dict[str, Any] = {"nargs": "?", "const": True} if str(field.type) == "bool" else {}
         group.add_argument(flag, dest=f"secagg_{field.name}", type=kind, default=None,
                            metavar=str(field.type).upper(),
-                           help=f"{field_help(field)} (default: {field.default})")
+                           help=f"{field_help(field)} (default: {field.default})", **switch)
 
 
 def _add_rounds_flags(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +147,10 @@ def _server_parser(sub: Any) -> None:
         epilog=describe_strategies() + "\n\nGuide: docs/strategies.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="TOML file of settings ([strategy] and [transfer] tables)")
+    p.add_argument("--config", help="TOML file of settings: top-level keys and the tables "
+                                    "[strategy], [tls], [auth], [transfer], [rounds], "
+                                    "[secure_aggregation], [privacy], [compression], [metrics]; "
+                                    "a flag overrides the file")
     p.add_argument("--initial-weights", help="safetensors file of the starting model")
     p.add_argument("--evaluate-fn", help="module:attr of evaluate_fn(round, weights)")
     p.add_argument("--strategy", help="strategy name (the list follows the options)")
@@ -172,6 +177,13 @@ def _load_attr(spec: str, setting: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep:
         raise FedloomError(f"{setting}: {spec!r} must be module:attr")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name \
+            or module_name.startswith("."):
+        raise FedloomError(
+            f"{setting}: {module_name!r} is a file path; give the module's name, importable "
+            f"from the working directory (e.g. mymodule:{attr or 'make_client'} for "
+            "./mymodule.py; run the command from the folder that holds it, or add that "
+            "folder to PYTHONPATH)")
     sys.path.insert(0, ".")
     try:
         return getattr(importlib.import_module(module_name), attr)
@@ -349,6 +361,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Packages an install may lack, by import name: the extra that brings each.
+_EXTRAS = {"safetensors": "server", "rich": "server", "prometheus_client": "server",
+           "dp_accounting": "server", "grpc_health": "server", "grpc_reflection": "server",
+           "zstandard": "zstd", "torch": "torch", "sklearn": "demo", "matplotlib": "demo",
+           "flwr": "flower", "ray": "flower"}
+
+
+def _missing_extra(exc: ImportError) -> str | None:
+    """What to install when ``exc`` is a package of an extra this install lacks (a
+    device's client install has none of the server's); None for any other error."""
+    if 'pip install "fedloom[' in str(exc):
+        return str(exc)
+    top = (getattr(exc, "name", None) or "").split(".")[0]
+    extra = _EXTRAS.get(top)
+    if not isinstance(exc, ModuleNotFoundError) or extra is None:
+        return None
+    return (f"this command needs the {top!r} package, which this install lacks: "
+            f'pip install "fedloom[{extra}]"')
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:  # its own parser (fedloom.simulations.cli)
@@ -378,6 +410,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FedloomError as exc:
         print(f"fedloom {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    except ImportError as exc:
+        missing = _missing_extra(exc)
+        if missing is None:
+            raise
+        print(f"fedloom {args.command}: error: {missing}", file=sys.stderr)
+        return EXIT_REFUSED  # a restart cannot install a package
     except Exception:
         if args.command != "server":
             raise

@@ -35,7 +35,7 @@ from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
 from fedloom.privacy._config import PrivacyConfig
 from fedloom.secagg import SecAggConfig
-from fedloom.settings import check, check_address, described, from_mapping
+from fedloom.settings import check, check_address, check_numbers, described, from_mapping
 
 __all__ = [
     "AuthConfig",
@@ -241,6 +241,7 @@ class ServerConfig:
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         check_address("address", self.address)
         check(self.num_rounds >= 1, "num_rounds", "must be at least 1")
         check(self.min_clients >= 1, "min_clients", "must be at least 1")

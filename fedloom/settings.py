@@ -74,6 +74,17 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     return cls(**kwargs)
 
 
+def check_numbers(config: Any, where: str = "") -> None:
+    """Check the number and true/false settings of a config dataclass built in Python
+    (a TOML file is checked by `from_mapping`): ``ServerConfig(num_rounds="3")`` says
+    ``num_rounds: must be an integer, got '3'`` rather than failing in a comparison."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        hint = hints[field.name]
+        if hint in (int, float, bool):
+            _coerce_scalar(f"{where}{field.name}", hint, getattr(config, field.name))
+
+
 def coerce(setting: str, hint: Any, value: Any) -> Any:
     """Return ``value`` checked (and widened: int -> float) against ``hint``.
 

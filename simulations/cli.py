@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from fedloom.simulations.scenario import scenario_from_mapping
 
-        data = dict(load_toml(args.scenario))
+        data = dict(load_toml(args.scenario, "scenario"))
         data.setdefault("name", Path(args.scenario).stem)
         for assignment in args.set:
             _apply(data, assignment)

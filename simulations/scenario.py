@@ -414,6 +414,6 @@ def scenario_from_mapping(data: Mapping[str, Any]) -> Scenario:
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read a scenario TOML file; the file's stem is the default ``name``."""
-    data = dict(load_toml(path))
+    data = dict(load_toml(path, "scenario"))
     data.setdefault("name", Path(path).stem)
     return scenario_from_mapping(data)

@@ -1,0 +1,93 @@
+"""What the command line says for the mistakes a newcomer makes: a package of an extra
+the install lacks, a file path given as ``--app``, a scenario file that is not there; and
+flags that stand alone."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from fedloom import cli
+from fedloom.privacy import calibrate_noise_multiplier
+from fedloom.simulations.cli import main as simulate_main
+
+
+def _missing(name: str) -> ModuleNotFoundError:
+    return ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+@pytest.mark.parametrize(("module", "extra"), [("safetensors", "server"),
+                                              ("dp_accounting.rdp", "server"),
+                                              ("torch", "torch"), ("matplotlib", "demo")])
+def test_a_package_of_a_missing_extra_is_named_with_its_install_command(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], module: str,
+        extra: str) -> None:
+    # A device's client install has none of the server's packages; a server command run
+    # there says what to install and exits "refused" (a supervisor must not restart it).
+    def run(args: object) -> int:
+        raise _missing(module)
+
+    monkeypatch.setattr(cli, "_run_runs", run)
+    assert cli.main(["runs", "--state-dir", "x"]) == cli.EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert f"needs the {module.split('.')[0]!r} package" in err
+    assert f'pip install "fedloom[{extra}]"' in err
+
+
+def test_any_other_import_error_is_not_mistaken_for_a_missing_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(args: object) -> int:
+        raise _missing("some_typo_module")
+
+    monkeypatch.setattr(cli, "_run_runs", run)
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["runs", "--state-dir", "x"])
+
+
+@pytest.mark.parametrize("app", ["../srv/mymodule.py:make_client", "mymodule.py:make_client",
+                                 "srv/mymodule:make_client"])
+def test_a_file_path_as_app_is_refused_with_the_form_to_use(
+        capsys: pytest.CaptureFixture[str], app: str) -> None:
+    code = cli.main(["client", "--server", "127.0.0.1:1", "--insecure", "--app", app])
+    assert code == cli.EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "is a file path; give the module's name" in err
+    assert "mymodule:make_client for ./mymodule.py" in err
+
+
+def test_a_missing_scenario_file_is_named_as_the_scenario(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate_main([str(tmp_path / "nope.toml")]) != 0
+    err = capsys.readouterr().err
+    assert "scenario: file" in err and "not found" in err and "--config" not in err
+
+
+def test_secure_aggregation_flags_stand_alone_or_take_a_value() -> None:
+    parser = cli.build_parser()
+    alone = parser.parse_args(["server", "--secure-aggregation"])
+    valued = parser.parse_args(["server", "--secure-aggregation", "false",
+                                "--secagg-allow-unauthenticated"])
+    assert alone.secagg_enabled is True
+    assert valued.secagg_enabled is False and valued.secagg_allow_unauthenticated is True
+
+
+def test_calibration_under_poisson_sampling_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    # dp-accounting warns for every RDP order it leaves out of an epsilon (about fifty
+    # lines for this one); leaving an order out only loosens epsilon, and says nothing.
+    with caplog.at_level(logging.WARNING):
+        z = calibrate_noise_multiplier(8.0, 1e-5, 50, sampling="poisson", rate=0.1)
+    assert z == pytest.approx(0.8574, abs=1e-4)
+    assert not [r for r in caplog.records if r.name == "absl"]
+
+
+def test_a_number_setting_of_the_wrong_type_in_python_names_the_setting() -> None:
+    from fedloom.config import ServerConfig
+    from fedloom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"num_rounds: must be an integer, got '3'"):
+        ServerConfig(insecure=True, num_rounds="3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"progress: must be true or false, got 1"):
+        ServerConfig(insecure=True, progress=1)  # type: ignore[arg-type]
+    assert ServerConfig(insecure=True, round_timeout_s=5).round_timeout_s == 5  # int: a number
