@@ -412,10 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     except ImportError as exc:
         missing = _missing_extra(exc)
-        if missing is None:
+        if missing is not None:
+            print(f"fedloom {args.command}: error: {missing}", file=sys.stderr)
+            return EXIT_REFUSED  # a restart cannot install a package
+        if args.command != "server":
             raise
-        print(f"fedloom {args.command}: error: {missing}", file=sys.stderr)
-        return EXIT_REFUSED  # a restart cannot install a package
+        logging.getLogger("fedloom.server").exception("the server failed")
+        return EXIT_FAILED
     except Exception:
         if args.command != "server":
             raise

@@ -22,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import numbers
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
+
+import numpy as np
 
 from fedloom.errors import ConfigError
 
@@ -80,9 +83,15 @@ def check_numbers(config: Any, where: str = "") -> None:
     ``num_rounds: must be an integer, got '3'`` rather than failing in a comparison."""
     hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
-        hint = hints[field.name]
-        if hint in (int, float, bool):
-            _coerce_scalar(f"{where}{field.name}", hint, getattr(config, field.name))
+        hint, value = hints[field.name], getattr(config, field.name)
+        setting = f"{where}{field.name}"
+        is_bool = isinstance(value, bool | np.bool_)
+        if hint is bool and not is_bool:
+            raise ConfigError(setting, f"must be true or false, got {value!r}")
+        if hint is int and (is_bool or not isinstance(value, numbers.Integral)):
+            raise ConfigError(setting, f"must be an integer, got {value!r}")
+        if hint is float and (is_bool or not isinstance(value, numbers.Real)):
+            raise ConfigError(setting, f"must be a number, got {value!r}")
 
 
 def coerce(setting: str, hint: Any, value: Any) -> Any:

@@ -36,7 +36,12 @@ import random
 import secrets
 from typing import Any
 
-from fedloom.errors import AggregationError, MessageRejectedError, RejectReason
+from fedloom.errors import (
+    AggregationError,
+    ClientsUnavailableError,
+    MessageRejectedError,
+    RejectReason,
+)
 from fedloom.messages import ResultHeader, TaskHeader
 from fedloom.server.async_buffer import BufferEntry, DurableBuffer, StepBuffer, sync_file
 from fedloom.server.client_metrics import fit_row, records_per_client
@@ -49,6 +54,7 @@ from fedloom.server.compression import (
 )
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.driver import FitOutcome, RoundDriver, RoundParts
+from fedloom.server.fleet import WAIT_LOG_S
 from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.persistence import RunPersistence
@@ -84,6 +90,11 @@ class AsyncRounds(RoundDriver):
         self._rng = random.Random(parts.config.seed)
         self.owner = AsyncFitTasks(self)
         self._running: dict[str, Task] = {}  # pending fit tasks by id
+        # Task id -> who its update counts against, fixed when it was issued (a client
+        # that joins again while its upload runs keeps the identity it had).
+        self._task_contributors: dict[str, str] = {}
+        self._short_since: float | None = None  # when the open buffer became unfillable
+        self._short_logged: float | None = None  # when that was last logged
         self._deadlines: dict[str, float] = {}  # task id -> loop time of its deadline
         self._ended: list[Task] = []  # failed or refused: closed at the next commit
         self._reasons: dict[str, str] = {}  # why an ended task ended
@@ -117,6 +128,7 @@ class AsyncRounds(RoundDriver):
             while not buffer.full.is_set():
                 self._expire_overdue(loop.time())
                 self._top_up()
+                self._check_fillable(buffer, loop.time())
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(POLL_S):
                         await buffer.full.wait()
@@ -202,7 +214,7 @@ class AsyncRounds(RoundDriver):
             entry = self.durable.keep(buffer.version, task.client_id, task.header.round - 1,
                                       header.num_examples, metrics, upload.spool.path,
                                       header.update, header.codec,
-                                      self._contributor(task.client_id))
+                                      self._task_contributor(task))
         except BaseException:
             upload.spool.discard()
             raise
@@ -210,6 +222,7 @@ class AsyncRounds(RoundDriver):
         task.settle(TaskStatus.ACCEPTED, upload.fingerprint)
         self._running.pop(task.task_id, None)
         self._deadlines.pop(task.task_id, None)
+        self._task_contributors.pop(task.task_id, None)
         self.num_accepted += 1
         self._enter(entry, task)
         self._top_up()
@@ -288,6 +301,7 @@ class AsyncRounds(RoundDriver):
         self._reasons[task.task_id] = reason
         self._running.pop(task.task_id, None)
         self._deadlines.pop(task.task_id, None)
+        self._task_contributors.pop(task.task_id, None)
         self._ended.append(task)
         self._open.num_failures += 1
 
@@ -326,6 +340,54 @@ class AsyncRounds(RoundDriver):
         record = self.parts.fleet.registry.get(client_id)
         return (record.identity or client_id) if record is not None else client_id
 
+    def _check_fillable(self, buffer: StepBuffer, now: float) -> None:
+        """With ``max_updates_per_client``, whether the connected clients can still fill
+        ``buffer``: its tasks in flight, plus what each connected contributor may still
+        add. When they cannot, the server waits as it waits for ``min_clients``: it
+        says so (every `WAIT_LOG_S`), and stops after ``min_clients_wait_s`` when set.
+
+        Raises:
+            ClientsUnavailableError: too few clients for ``min_clients_wait_s``.
+        """
+        cap = self.settings.max_updates_per_client
+        if not cap or self.done:
+            return
+        held = self._held()
+        keys = {self._contributor(info.client_id)
+                for info in self.parts.fleet.registry.infos()}
+        supply = len(self._running) + sum(max(0, cap - held[key]) for key in keys)
+        needed = buffer.size - buffer.count
+        if supply >= needed:
+            self._short_since = None
+            return
+        if self._short_since is None:
+            self._short_since, self._short_logged = now, None
+        waited = now - self._short_since
+        limit = self.parts.config.min_clients_wait_s
+        if limit and waited >= limit:
+            raise ClientsUnavailableError(
+                f"version {buffer.version} needs {needed} more updates and the connected "
+                f"clients can send {supply} (rounds.max_updates_per_client = {cap}) within "
+                f"min_clients_wait_s ({limit:g} s); the server stops with every committed "
+                "version kept: start it again when the clients can come (it resumes)")
+        if self._short_logged is None or now - self._short_logged >= WAIT_LOG_S:
+            log.info("waiting for clients: version %d needs %d more updates, the connected "
+                     "clients can send %d (rounds.max_updates_per_client = %d; waited %.0f s)",
+                     buffer.version, needed, supply, cap, waited,
+                     extra={"needed": needed, "available": supply})
+            self._short_logged = now
+        self.parts.reporter.waiting(supply, needed)
+
+    def _task_contributor(self, task: Task) -> str:
+        return self._task_contributors.get(task.task_id) or self._contributor(task.client_id)
+
+    def _held(self) -> collections.Counter[str]:
+        """Updates each contributor has in the open buffer, plus its tasks in flight."""
+        held = collections.Counter(self._open.contributors)
+        for task in self._running.values():
+            held[self._task_contributor(task)] += 1
+        return held
+
     def _under_cap(self, idle: list[Any]) -> list[Any]:
         """The idle clients that may still add an update to the open buffer: its updates
         from them plus their tasks in flight stay within ``max_updates_per_client`` (an
@@ -333,9 +395,7 @@ class AsyncRounds(RoundDriver):
         cap = self.settings.max_updates_per_client
         if not cap:
             return idle
-        held = collections.Counter(self._open.contributors)
-        for task in self._running.values():
-            held[self._contributor(task.client_id)] += 1
+        held = self._held()
         out = []
         for info in idle:
             key = self._contributor(info.client_id)
@@ -374,6 +434,7 @@ class AsyncRounds(RoundDriver):
             decoded=decoded)
         task = Task(header, client_id, payload)
         self._running[task.task_id] = task
+        self._task_contributors[task.task_id] = self._contributor(client_id)
         loop = asyncio.get_running_loop()
         self._deadlines[task.task_id] = loop.time() + parts.config.round_timeout_s
         parts.book.issue(task, self.owner)

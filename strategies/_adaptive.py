@@ -135,7 +135,7 @@ class AdaptiveServerOptimizer(ServerOptimizer):
             new_m[name], new_v[name] = m, v
             new = arr.astype(np.float64) + lr * m / (np.sqrt(v) + self.tau)
             out.append((name, new.astype(arr.dtype)))
-        result = check_finite_step(Weights(out))
+        result = check_finite_step(Weights(out), first_moment=new_m, second_moment=new_v)
         # State changes only once the whole step has succeeded.
         self._m, self._v, self._steps = new_m, new_v, step
         return result

@@ -92,15 +92,24 @@ def non_finite_tensor(weights: Weights) -> str | None:
     return None
 
 
-def check_finite_step(weights: Weights) -> Weights:
-    """``weights``, the result of a server step, when every value is finite; otherwise
-    `NonFiniteStepError`. Optimizers call it before they change their state."""
+def check_finite_step(weights: Weights, **state: dict[str, np.ndarray]) -> Weights:
+    """``weights``, the result of a server step, when every value is finite, and so is
+    every buffer of the optimizer's new ``state`` (its moments, by name: a moment that
+    overflows freezes or poisons every later step even while the weights stay finite);
+    otherwise `NonFiniteStepError`. Optimizers call it before they change their state."""
     name = non_finite_tensor(weights)
     if name is not None:
         raise NonFiniteStepError(
             f"the server step would make tensor {name!r} non-finite (the updates or the "
             f"step overflowed {weights[name].dtype}); the global model and the server "
             "optimizer's state are unchanged")
+    for what, buffers in state.items():
+        name = non_finite_tensor(Weights(buffers)) if buffers else None
+        if name is not None:
+            raise NonFiniteStepError(
+                f"the server step would make the optimizer's {what} of tensor {name!r} "
+                "non-finite (the updates overflowed it); the global model and the server "
+                "optimizer's state are unchanged")
     return weights
 
 

@@ -75,7 +75,7 @@ class ServerMomentum(ServerOptimizer):
                 new_momentum[name] = m
             new = arr.astype(np.float64) + self.server_learning_rate * m
             out.append((name, new.astype(arr.dtype)))
-        result = check_finite_step(Weights(out))
+        result = check_finite_step(Weights(out), momentum=new_momentum)
         if keep:  # state changes only once the whole step has succeeded
             self._momentum = new_momentum
         return result

@@ -91,3 +91,25 @@ def test_a_number_setting_of_the_wrong_type_in_python_names_the_setting() -> Non
     with pytest.raises(ConfigError, match=r"progress: must be true or false, got 1"):
         ServerConfig(insecure=True, progress=1)  # type: ignore[arg-type]
     assert ServerConfig(insecure=True, round_timeout_s=5).round_timeout_s == 5  # int: a number
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    import numpy as np
+
+    from fedloom.config import ServerConfig
+
+    config = ServerConfig(insecure=np.bool_(True), num_rounds=np.int64(3),
+                          min_clients=np.int32(2), fraction_fit=np.float32(0.5),
+                          round_timeout_s=np.float64(30))
+    assert config.num_rounds == 3 and config.min_clients == 2
+
+
+def test_the_server_logs_an_import_error_that_is_no_missing_extra_and_exits_failed(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
+    def run(args: object) -> int:
+        raise _missing("some_typo_module")
+
+    monkeypatch.setattr(cli, "_run_server", run)
+    assert cli.main(["server", "--insecure"]) == cli.EXIT_FAILED
+    assert "the server failed" in caplog.text and "some_typo_module" in caplog.text

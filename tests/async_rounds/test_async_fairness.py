@@ -10,13 +10,15 @@ clients sharing an authenticated identity count together.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from async_support import Harness, async_config
-from fedbuff import client_delta
+from fedbuff import client_delta, initial_weights
 
 from fedloom import Weights
 from fedloom.client_sdk import Client, EvaluateOutput, FitOutput
@@ -184,3 +186,82 @@ def test_the_local_async_engine_refuses_what_the_server_refuses() -> None:
     with pytest.raises(ConfigError, match="set it to 1"):
         run_local_async(FedMedian(), lambda i: _Step(), INITIAL, num_clients=4, num_rounds=1,
                         rounds=RoundsConfig(mode="async", buffer_size=2), speed=FAST_FIRST)
+
+
+def test_joining_again_mid_upload_does_not_buy_a_second_update(tmp_path: Path) -> None:
+    # mallory starts uploading, then joins again under its identity (its old session is
+    # replaced; the upload goes on). Its update counts against "mallory", fixed when its
+    # task was issued, so the new session gets no task until the step.
+    from fedloom.messages import PROTOCOL_VERSION, JoinRequest, ResultHeader, Session
+    from fedloom.payload import PayloadInfo, serialize
+    from fedloom.types import TaskKind
+
+    config = async_config(tmp_path / "s", num_rounds=1, buffer_size=3, concurrency=3,
+                          max_updates_per_client=1, min_clients=3, strategy="fedmedian")
+
+    def filled(harness: Harness, value: float) -> Weights:
+        return Weights({k: np.full(v.shape, value, v.dtype) for k, v in harness.initial.items()})
+
+    async def main() -> Weights:
+        harness = Harness(config)
+        for record, name in zip(harness.clients, ["mallory", "site-1", "site-2"], strict=True):
+            record.identity = name
+        harness.start()
+        try:
+            mallory = harness.clients[0]
+            header = await harness.task_of(0)
+            delta = filled(harness, 100.0)
+            payload = serialize(delta)
+            upload = await harness.coordinator.accept_result(mallory, ResultHeader(
+                Session(mallory.client_id, b"test"), header.task_id, header.round,
+                TaskKind.FIT, num_examples=10, base_round=header.round - 1,
+                update=PayloadInfo.describe(delta.specs(), payload)))
+            assert not isinstance(upload, bool)
+            upload.feed(0, payload[: len(payload) // 2])
+            reply = harness.coordinator.join(JoinRequest(
+                PROTOCOL_VERSION, frozenset({"fit", "evaluate"}), "mallory"), identity="mallory")
+            again = harness.coordinator.registry.get(reply.session.client_id)
+            assert again is not None and mallory.client_id not in harness.coordinator.registry
+            await harness.push(1, await harness.task_of(1), filled(harness, 1.0), 10)
+            upload.feed(len(payload) // 2, payload[len(payload) // 2:])
+            await upload.finish()
+            assert harness.driver._open.contributors["mallory"] == 1
+            for _ in range(30):  # the new session is offered nothing before the step
+                assert harness.coordinator.book.offer(again.client_id) is None
+                await asyncio.sleep(0.01)
+            await harness.push(2, await harness.task_of(2), filled(harness, 1.0), 10)
+            assert harness.run_task is not None
+            await asyncio.wait_for(harness.run_task, 20)
+            return harness.coordinator.global_weights
+        finally:
+            await harness.stop()
+
+    weights = asyncio.run(main())
+    for name, start in initial_weights().items():  # the median of 100, 1, 1 is an honest 1
+        np.testing.assert_allclose(weights[name], start + 1.0, rtol=1e-6)
+
+
+def test_a_buffer_the_connected_clients_cannot_fill_is_waited_for_then_given_up(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Two clients, one update each per step, a buffer of 2: one answers, the other
+    # leaves. The step can never fill until a client comes: the server says so, and
+    # stops after min_clients_wait_s as it does while waiting for min_clients.
+    from fedloom.errors import ClientsUnavailableError
+
+    config = async_config(tmp_path / "s", num_rounds=1, buffer_size=2, concurrency=2,
+                          max_updates_per_client=1, min_clients=2)
+    config = dataclasses.replace(config, min_clients_wait_s=1.0)
+
+    async def main() -> None:
+        async with Harness(config, num_clients=2) as harness:
+            await harness.answer(0, 10)
+            harness.coordinator.leave(harness.clients[1], "test: gone")
+            assert harness.run_task is not None
+            with pytest.raises(ClientsUnavailableError, match=r"version 1 needs 1 more "
+                               r"updates and the connected clients can send 0"):
+                await asyncio.wait_for(harness.run_task, 20)
+
+    with caplog.at_level(logging.INFO, logger="fedloom.server"):
+        asyncio.run(main())
+    assert "waiting for clients: version 1 needs 1 more updates, the connected clients " \
+           "can send 0 (rounds.max_updates_per_client = 1" in caplog.text

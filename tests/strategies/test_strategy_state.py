@@ -222,3 +222,31 @@ def test_a_step_that_would_overflow_the_model_produces_none_and_keeps_the_state(
     end_b, plans_b = play(twin, current, range(4, 6))
     assert plans_a == plans_b
     assert_bit_equal(end_a, end_b)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED_STEPS))
+def test_a_step_whose_optimizer_state_would_overflow_is_not_taken(name: str) -> None:
+    # A float64 model: a finite delta of 1e200 squares past float64's range in the
+    # second moment, while the weights stay finite (the step is bounded by eta): the
+    # moment would freeze every later step, and no checkpoint holding it would load.
+    strategy = build(name, seed=3)
+    current = Weights({"w": np.ones((3, 2))})
+    plan = strategy.configure_fit(1, current, CLIENTS)
+    before = checkpoint_round_trip(strategy.state_dict())
+    huge = [ClientUpdate(cid, Weights({"w": np.full((3, 2), 1e200)}), 1, 0, {})
+            for cid in plan.client_ids]
+    result = strategy.aggregate_fit(1, current, huge)
+    assert result.weights is None
+    assert "non-finite" in result.reason and "unchanged" in result.reason, result.reason
+    assert same_state(checkpoint_round_trip(strategy.state_dict()), before)
+    assert all(np.isfinite(np.asarray(v)).all() for v in _arrays(strategy.state_dict()))
+
+
+def _arrays(state: Any) -> list[np.ndarray]:
+    if isinstance(state, np.ndarray):
+        return [state]
+    if isinstance(state, dict):
+        return [a for v in state.values() for a in _arrays(v)]
+    if isinstance(state, list | tuple):
+        return [a for v in state for a in _arrays(v)]
+    return []
