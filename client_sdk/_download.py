@@ -72,16 +72,21 @@ def receive_task(
         )
     info = task.weights
     limit = config.transfer.max_model_bytes
-    if info.total_bytes > limit:
+    decoded = sum(spec.nbytes for spec in task.model_specs)  # what decoding builds
+    if max(info.total_bytes, decoded) > limit:
         raise ResultRefusedError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"the model is {info.total_bytes} bytes; this client accepts at most {limit}",
+            f"the model is {max(info.total_bytes, decoded)} bytes; this client accepts at "
+            f"most {limit} (transfer.max_model_bytes)",
         )
     if info.wire_bytes and not download_zstd:
         raise TransportError("the server sent the model zstd-compressed, but this session was "
                              "not granted the zstd stage")
     watchdog.idle_s = config.rpc_timeout_s  # between chunks, from now on
-    sink = BufferSink(info.total_bytes)
+    try:
+        sink = BufferSink(info.total_bytes)
+    except MemoryError:
+        raise _out_of_memory(info.total_bytes) from None
     receiver: PayloadReceiver | ZstdReceiver = PayloadReceiver(
         info.specs,
         info.total_bytes,
@@ -107,4 +112,15 @@ def receive_task(
     except MessageRejectedError as exc:
         raise TransportError(f"the task's weights failed verification: {exc}") from exc
     payload = deserialize(info.specs, sink.buffer.data.toreadonly())
-    return task, decode_model(task, payload, download_codec)
+    try:
+        return task, decode_model(task, payload, download_codec)
+    except MemoryError:
+        raise _out_of_memory(decoded) from None
+
+
+def _out_of_memory(nbytes: int) -> ResultRefusedError:
+    """A model this device cannot hold: the task is refused, the client carries on."""
+    return ResultRefusedError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"not enough memory for a model of {nbytes} bytes; lower transfer.max_model_bytes "
+        "to what this device can hold")

@@ -23,10 +23,22 @@ RETRYABLE = {
 }
 
 
+#: The most of a server's status details a client keeps (they reach its log).
+MAX_DETAILS = 500
+
+
+def server_text(text: object) -> str:
+    """A server's words, made safe for the client's log: one line (control characters
+    escaped, so no forged log lines), at most `MAX_DETAILS` characters."""
+    raw = "" if text is None else str(text)
+    safe = "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
+    return safe if len(safe) <= MAX_DETAILS else safe[:MAX_DETAILS] + "... (cut)"
+
+
 def translate(exc: grpc.RpcError, what: str) -> TransportError:
     """The fedloom error for a failed call; ``what`` names the call in the message."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    details = server_text(exc.details() if hasattr(exc, "details") else str(exc))
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return SessionExpiredError(f"{what}: {details}")
     if code in RETRYABLE:

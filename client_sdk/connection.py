@@ -32,7 +32,6 @@ from fedloom.compression import stage_name
 from fedloom.config import ClientConfig
 from fedloom.errors import (
     AccessDeniedError,
-    ConfigError,
     MessageRejectedError,
     ResultRefusedError,
     SessionExpiredError,
@@ -156,11 +155,13 @@ class Connection:
             )
         _check_codec_grants(grant, self.config)
         if grant.chunk_size + 16 * 1024 > self.config.transfer.max_message_bytes:
-            raise ConfigError(
-                "max_message_bytes",
-                f"the server sends chunks of {grant.chunk_size} bytes; raise this client's "
-                "transfer.max_message_bytes above that (plus 16 KiB)",
-            )
+            # Retried like an outage (with backoff, within max_reconnect_attempts): a
+            # server's reply must not be able to end the client's process.
+            raise TransportError(
+                f"the server sends chunks of {grant.chunk_size} bytes, more than this "
+                f"client's transfer.max_message_bytes "
+                f"({self.config.transfer.max_message_bytes}) allows (less 16 KiB): raise "
+                "it, or ask the server's operator")
         self.session, self.grant = grant.session, grant
         return grant
 

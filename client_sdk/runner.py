@@ -22,7 +22,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -171,6 +171,22 @@ class ClientRunner:
         # Refused handshakes look like any outage to the loop: explain them once.
         handshakes = HandshakeFailures(self.config)
         previous: Session | None = None  # the session a re-join replaces
+
+        def worked() -> None:
+            # A session that served (a pull answered) ends a run of failures; a join
+            # alone does not: a server that accepts every join and refuses every call
+            # must not hold the client in a loop without backoff.
+            nonlocal failures_in_a_row
+            backoff.reset()
+            failures_in_a_row = 0
+
+        def give_up_after(exc: Exception) -> None:
+            nonlocal failures_in_a_row
+            failures_in_a_row += 1
+            limit = self.config.max_reconnect_attempts
+            if limit is not None and failures_in_a_row > limit:
+                raise TransportError(f"gave up after {limit} reconnect attempts: {exc}") from exc
+
         while not self.stop.is_set():
             connection = Connection(self.config)
             self._connection = connection
@@ -183,8 +199,6 @@ class ClientRunner:
                     grant.session.client_id,
                     grant.run_id,
                 )
-                backoff.reset()
-                failures_in_a_row = 0
                 handshakes.joined()
                 if previous is not None:
                     # The server may still hold it (a blink, not a restart): without a
@@ -192,23 +206,21 @@ class ClientRunner:
                     connection.leave("joined again", previous)
                 previous = grant.session
                 heartbeat = Heartbeat(connection, grant.heartbeat_interval_s, self.stop)
-                if self._serve(connection, grant.session):
+                if self._serve(connection, grant.session, worked):
                     connection.leave("run finished")
                     self.stats.run_finished = True
                     return self.stats
             except SessionExpiredError as exc:
-                log.info("session expired (%s); joining again", exc)
-                continue
+                give_up_after(exc)
+                delay = backoff.next_delay()
+                log.info("session expired (%s); joining again in %.1f s", exc, delay)
+                self.stats.reconnects += 1
+                self.stop.wait(delay)
             except TransportError as exc:
                 if self.stop.is_set():  # stopping or aborted: the connection's end is expected
                     break
-                failures_in_a_row += 1
                 handshakes.failed(exc)
-                limit = self.config.max_reconnect_attempts
-                if limit is not None and failures_in_a_row > limit:
-                    raise TransportError(
-                        f"gave up after {limit} reconnect attempts: {exc}"
-                    ) from exc
+                give_up_after(exc)
                 delay = backoff.next_delay()
                 log.warning("connection problem (%s); retrying in %.1f s", exc, delay)
                 self.stats.reconnects += 1
@@ -226,8 +238,11 @@ class ClientRunner:
                 self._connection = None
         return self.stats
 
-    def _serve(self, connection: Connection, session: Session) -> bool:
-        """Pull and run tasks until the run finishes (True) or ``stop`` is set (False)."""
+    def _serve(self, connection: Connection, session: Session,
+               worked: Callable[[], None]) -> bool:
+        """Pull and run tasks until the run finishes (True) or ``stop`` is set (False);
+        ``worked`` is called at the first pull the server answers."""
+        answered = False
         while not self.stop.is_set():
             try:
                 outcome = connection.pull()
@@ -236,6 +251,9 @@ class ClientRunner:
                 self.stats.refused += 1
                 self.stop.wait(1.0)
                 continue
+            if not answered:
+                answered = True
+                worked()
             if isinstance(outcome, NoTask):
                 if outcome.run_finished:
                     log.info("the server says the run is finished")

@@ -4,7 +4,8 @@ The only module of the SDK that imports torch (install ``fedloom[torch]``). It u
 CUDA when present (``device="auto"``), converts between ``state_dict`` and `Weights`
 (parameters and buffers, in ``state_dict`` order), and reads these fit-config keys:
 
-- ``local_epochs`` (int): overrides the constructor's ``local_epochs``;
+- ``local_epochs`` (int): overrides the constructor's ``local_epochs``, up to its
+  ``max_local_epochs`` (more is refused: the task fails, the client carries on);
 - ``lr`` or ``eta_l`` (float): sets the learning rate of every parameter group;
 - ``proximal_mu`` (float >= 0; Flower's FedProx sends it as ``proximal-mu``, which is
   read too): FedProx's proximal term ``mu/2 * ||w - w_global||^2`` over the parameters
@@ -17,7 +18,11 @@ CUDA when present (``device="auto"``), converts between ``state_dict`` and `Weig
   (integer buffers untouched), by the kernel's rule (`fedloom.weights.clip_to_norm`). Under
   secure aggregation the server sees only the sum, so only the client can bound its
   update. The metric ``update_norm`` reports the norm before clipping;
-- ``seed`` (int): seeds torch before training, for reproducible runs.
+- ``seed`` (int): seeds torch's default generator for the training, for reproducible
+  runs (``seed_from_server=False`` ignores it). `fit` restores the generator's state
+  afterwards. Randomness your own code draws inside training from torch's default
+  generator is then known to whoever chose the seed: draw privacy noise from a
+  generator of your own seeded from a secret (``os.urandom``; Opacus: ``secure_mode``).
 
 Example::
 
@@ -127,6 +132,10 @@ class TorchClient(Client):
             momentum 0.9); momentum does not carry over between rounds.
         local_epochs: passes over ``train_loader`` per fit.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        max_local_epochs: the most passes a fit config may ask for (a server asking
+            for 10**9 would hold the device for days); more fails the task.
+        seed_from_server: seed the training from the fit config's ``seed`` (see the
+            module docstring); False draws from the process's generator as it is.
     """
 
     def __init__(
@@ -139,9 +148,14 @@ class TorchClient(Client):
         optimizer_factory: OptimizerFactory | None = None,
         local_epochs: int = 1,
         device: str | torch.device = "auto",
+        max_local_epochs: int = 100,
+        seed_from_server: bool = True,
     ) -> None:
         if local_epochs < 1:
             raise ConfigError("local_epochs", f"must be at least 1, got {local_epochs}")
+        if max_local_epochs < local_epochs:
+            raise ConfigError("max_local_epochs", f"must be at least local_epochs "
+                                                  f"({local_epochs}), got {max_local_epochs}")
         self.device = resolve_device(device)
         # ``Module.to`` walks every submodule even when nothing moves; clients built
         # by the thousand on one shared module (simulations) skip that walk.
@@ -152,6 +166,8 @@ class TorchClient(Client):
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.optimizer_factory = optimizer_factory or _default_optimizer
         self.local_epochs = local_epochs
+        self.max_local_epochs = max_local_epochs
+        self.seed_from_server = seed_from_server
 
     def get_weights(self) -> Weights:
         """The model's current weights (e.g. to initialise the server)."""
@@ -159,7 +175,9 @@ class TorchClient(Client):
 
     def fit(self, weights: Weights, config: Config) -> FitOutput:
         load_weights(self.model, weights)
-        num_examples, metrics = self.train_in_place(config)
+        # The server's seed stays inside this fit: the process's generator is as it was.
+        with torch.random.fork_rng(devices=_cuda_devices(self.device)):
+            num_examples, metrics = self.train_in_place(config)
         new_weights = self.get_weights()
         max_norm = max_update_norm(config)
         if max_norm is not None:
@@ -177,9 +195,10 @@ class TorchClient(Client):
         sharing one module, `fedloom.simulations.lean`) calls this instead of `fit`.
         """
         epochs = int(config.get(LOCAL_EPOCHS, self.local_epochs))
-        if epochs < 1:
-            raise ConfigError(LOCAL_EPOCHS, f"must be at least 1, got {epochs}")
-        if SEED in config:
+        if not 1 <= epochs <= self.max_local_epochs:
+            raise ConfigError(LOCAL_EPOCHS, f"must be in 1..{self.max_local_epochs} "
+                                            f"(max_local_epochs), got {epochs}")
+        if SEED in config and self.seed_from_server:
             torch.manual_seed(int(config[SEED]))
         mu = proximal_mu(config)
         max_update_norm(config)  # a bad bound fails before any training
@@ -221,6 +240,13 @@ class TorchClient(Client):
         load_weights(self.model, weights)
         loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
         return EvaluateOutput(loss, n, {"accuracy": accuracy})
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    """The CUDA device whose generator training on ``device`` draws from (none on CPU)."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def _on_device(model: torch.nn.Module, device: torch.device) -> bool:

@@ -59,6 +59,10 @@ MAX_TENSORS = 100_000
 MAX_ID_LENGTH = 128
 MAX_CAPABILITIES = 64
 MAX_TEXT = 4096
+#: The shortest heartbeat interval and long poll a join reply may set (a server setting
+#: of less would make its clients call it in a tight loop), and the smallest chunk.
+MIN_INTERVAL_S = 0.1
+MIN_CHUNK_BYTES = 1024
 MAX_DIM = 1 << 40
 #: One tensor's bytes at most: beyond any max_model_bytes, and far from int64's range.
 MAX_TENSOR_BYTES = 1 << 40
@@ -228,10 +232,11 @@ def join_reply_to_proto(reply: JoinReply) -> ProtoJoinResponse:
 def join_reply_from_proto(reply: ProtoJoinResponse) -> JoinReply:
     for name in ("heartbeat_interval_s", "long_poll_s"):
         value = getattr(reply, name)
-        if not (math.isfinite(value) and 0 < value <= 3600):
-            raise _invalid(f"{name} {value} is out of range")
-    if reply.chunk_size == 0 or reply.chunk_size > reply.max_message_bytes:
-        raise _invalid("chunk_size must be positive and fit in max_message_bytes")
+        if not (math.isfinite(value) and MIN_INTERVAL_S <= value <= 3600):
+            raise _invalid(f"{name} {value} is out of range ({MIN_INTERVAL_S}..3600 s)")
+    if reply.chunk_size < MIN_CHUNK_BYTES or reply.chunk_size > reply.max_message_bytes:
+        raise _invalid(f"chunk_size must be at least {MIN_CHUNK_BYTES} and fit in "
+                       "max_message_bytes")
     if len(reply.capabilities) > MAX_CAPABILITIES:
         raise _invalid(f"at most {MAX_CAPABILITIES} capabilities allowed")
     for cap in reply.capabilities:

@@ -242,3 +242,44 @@ def test_the_default_loss_is_cross_entropy() -> None:
     logits, labels = torch.randn(5, 2), torch.tensor([0, 1, 1, 0, 1])
     assert torch.equal(client.loss_fn(logits, labels),
                        torch.nn.CrossEntropyLoss()(logits, labels))
+
+
+def test_a_server_cannot_ask_for_more_epochs_than_the_client_allows() -> None:
+    # 10**9 local epochs would hold a device for days; the task fails instead, at once.
+    client = _client(max_local_epochs=5)
+    weights = client.get_weights()
+    for asked in (10**9, 1e300, 6, 0):
+        with pytest.raises(ConfigError, match=r"local_epochs: must be in 1\.\.5"):
+            client.fit(weights, {"local_epochs": asked})
+    client.fit(weights, {"local_epochs": 5})
+    with pytest.raises(ConfigError, match="max_local_epochs"):
+        _client(local_epochs=3, max_local_epochs=2)
+
+
+class _DrawingLoss:
+    """Cross-entropy that notes a draw of torch's default generator at each call."""
+
+    def __init__(self) -> None:
+        self.draws: list[float] = []
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.draws.append(float(torch.rand(1)))
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+
+@pytest.mark.parametrize("from_server", [True, False])
+def test_the_servers_seed_stays_inside_fit(from_server: bool) -> None:
+    # The seed is the server's to choose: draws inside training are then predictable to
+    # it (privacy noise must come from the application's own secret generator), and
+    # with seed_from_server=False they are not reseeded; either way the process's
+    # generator is left as fit found it.
+    loss = _DrawingLoss()
+    client = _client(loss_fn=loss, seed_from_server=from_server)
+    torch.manual_seed(99)
+    torch.rand(3)
+    state = torch.get_rng_state()
+    client.fit(client.get_weights(), {"seed": 1234})
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(1234)
+    replay = float(torch.rand(1))
+    assert (loss.draws[0] == replay) is from_server

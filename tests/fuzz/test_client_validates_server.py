@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,6 +94,13 @@ def test_a_join_reply_in_another_protocol_or_out_of_range_is_refused(hostile) ->
         _join_reply(long_poll_s=float("nan")),
         _join_reply(chunk_size=0),
         _join_reply(run_id="run\n2"),
+        # A server that would have its clients call it in a tight loop, or send their
+        # updates in 1-byte messages; or chunks the client's messages cannot carry (a
+        # TransportError: retried, not the end of the client's process).
+        _join_reply(heartbeat_interval_s=1e-6),
+        _join_reply(long_poll_s=0.01),
+        _join_reply(chunk_size=1),
+        _join_reply(chunk_size=60 * 1024, max_message_bytes=1 << 20),
     ):
         servicer.join_reply = bad
         connection = _connect(address)
@@ -176,3 +184,97 @@ def test_random_task_streams_never_crash_the_client(hostile, blobs) -> None:  # 
     for task_stream in (True, False):
         with contextlib.suppress(TransportError, ResultRefusedError):  # refused: fine
             _pull(servicer, address, [_task(), *parts], task_stream)
+
+
+class _Refusing(HostileServer):
+    """Accepts every Join, then answers the task stream with ``code`` and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__()
+        self.code, self.details, self.joins = code, details, 0
+
+    def Join(self, request: Any, context: Any) -> pb.JoinResponse:
+        self.joins += 1
+        return self.join_reply
+
+    def Tasks(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        context.abort(self.code, self.details)
+        yield from ()  # abort raises
+
+
+def test_a_server_that_accepts_every_join_and_refuses_every_call_is_backed_off() -> None:
+    # UNAUTHENTICATED means "join again"; from a server that says it to every call, the
+    # client must not loop without a pause, nor past max_reconnect_attempts.
+    from fedloom.client_sdk import start_client
+    from fedloom.config import ClientConfig
+
+    servicer = _Refusing(grpc.StatusCode.UNAUTHENTICATED, "who are you?")
+    with fake_fleet(servicer) as address:
+        config = ClientConfig(server_address=address, rpc_timeout_s=5.0, insecure=True,
+                              reconnect_initial_s=0.1, reconnect_max_s=0.2,
+                              max_reconnect_attempts=3)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="gave up after 3 reconnect attempts"):
+            start_client(address, _Idle(), config=config, handle_signals=False)
+        took = time.monotonic() - started
+    assert servicer.joins == 4
+    assert took >= 0.25  # three pauses of 0.1 s and more (jittered, doubling to 0.2)
+
+
+def test_a_servers_status_details_reach_the_log_as_one_short_line() -> None:
+    forged = "nope\n2026-01-01 00:00:00 INFO fedloom.client: round 7: trained" + "x" * 10_000
+    servicer = _Refusing(grpc.StatusCode.FAILED_PRECONDITION, forged)
+    with fake_fleet(servicer) as address:
+        connection = _connect(address)
+        try:
+            connection.join("me")
+            with pytest.raises(ResultRefusedError) as refused:
+                connection.pull()
+        finally:
+            connection.close()
+    message = str(refused.value)
+    assert "\n" not in message and "\\n2026-01-01" in message
+    assert len(message) < 700 and message.endswith("(cut)")
+
+
+class _Idle:
+    """A client that is never asked for anything (the fake server gives no task)."""
+
+    def fit(self, weights: Any, config: Any) -> Any:
+        raise AssertionError("no task expected")
+
+    def evaluate(self, weights: Any, config: Any) -> Any:
+        raise AssertionError("no task expected")
+
+
+def test_a_model_the_device_cannot_hold_fails_the_task_not_the_client(
+        hostile, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from fedloom.client_sdk import _download
+
+    def no_memory(self: Any, size: int) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(_download.BufferSink, "__init__", no_memory)
+    servicer, address = hostile
+    with pytest.raises(ResultRefusedError, match="not enough memory for a model of"):
+        _pull(servicer, address, [_task()])
+
+
+def test_a_model_whose_decoded_layout_is_over_the_limit_is_refused_before_download(
+        hostile) -> None:  # type: ignore[no-untyped-def]
+    # 2 KB of bf16 on the wire that would decode into 8 KB of float64: the limit
+    # (4 KiB here) holds for what the client would build, not only what it receives.
+    from fedloom.compression import CodecSpec, encode
+
+    servicer, address = hostile
+    bf16 = CodecSpec("bf16")
+    model = Weights({"w": np.zeros(1000, np.float64)})
+    encoded = encode(bf16.build(), model, np.random.default_rng(0))
+    payload = bytes(serialize(encoded))
+    header = TaskHeader("t1", "run-1", 3, TaskKind.FIT, {"server_round": 3}, 10.0,
+                        PayloadInfo.describe(encoded.specs(), payload), codec=bf16,
+                        decoded=model.specs())
+    assert len(payload) <= 4096 < model.nbytes
+    with pytest.raises(ResultRefusedError, match=r"the model is 8000 bytes; this client "
+                                                 r"accepts at most 4096"):
+        _pull(servicer, address, [codec.task_to_proto(header)])
