@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,23 +201,30 @@ class _Refusing(HostileServer):
         yield from ()  # abort raises
 
 
-def test_a_server_that_accepts_every_join_and_refuses_every_call_is_backed_off() -> None:
+def test_a_server_that_accepts_every_join_and_refuses_every_call_is_backed_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # UNAUTHENTICATED means "join again"; from a server that says it to every call, the
     # client must not loop without a pause, nor past max_reconnect_attempts.
-    from fedloom.client_sdk import start_client
+    from fedloom.client_sdk import runner, start_client
     from fedloom.config import ClientConfig
 
+    caps: list[float] = []
+
+    class Recorded(runner.Backoff):
+        def next_delay(self) -> float:
+            caps.append(min(self.max_s, self.initial_s * 2.0**self.attempt))
+            return super().next_delay()
+
+    monkeypatch.setattr(runner, "Backoff", Recorded)
     servicer = _Refusing(grpc.StatusCode.UNAUTHENTICATED, "who are you?")
     with fake_fleet(servicer) as address:
         config = ClientConfig(server_address=address, rpc_timeout_s=5.0, insecure=True,
-                              reconnect_initial_s=0.1, reconnect_max_s=0.2,
+                              reconnect_initial_s=0.01, reconnect_max_s=0.04,
                               max_reconnect_attempts=3)
-        started = time.monotonic()
         with pytest.raises(TransportError, match="gave up after 3 reconnect attempts"):
             start_client(address, _Idle(), config=config, handle_signals=False)
-        took = time.monotonic() - started
     assert servicer.joins == 4
-    assert took >= 0.25  # three pauses of 0.1 s and more (jittered, doubling to 0.2)
+    assert caps == [0.01, 0.02, 0.04]  # a pause before each join again, growing
 
 
 def test_a_servers_status_details_reach_the_log_as_one_short_line() -> None:
@@ -258,23 +264,3 @@ def test_a_model_the_device_cannot_hold_fails_the_task_not_the_client(
     servicer, address = hostile
     with pytest.raises(ResultRefusedError, match="not enough memory for a model of"):
         _pull(servicer, address, [_task()])
-
-
-def test_a_model_whose_decoded_layout_is_over_the_limit_is_refused_before_download(
-        hostile) -> None:  # type: ignore[no-untyped-def]
-    # 2 KB of bf16 on the wire that would decode into 8 KB of float64: the limit
-    # (4 KiB here) holds for what the client would build, not only what it receives.
-    from fedloom.compression import CodecSpec, encode
-
-    servicer, address = hostile
-    bf16 = CodecSpec("bf16")
-    model = Weights({"w": np.zeros(1000, np.float64)})
-    encoded = encode(bf16.build(), model, np.random.default_rng(0))
-    payload = bytes(serialize(encoded))
-    header = TaskHeader("t1", "run-1", 3, TaskKind.FIT, {"server_round": 3}, 10.0,
-                        PayloadInfo.describe(encoded.specs(), payload), codec=bf16,
-                        decoded=model.specs())
-    assert len(payload) <= 4096 < model.nbytes
-    with pytest.raises(ResultRefusedError, match=r"the model is 8000 bytes; this client "
-                                                 r"accepts at most 4096"):
-        _pull(servicer, address, [codec.task_to_proto(header)])
