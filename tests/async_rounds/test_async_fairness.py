@@ -39,6 +39,12 @@ async def _no_task_for(harness: Harness, client: int, seconds: float = 0.3) -> N
         await asyncio.sleep(0.01)
 
 
+async def _run_ends(harness: Harness) -> None:
+    """The run (its last step taken) comes to its end."""
+    assert harness.run_task is not None
+    await asyncio.wait_for(harness.run_task, 20)
+
+
 def test_a_client_at_its_limit_gets_no_task_until_the_step(tmp_path: Path) -> None:
     config = async_config(tmp_path / "s", num_rounds=2, buffer_size=3, concurrency=3,
                           max_updates_per_client=1, min_clients=3, strategy="fedmedian")
@@ -54,8 +60,7 @@ def test_a_client_at_its_limit_gets_no_task_until_the_step(tmp_path: Path) -> No
             assert (await harness.task_of(0)).round == 2  # its turn again
             for client in range(3):
                 await harness.answer(client, 10)
-            assert harness.run_task is not None
-            await asyncio.wait_for(harness.run_task, 20)
+            await _run_ends(harness)
 
     asyncio.run(main())
 
@@ -78,8 +83,7 @@ def test_sessions_of_one_identity_count_together(tmp_path: Path) -> None:
             await harness.answer(holders[0], 10)
             await _no_task_for(harness, 1 - holders[0])  # mallory is at its limit
             await harness.answer(2, 10)
-            assert harness.run_task is not None
-            await asyncio.wait_for(harness.run_task, 20)
+            await _run_ends(harness)
         finally:
             await harness.stop()
 
@@ -109,8 +113,7 @@ def test_the_limit_is_kept_in_the_durable_buffer_across_a_restart(tmp_path: Path
             assert entry.contributor == "site-a"
             await _no_task_for(harness, 0)  # its update is still in the open buffer
             await harness.answer(1, 10)
-            assert harness.run_task is not None
-            await asyncio.wait_for(harness.run_task, 20)
+            await _run_ends(harness)
         finally:
             await harness.stop()
 
@@ -230,8 +233,7 @@ def test_joining_again_mid_upload_does_not_buy_a_second_update(tmp_path: Path) -
                 assert harness.coordinator.book.offer(again.client_id) is None
                 await asyncio.sleep(0.01)
             await harness.push(2, await harness.task_of(2), filled(harness, 1.0), 10)
-            assert harness.run_task is not None
-            await asyncio.wait_for(harness.run_task, 20)
+            await _run_ends(harness)
             return harness.coordinator.global_weights
         finally:
             await harness.stop()
