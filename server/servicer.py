@@ -287,7 +287,7 @@ class FleetServicer(pb_grpc.FleetServicer):
             if not isinstance(outcome, Upload):
                 return pb.PushResponse(duplicate=outcome)
             upload = outcome
-            receive_inline(upload, inline, self.limits)  # all of it is here: no stream to time
+            await receive_inline(upload, inline, self.limits)  # all here: no stream to time
             finishing, upload = upload, None
             await finishing.finish()  # verified, then folded by the task's owner (as Push)
             return pb.PushResponse(duplicate=False)

@@ -153,12 +153,12 @@ async def receive_upload(upload: Upload, messages: AsyncIterator[pb.PushRequest]
         raise
     if first is None:
         return
-    _feed(upload, first, needs_turn, limits.chunk_size)
+    await _feed(upload, first, needs_turn, limits.chunk_size)
     pace = limits.pace(size - upload.received) if needs_turn else TransferPace(limits.idle_s)
     try:
         async with slots.upload(size if needs_turn else 0), pace:
             async for message in messages:
-                _feed(upload, message, needs_turn, limits.chunk_size)
+                await _feed(upload, message, needs_turn, limits.chunk_size)
                 pace.moved(len(message.chunk.data))
     except TimeoutError:
         if pace.expired():
@@ -166,7 +166,7 @@ async def receive_upload(upload: Upload, messages: AsyncIterator[pb.PushRequest]
         raise
 
 
-def receive_inline(upload: Upload, data: bytes, limits: TransferLimits) -> None:
+async def receive_inline(upload: Upload, data: bytes, limits: TransferLimits) -> None:
     """Feed ``upload`` the payload a Report carried inline (`Upload.finish` then checks
     it as a whole).
 
@@ -180,11 +180,12 @@ def receive_inline(upload: Upload, data: bytes, limits: TransferLimits) -> None:
             RejectReason.INVALID,
             f"an inline payload of {len(data)} bytes is over the limit of {limit} bytes; "
             "send it through Push")
-    upload.feed(0, data)
+    await upload.feed_async(0, data)
     ServerMetrics.bytes_in(len(data))
 
 
-def _feed(upload: Upload, message: pb.PushRequest, full_chunks: bool, chunk_size: int) -> None:
+async def _feed(upload: Upload, message: pb.PushRequest, full_chunks: bool,
+                chunk_size: int) -> None:
     if message.WhichOneof("part") != "chunk":
         raise MessageRejectedError(RejectReason.INVALID,
                                    "only chunks may follow the result header")
@@ -195,5 +196,5 @@ def _feed(upload: Upload, message: pb.PushRequest, full_chunks: bool, chunk_size
             f"chunk of {len(data)} bytes at offset {offset}: a payload of more than one "
             f"chunk is sent in chunks of chunk_size ({chunk_size} bytes, told at Join), "
             "only the last one shorter")
-    upload.feed(offset, data)
+    await upload.feed_async(offset, data)
     ServerMetrics.bytes_in(len(data))

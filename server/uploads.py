@@ -24,8 +24,10 @@ output than its header declares, short, another digest) records the refusal
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,6 +235,9 @@ class Spool:
         self._file: _FileSink | None = None
         self._held: HeldPayload | None = None
         self._sink = _ChosenSink(None)  # memory or file, chosen at the first chunk
+        # Held while a chunk is taken in (a zstd chunk is decompressed in a worker
+        # thread) and while the spool is discarded: a file is never closed under a write.
+        self._lock = threading.Lock()
         try:
             if not self._memory.may_hold(info, max_chunk_bytes):
                 self._sink.target = self._open_file()
@@ -283,11 +288,17 @@ class Spool:
         assert self._path is not None
         return self._path
 
-    def feed(self, offset: int, data: bytes) -> None:
+    def choose_sink(self, offset: int, data: bytes) -> None:
+        """At the first chunk, memory or a file (the server's upload memory is the
+        event loop's to reserve: call it there)."""
         if self._sink.target is None:
             whole = offset == 0 and len(data) == self._info.wire_size
             self._sink.target = self._choose_sink(whole)
-        self._receiver.feed(offset, data)
+
+    def feed(self, offset: int, data: bytes) -> None:
+        self.choose_sink(offset, data)
+        with self._lock:
+            self._receiver.feed(offset, data)
 
     @property
     def received(self) -> int:
@@ -308,13 +319,15 @@ class Spool:
         return SpooledWeights(self._path, self._info.specs)
 
     def discard(self) -> None:
-        """Drop what arrived: the held bytes (their reservation is returned), the file."""
-        if self._held is not None:
-            self._held.release()
-        if self._file is not None and not self._file.closed:
-            self._file.close()
-        if self._path is not None:
-            self._path.unlink(missing_ok=True)
+        """Drop what arrived: the held bytes (their reservation is returned), the file.
+        A chunk being taken in (in a worker thread) is let finish first."""
+        with self._lock:
+            if self._held is not None:
+                self._held.release()
+            if self._file is not None and not self._file.closed:
+                self._file.close()
+            if self._path is not None:
+                self._path.unlink(missing_ok=True)
 
 
 class Upload:
@@ -349,6 +362,17 @@ class Upload:
             self.spool.feed(offset, data)
         except MessageRejectedError as exc:
             raise self._refused(exc) from None
+
+    async def feed_async(self, offset: int, data: bytes) -> None:
+        """`feed`, with a zstd stream's chunk decompressed in a worker thread: a few
+        compressed bytes may expand to the whole payload (tens of MiB of zeros), which
+        on the event loop would hold every other client's calls meanwhile."""
+        assert self.header.update is not None
+        if not self.header.update.wire_bytes:
+            self.feed(offset, data)
+            return
+        self.spool.choose_sink(offset, data)
+        await asyncio.to_thread(self.feed, offset, data)
 
     def _refused(self, exc: MessageRejectedError) -> MessageRejectedError:
         """``exc`` as the refusal of a compressed upload's stream (it fails the task)."""

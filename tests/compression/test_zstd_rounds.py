@@ -168,3 +168,35 @@ def test_the_zstd_stage_leaves_every_aggregate_bit_identical(
     assert min(log.broadcasts) > 0
     if mode != "async":
         assert len(log.broadcasts) == 2 * downloads
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["report", "push"])
+def test_a_compressed_update_is_decompressed_off_the_event_loop(
+        server_config: Any, monkeypatch: pytest.MonkeyPatch, inline: bool) -> None:
+    # A few compressed bytes may expand to the whole payload (an all-zero update of
+    # tens of MiB in one chunk): on the event loop that would hold every other client's
+    # calls; it is taken in by a worker thread.
+    from fedloom.compression import ZstdReceiver
+
+    threads: list[int] = []
+    real = ZstdReceiver.feed
+
+    def recording(receiver: ZstdReceiver, offset: int, data: bytes) -> None:
+        threads.append(threading.get_ident())
+        real(receiver, offset, data)
+
+    monkeypatch.setattr(ZstdReceiver, "feed", recording)
+    transfer = TransferConfig(chunk_size=1024, max_message_bytes=64 * 1024,
+                              inline_payloads=inline)
+    config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0, transfer=transfer,
+                           compression=CompressionConfig(upload=("zstd",)))
+    handle = Server(config, initial_weights=_model()).start()
+    clients = {f"c{i}": (SparseStep(i), {"upload_codecs": ("zstd",), "transfer": transfer})
+               for i in range(2)}
+    with client_threads(handle.address, clients):
+        assert handle.wait(60)[-1].num_updates == 2
+    loop_thread = handle.thread.ident
+    assert threads and loop_thread is not None
+    server_side = [t for t in threads if t != loop_thread]
+    assert len(server_side) == len(threads)  # none on the server's event loop
