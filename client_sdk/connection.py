@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from fedloom.client_sdk._download import receive_task
-from fedloom.client_sdk._rpc_errors import translate
+from fedloom.client_sdk._rpc_errors import server_text, translate
 from fedloom.client_sdk._watchdog import Watchdog
 from fedloom.client_sdk.tls import open_channel
 from fedloom.compression import stage_name
@@ -142,7 +142,7 @@ class Connection:
             )
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                raise AccessDeniedError(exc.code(), exc.details() or "") from exc
+                raise AccessDeniedError(exc.code(), server_text(exc.details())) from exc
             raise translate(exc, "join") from exc
         try:
             grant = codec.join_reply_from_proto(response)

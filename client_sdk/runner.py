@@ -172,13 +172,16 @@ class ClientRunner:
         handshakes = HandshakeFailures(self.config)
         previous: Session | None = None  # the session a re-join replaces
 
+        served = False
+
         def worked() -> None:
             # A session that served (a pull answered) ends a run of failures; a join
             # alone does not: a server that accepts every join and refuses every call
             # must not hold the client in a loop without backoff.
-            nonlocal failures_in_a_row
+            nonlocal failures_in_a_row, served
             backoff.reset()
             failures_in_a_row = 0
+            served = True
 
         def give_up_after(exc: Exception) -> None:
             nonlocal failures_in_a_row
@@ -191,6 +194,7 @@ class ClientRunner:
             connection = Connection(self.config)
             self._connection = connection
             heartbeat: Heartbeat | None = None
+            served = False
             try:
                 grant = self._joined = connection.join(self.config.name, self.token)
                 log.info(
@@ -211,7 +215,10 @@ class ClientRunner:
                     self.stats.run_finished = True
                     return self.stats
             except SessionExpiredError as exc:
-                give_up_after(exc)
+                if self.stop.is_set():
+                    break
+                if not served:  # a session that served expired (a restart): not a failure
+                    give_up_after(exc)
                 delay = backoff.next_delay()
                 log.info("session expired (%s); joining again in %.1f s", exc, delay)
                 self.stats.reconnects += 1
@@ -249,6 +256,9 @@ class ClientRunner:
             except ResultRefusedError as exc:
                 log.error("task refused by this client: %s", exc)
                 self.stats.refused += 1
+                if not answered:  # the server answered, with a task this client refused
+                    answered = True
+                    worked()
                 self.stop.wait(1.0)
                 continue
             if not answered:

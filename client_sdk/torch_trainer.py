@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -175,8 +176,11 @@ class TorchClient(Client):
 
     def fit(self, weights: Weights, config: Config) -> FitOutput:
         load_weights(self.model, weights)
-        # The server's seed stays inside this fit: the process's generator is as it was.
-        with torch.random.fork_rng(devices=_cuda_devices(self.device)):
+        # The server's seed stays inside this fit: the generators it seeds are restored
+        # after (unseeded, training draws on from the process's generators, as ever).
+        seeded = SEED in config and self.seed_from_server
+        with (torch.random.fork_rng(devices=_cuda_devices(self.device)) if seeded
+              else contextlib.nullcontext()):
             num_examples, metrics = self.train_in_place(config)
         new_weights = self.get_weights()
         max_norm = max_update_norm(config)
@@ -199,7 +203,7 @@ class TorchClient(Client):
             raise ConfigError(LOCAL_EPOCHS, f"must be in 1..{self.max_local_epochs} "
                                             f"(max_local_epochs), got {epochs}")
         if SEED in config and self.seed_from_server:
-            torch.manual_seed(int(config[SEED]))
+            _seed(int(config[SEED]), self.device)
         mu = proximal_mu(config)
         max_update_norm(config)  # a bad bound fails before any training
         optimizer = self.optimizer_factory(self.model.parameters())
@@ -240,6 +244,15 @@ class TorchClient(Client):
         load_weights(self.model, weights)
         loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
         return EvaluateOutput(loss, n, {"accuracy": accuracy})
+
+
+def _seed(seed: int, device: torch.device) -> None:
+    """Seed the generators training on ``device`` draws from: the CPU's, and that CUDA
+    device's (the ones `fit` restores), not every device's as `torch.manual_seed` does."""
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
 
 
 def _cuda_devices(device: torch.device) -> list[int]:

@@ -64,7 +64,10 @@ class ClientConfig:
     reconnect_initial_s: float = described(0.5, "first reconnect delay (doubles, jittered)")
     reconnect_max_s: float = described(30.0, "longest reconnect delay")
     max_reconnect_attempts: int | None = described(
-        None, "give up after this many failed reconnects (unset: retry forever)")
+        None, "give up after this many failed reconnects in a row: connection problems, "
+              "and joins whose session never served a call (unset: retry forever); a "
+              "session that served and then expired, as after a server restart, is "
+              "joined again without counting")
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     root_ca: str = described("", "PEM file of the CA that signed the server's certificate")
     system_roots: bool = described(False, "trust gRPC's default public CAs instead of root_ca")

@@ -174,7 +174,7 @@ def _server_parser(sub: Any) -> None:
 
 
 def _load_attr(spec: str, setting: str) -> Any:
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = spec.rpartition(":")
     if not sep:
         raise FedloomError(f"{setting}: {spec!r} must be module:attr")
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name \

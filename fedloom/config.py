@@ -272,8 +272,8 @@ class ServerConfig:
             value = getattr(self, name)
             check(math.isfinite(value) and value > 0, name, "must be a positive number")
         for name in ("long_poll_s", "heartbeat_interval_s"):  # what clients accept
-            check(getattr(self, name) >= 0.1, name, "must be at least 0.1 s (clients refuse "
-                  "a server that would have them call it more often)")
+            check(0.1 <= getattr(self, name) <= 3600, name, "must be in 0.1..3600 s (clients "
+                  "refuse a server that would have them call it more often, or wait longer)")
         check(
             self.client_timeout_s > self.heartbeat_interval_s,
             "client_timeout_s",

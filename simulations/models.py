@@ -248,6 +248,9 @@ def make_torch_client(
         val_loader,
         optimizer_factory=optimizer_factory,
         local_epochs=local_epochs,
+        # The limit guards a deployed client from a server; a simulation's clients take
+        # their epochs from its own scenario, as the vectorized engine does.
+        max_local_epochs=max(local_epochs, 1_000_000),
         device=device,
         generator=generator,
     )

@@ -47,7 +47,8 @@ def test_any_other_import_error_is_not_mistaken_for_a_missing_extra(
 
 
 @pytest.mark.parametrize("app", ["../srv/mymodule.py:make_client", "mymodule.py:make_client",
-                                 "srv/mymodule:make_client"])
+                                 "srv/mymodule:make_client", "C:\\apps\\mymodule.py:make_client",
+                                 "C:/apps/mymodule:make_client"])
 def test_a_file_path_as_app_is_refused_with_the_form_to_use(
         capsys: pytest.CaptureFixture[str], app: str) -> None:
     code = cli.main(["client", "--server", "127.0.0.1:1", "--insecure", "--app", app])

@@ -270,16 +270,28 @@ class _DrawingLoss:
 @pytest.mark.parametrize("from_server", [True, False])
 def test_the_servers_seed_stays_inside_fit(from_server: bool) -> None:
     # The seed is the server's to choose: draws inside training are then predictable to
-    # it (privacy noise must come from the application's own secret generator), and
-    # with seed_from_server=False they are not reseeded; either way the process's
-    # generator is left as fit found it.
+    # it (privacy noise must come from the application's own secret generator), and the
+    # process's generator is left as fit found it; with seed_from_server=False training
+    # is not reseeded and draws on from the process's generator.
     loss = _DrawingLoss()
     client = _client(loss_fn=loss, seed_from_server=from_server)
     torch.manual_seed(99)
     torch.rand(3)
     state = torch.get_rng_state()
     client.fit(client.get_weights(), {"seed": 1234})
-    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(torch.get_rng_state(), state) is from_server
     torch.manual_seed(1234)
     replay = float(torch.rand(1))
     assert (loss.draws[0] == replay) is from_server
+
+
+def test_without_a_seed_fits_draw_on_from_the_process_generator() -> None:
+    # Nothing seeded, nothing restored: each round's shuffling and dropout differ, as
+    # they would in any training loop.
+    loss = _DrawingLoss()
+    client = _client(loss_fn=loss)
+    weights = client.get_weights()
+    client.fit(weights, {})
+    client.fit(weights, {})
+    per_fit = len(loss.draws) // 2
+    assert loss.draws[:per_fit] != loss.draws[per_fit:]

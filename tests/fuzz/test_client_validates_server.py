@@ -19,7 +19,7 @@ from property_budget import examples
 from fedloom import Weights
 from fedloom.client_sdk.connection import Connection, ResultRefusedError
 from fedloom.errors import TransportError
-from fedloom.messages import PROTOCOL_VERSION, JoinReply, Session, TaskHeader
+from fedloom.messages import PROTOCOL_VERSION, JoinReply, NoTask, Session, TaskHeader
 from fedloom.payload import PayloadInfo, iter_chunks, serialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
@@ -228,7 +228,8 @@ def test_a_server_that_accepts_every_join_and_refuses_every_call_is_backed_off(
 
 
 def test_a_servers_status_details_reach_the_log_as_one_short_line() -> None:
-    forged = "nope\n2026-01-01 00:00:00 INFO fedloom.client: round 7: trained" + "x" * 10_000
+    # 2,000 characters: over the client's cap, under gRPC's 8 KiB metadata limit.
+    forged = "nope\n2026-01-01 00:00:00 INFO fedloom.client: round 7: trained" + "x" * 2_000
     servicer = _Refusing(grpc.StatusCode.FAILED_PRECONDITION, forged)
     with fake_fleet(servicer) as address:
         connection = _connect(address)
@@ -264,3 +265,41 @@ def test_a_model_the_device_cannot_hold_fails_the_task_not_the_client(
     servicer, address = hostile
     with pytest.raises(ResultRefusedError, match="not enough memory for a model of"):
         _pull(servicer, address, [_task()])
+
+
+class _Restarting(HostileServer):
+    """Each session's first Pull is answered (no task yet); its second says the session
+    is unknown, as a restarted server would; after ``sessions`` joins the run is over."""
+
+    def __init__(self, sessions: int) -> None:
+        super().__init__()
+        self.sessions, self.joins, self.pulls = sessions, 0, 0
+
+    def Join(self, request: Any, context: Any) -> pb.JoinResponse:
+        self.joins, self.pulls = self.joins + 1, 0
+        return self.join_reply
+
+    def Pull(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        self.pulls += 1
+        if self.joins > self.sessions:
+            yield codec.no_task_to_proto(NoTask(0.0, run_finished=True))
+        elif self.pulls == 1:
+            yield codec.no_task_to_proto(NoTask(0.0))
+        else:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown session")
+
+
+def test_a_session_that_served_and_then_expired_is_joined_again_not_counted() -> None:
+    # A server restart: the session worked, then the new process does not know it. Even
+    # with max_reconnect_attempts = 0 the client joins again (a failure is a join that
+    # never served, as in the test above).
+    from fedloom.client_sdk import start_client
+    from fedloom.config import ClientConfig
+
+    servicer = _Restarting(sessions=3)
+    with fake_fleet(servicer) as address:
+        config = ClientConfig(server_address=address, rpc_timeout_s=5.0, insecure=True,
+                              reconnect_initial_s=0.01, reconnect_max_s=0.02,
+                              max_reconnect_attempts=0, task_stream=False)
+        stats = start_client(address, _Idle(), config=config, handle_signals=False)
+    assert stats.run_finished and servicer.joins == 4 and stats.reconnects == 3
