@@ -217,7 +217,8 @@ class ClientRunner:
             except SessionExpiredError as exc:
                 if self.stop.is_set():
                     break
-                if not served:  # a session that served expired (a restart): not a failure
+                # Only a join that never served counts: a restart expires sessions that did.
+                if not served:
                     give_up_after(exc)
                 delay = backoff.next_delay()
                 log.info("session expired (%s); joining again in %.1f s", exc, delay)
