@@ -6,6 +6,7 @@ are decompressed as their chunks arrive, with the same bounds as the server's
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -22,6 +23,11 @@ from fedloom.payload import PayloadReceiver, deserialize
 from fedloom.protos import codec
 from fedloom.protos.fedloom.v1 import fleet_pb2 as pb
 from fedloom.weights import Weights
+
+#: The slowest a task's weights may arrive on average: a download may take
+#: ``rpc_timeout_s`` plus one second per this many bytes (a 40 MB model: 42 minutes), so
+#: a server that drips its chunks cannot hold a client's call for ever.
+MIN_DOWNLOAD_BYTES_PER_S = 16 * 1024
 
 
 class BufferSink:
@@ -98,6 +104,8 @@ def receive_task(
     if info.wire_bytes:
         receiver = ZstdReceiver(receiver, info.wire_bytes,
                                 max_chunk_bytes=config.transfer.max_message_bytes)
+    allowed_s = config.rpc_timeout_s + info.wire_size / MIN_DOWNLOAD_BYTES_PER_S
+    deadline = time.monotonic() + allowed_s
     try:
         if first.task.inline_payload:  # the whole payload came with the header
             receiver.feed(0, first.task.inline_payload)
@@ -106,6 +114,11 @@ def receive_task(
             if message is None:
                 break  # finish() says whether the payload is whole
             watchdog.touch()
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"the task's weights did not arrive within {allowed_s:.1f} s "
+                    f"({receiver.received} of {info.wire_size} bytes): slower than "
+                    f"{MIN_DOWNLOAD_BYTES_PER_S // 1024} KiB/s after rpc_timeout_s")
             if message.WhichOneof("part") != "chunk":
                 raise TransportError("the server sent a non-chunk inside a task's weights")
             receiver.feed(*codec.chunk_from_proto(message.chunk))

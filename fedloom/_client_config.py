@@ -60,7 +60,8 @@ class ClientConfig:
 
     server_address: str = dataclasses.field(metadata={"help": "HOST:PORT of the server"})
     name: str = described("", "a stable name for this client")
-    rpc_timeout_s: float = described(30.0, "time limit of one call, in seconds")
+    rpc_timeout_s: float = described(30.0, "time limit of one call, in seconds (a task's "
+                                           "download: this, plus 1 s per 16 KiB of weights)")
     reconnect_initial_s: float = described(0.5, "first reconnect delay (doubles, jittered)")
     reconnect_max_s: float = described(30.0, "longest reconnect delay")
     max_reconnect_attempts: int | None = described(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -303,3 +304,32 @@ def test_a_session_that_served_and_then_expired_is_joined_again_not_counted() ->
                               max_reconnect_attempts=0, task_stream=False)
         stats = start_client(address, _Idle(), config=config, handle_signals=False)
     assert stats.run_finished and servicer.joins == 4 and stats.reconnects == 3
+
+
+class _Dripping(HostileServer):
+    """Sends a task's header, then its weights a few bytes at a time, each in time to
+    keep the client's idle watchdog quiet."""
+
+    def Tasks(self, request: Any, context: Any) -> Iterator[pb.PullResponse]:
+        yield _task()
+        for offset, data in iter_chunks(PAYLOAD, 8):
+            time.sleep(0.05)
+            yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=data))
+
+
+def test_a_server_that_drips_a_task_cannot_hold_the_call_past_its_allowance() -> None:
+    # rpc_timeout_s bounds the wait between chunks; the download as a whole may take
+    # rpc_timeout_s plus 1 s per 16 KiB: this payload of ~200 bytes in 8-byte chunks
+    # every 0.05 s would take 1.3 s, past the 0.3 s (+ 12 ms) it is allowed.
+    servicer = _Dripping()
+    with fake_fleet(servicer) as address:
+        connection = fake_fleet_connection(address, 0.3)
+        try:
+            connection.join("me")
+            started = time.monotonic()
+            with pytest.raises(TransportError, match=r"did not arrive within 0\.3 s .*slower "
+                                                     r"than 16 KiB/s"):
+                connection.pull()
+            assert time.monotonic() - started < 1.0
+        finally:
+            connection.close()
