@@ -108,8 +108,8 @@ class AsyncRounds(RoundDriver):
         self._open = self._buffer(first)
         for entry in self.durable.recover(persistence.completed_round):
             self._enter(entry, None)
+        check_robust_async(parts.strategy, settings)
         if holds_all_updates(parts.strategy):
-            check_robust_async(parts.strategy, settings)
             log.info("async rounds: %s holds every update of a step in memory "
                      "(buffer_size = %d)", type(parts.strategy).__name__, settings.buffer_size)
 
@@ -220,9 +220,7 @@ class AsyncRounds(RoundDriver):
             raise
         crashpoint("async_update_kept")
         task.settle(TaskStatus.ACCEPTED, upload.fingerprint)
-        self._running.pop(task.task_id, None)
-        self._deadlines.pop(task.task_id, None)
-        self._task_contributors.pop(task.task_id, None)
+        self._forget(task)
         self.num_accepted += 1
         self._enter(entry, task)
         self._top_up()
@@ -299,9 +297,7 @@ class AsyncRounds(RoundDriver):
             return
         task.settle(TaskStatus.FAILED)
         self._reasons[task.task_id] = reason
-        self._running.pop(task.task_id, None)
-        self._deadlines.pop(task.task_id, None)
-        self._task_contributors.pop(task.task_id, None)
+        self._forget(task)
         self._ended.append(task)
         self._open.num_failures += 1
 
@@ -378,8 +374,15 @@ class AsyncRounds(RoundDriver):
             self._short_logged = now
         self.parts.reporter.waiting(supply, needed)
 
+    def _forget(self, task: Task) -> None:
+        """``task`` no longer runs (accepted, failed or refused)."""
+        self._running.pop(task.task_id, None)
+        self._deadlines.pop(task.task_id, None)
+        self._task_contributors.pop(task.task_id, None)
+
     def _task_contributor(self, task: Task) -> str:
-        return self._task_contributors.get(task.task_id) or self._contributor(task.client_id)
+        """Whom a running task's update counts against (recorded when it was issued)."""
+        return self._task_contributors[task.task_id]
 
     def _held(self) -> collections.Counter[str]:
         """Updates each contributor has in the open buffer, plus its tasks in flight."""

@@ -110,6 +110,14 @@ def _metrics_json(metrics: dict[str, Any]) -> str:
                        for k, v in metrics.items()})
 
 
+def _client_rows(run_id: str, server_round: int, clients: Sequence[ClientRow]
+                 ) -> list[tuple[Any, ...]]:
+    """The ``client_metrics`` rows of a round's ``clients``, positioned in order."""
+    return [(run_id, server_round, c.phase, position, c.client_id, c.client_name,
+             c.num_examples, c.loss, _metrics_json(c.metrics))
+            for position, c in enumerate(clients)]
+
+
 def _metrics_from_json(text: str) -> dict[str, Any]:
     return {k: bytes.fromhex(v["bytes_hex"]) if isinstance(v, dict) else v
             for k, v in json.loads(text).items()}
@@ -199,9 +207,7 @@ class RunStore:
     def commit_round(self, record: RoundRow, clients: Sequence[ClientRow] = ()) -> None:
         """Record a round whose checkpoint file is already durable, with its clients'
         rows (one transaction)."""
-        client_rows = [(record.run_id, record.round, c.phase, position, c.client_id,
-                        c.client_name, c.num_examples, c.loss, _metrics_json(c.metrics))
-                       for position, c in enumerate(clients)]
+        client_rows = _client_rows(record.run_id, record.round, clients)
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany(
@@ -224,9 +230,7 @@ class RunStore:
                           finished_at: float, clients: Sequence[ClientRow] = ()) -> None:
         """Replace a committed round's metrics with its evaluated form and add its
         clients' evaluate rows (one transaction). The round must be committed."""
-        client_rows = [(run_id, server_round, c.phase, position, c.client_id,
-                        c.client_name, c.num_examples, c.loss, _metrics_json(c.metrics))
-                       for position, c in enumerate(clients)]
+        client_rows = _client_rows(run_id, server_round, clients)
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             cursor = self._db.execute(

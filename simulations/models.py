@@ -64,10 +64,8 @@ def initial_weights(model: torch.nn.Module, seed: int) -> Weights:
 class _SeededTorchClient(TorchClient):
     """A `TorchClient` whose shuffling generator restarts from the fit config's seed.
 
-    It also seeds torch itself, as `TorchClient` does, but only the generators of the
-    device it trains on: ``torch.manual_seed`` also queues a seed for every lazily
-    initialised accelerator backend, recording a stack trace each time — about 2 ms
-    per call on a CPU-only machine, as long as a whole fit of a small model.
+    Torch's own generators are seeded by `TorchClient` (only those of the device it
+    trains on).
     """
 
     def __init__(self, *args: object, generator: torch.Generator, **kwargs: object) -> None:
@@ -105,13 +103,8 @@ class _SeededTorchClient(TorchClient):
         try:
             if SEED not in config:
                 return super().train_in_place(config)
-            seed = int(config[SEED])
-            self.generator.manual_seed(seed)
-            torch.default_generator.manual_seed(seed)
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):
-                    torch.cuda.manual_seed(seed)
-            return super().train_in_place({k: v for k, v in config.items() if k != SEED})
+            self.generator.manual_seed(int(config[SEED]))
+            return super().train_in_place(config)  # which seeds torch's generators
         finally:
             if self._optimizer is not None:
                 self._optimizer.state.clear()  # no per-client buffers held between fits
