@@ -118,7 +118,7 @@ def encode_for_secagg(update: np.ndarray, params: SkellamParams, seed: bytes,
     rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
     signs = rotation_signs(seed, params.padded_dimension)
     out = np.empty(params.padded_dimension + 1, np.uint32)
-    out[:-1] = encode(update, params, signs, rng, noise)
+    encode(update, params, signs, rng, noise, out=out[:-1])
     out[-1] = 1
     return out
 

@@ -51,14 +51,16 @@ def rotation_signs(seed: bytes, length: int) -> np.ndarray:
     if length < 1 or length & (length - 1):
         raise ValueError(f"the rotation length must be a power of two, got {length}")
     stream = hashlib.shake_256(_SIGN_DOMAIN + bytes(seed)).digest((length + 7) // 8)
-    bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8))[:length]
-    return 1.0 - 2.0 * bits.astype(np.float64)
+    signs = np.unpackbits(np.frombuffer(stream, dtype=np.uint8))[:length].astype(np.float64)
+    signs *= -2.0  # in place: a client computes 2**20 of these every round
+    signs += 1.0
+    return signs
 
 
-#: The first log2(_BLOCK) butterfly levels run as one matrix product with the dense
-#: Hadamard matrix of that order: BLAS does them several times faster than numpy's
-#: strided passes over short blocks.
-_BLOCK = 64
+#: The order of the dense Hadamard factors the transform is applied with (below).
+#: Small enough that a factor's matrix product costs little more than a pass over
+#: memory, large enough that there are few passes (5 for 2**20 values).
+_FACTOR = 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,40 +77,26 @@ def walsh_hadamard(values: np.ndarray) -> np.ndarray:
     """The (unnormalized) Walsh-Hadamard transform of ``values``, as a new array.
 
     ``values``: 1-D float32 or float64 of a power-of-two length; the result has its
-    dtype. The levels of the transform are independent factors of a Kronecker
-    product, so they may run in any order: the first ``log2(_BLOCK)`` as one matrix
-    product over contiguous blocks, the rest as radix-4 butterflies (two levels per
-    pass, ``(a, b, c, d) -> (a+b+c+d, a-b+c-d, a+b-c-d, a-b-c+d)``), and a last
-    radix-2 level when an odd number remains. O(n log n) in all.
+    dtype. ``H_n`` is the Kronecker product ``H_a ⊗ H_b ⊗ ...`` of smaller Hadamard
+    matrices (``n = a b ...``), so the vector is viewed as a tensor with one axis per
+    factor and each factor is applied along its axis as one (batched) matrix product
+    with the dense ``H_16`` (``H_a`` for the one smaller factor when log2(n) is not a
+    multiple of 4). O(16 n log16 n) arithmetic in BLAS, with one pass over memory per
+    factor: about twice as fast as radix-4 butterflies in numpy for float32.
     """
     n = values.shape[0]
-    block = min(_BLOCK, n)
-    out = (values.reshape(-1, block) @ _dense_hadamard(block, values.dtype.str)).reshape(-1)
-    half = block
-    if half * 2 > n:
-        return out
-    quarter = n // 4
-    s1, d1 = np.empty(quarter, out.dtype), np.empty(quarter, out.dtype)
-    s2, d2 = np.empty(quarter, out.dtype), np.empty(quarter, out.dtype)
-    while half * 4 <= n:
-        a, b, c, d = np.moveaxis(out.reshape(-1, 4, half), 1, 0)
-        ts1, td1, ts2, td2 = (t.reshape(-1, half) for t in (s1, d1, s2, d2))
-        np.add(a, b, out=ts1)
-        np.subtract(a, b, out=td1)
-        np.add(c, d, out=ts2)
-        np.subtract(c, d, out=td2)
-        np.add(ts1, ts2, out=a)
-        np.add(td1, td2, out=b)
-        np.subtract(ts1, ts2, out=c)
-        np.subtract(td1, td2, out=d)
-        half *= 4
-    if half < n:  # one radix-2 level left: (a, b) -> (a + b, a - b)
-        a, b = out[: n // 2], out[n // 2:]
-        saved = np.concatenate((s1, d1))
-        np.copyto(saved, a)
-        a += b
-        np.subtract(saved, b, out=b)
-    return out
+    levels = n.bit_length() - 1
+    out, inner = values, 1  # `inner`: the product of the factors applied so far
+    while inner < n:
+        order = 1 << min(levels, _FACTOR.bit_length() - 1)
+        levels -= order.bit_length() - 1
+        factor = _dense_hadamard(order, values.dtype.str)
+        if inner == 1:  # the last axis: contiguous rows times H (H is symmetric)
+            out = (out.reshape(-1, order) @ factor).reshape(-1)
+        else:  # a middle axis: H times each (order, inner) slice
+            out = np.matmul(factor, out.reshape(-1, order, inner)).reshape(-1)
+        inner *= order
+    return out if out is not values else values.copy()
 
 
 def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:

@@ -119,20 +119,83 @@ def sample_skellam(mu: float, size: int, rng: np.random.Generator) -> np.ndarray
                          f"got {mu!r}")
     if mu == 0:
         return np.zeros(size, dtype=np.int64)
-    return rng.poisson(mu, size).astype(np.int64) - rng.poisson(mu, size).astype(np.int64)
+    draws = rng.poisson(mu, size).astype(np.int64, copy=False)  # already int64 on most
+    draws -= rng.poisson(mu, size)  # platforms: no copies
+    return draws
 
 
 # --- client and server ---------------------------------------------------------------
 
 
 def _norm(values: np.ndarray) -> float:
-    """The L2 norm in float64; refuses NaN and infinities."""
-    squares = float(np.dot(values, values))
+    """The L2 norm, accumulated in float64 (without a float64 copy of a narrower
+    vector); refuses NaN and infinities."""
+    if values.dtype == np.float64:
+        squares = float(np.dot(values, values))
+    else:
+        squares = float(np.einsum("i,i->", values, values, dtype=np.float64))
     if math.isfinite(squares):
         return math.sqrt(squares)
     if not np.isfinite(values).all():
         raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
-    return float(np.linalg.norm(values))  # finite values whose squares overflow
+    return float(np.linalg.norm(values.astype(np.float64)))  # finite, squares overflow
+
+
+def _check_shapes(values: np.ndarray, params: SkellamParams, signs: np.ndarray) -> None:
+    if values.shape != (params.dimension,):
+        raise SecureAggregationError(
+            f"the update must be a flat vector of {params.dimension} values, got {values.shape}")
+    if signs.shape != (params.padded_dimension,):
+        raise SecureAggregationError(
+            f"the rotation needs {params.padded_dimension} signs, got {signs.shape}")
+
+
+def _clipped_rotated(values: np.ndarray, params: SkellamParams, signs: np.ndarray
+                     ) -> np.ndarray:
+    """Steps 1-2 and the scaling: ``gamma U clip(x)``, float64 of d'.
+
+    The rotation runs on the unit vector (no overflow, whatever the update's norm) in
+    the update's own precision: float32 for a float32 model, half the memory traffic of
+    float64. Its relative error, about 1e-7, would move a clipped vector's norm past
+    ``c gamma`` by more than the rounding bound's slack once ``c gamma`` is large, so
+    the norm is enforced again in float64 on the scaled vector that is rounded (the
+    rotation is orthonormal: clipping after it is clipping before it).
+    """
+    norm = _norm(values)
+    padded = params.padded_dimension
+    if norm == 0:
+        return np.zeros(padded)
+    unit = np.zeros(padded, np.float64 if values.dtype == np.float64 else np.float32)
+    head = unit[: params.dimension]
+    np.multiply(values, signs[: params.dimension], out=head, casting="same_kind")
+    head *= 1.0 / norm
+    factor = min(norm, params.clip_norm) * params.scale / math.sqrt(padded)
+    scaled = np.multiply(walsh_hadamard(unit), factor, dtype=np.float64)
+    length = math.sqrt(float(np.dot(scaled, scaled)))
+    bound = params.clip_norm * params.scale
+    if length > bound:
+        scaled *= bound / length
+    return scaled
+
+
+def _round(scaled: np.ndarray, params: SkellamParams, rng: np.random.Generator) -> np.ndarray:
+    """Step 3, conditional randomized rounding of ``scaled``: float64 holding integers.
+
+    ``floor(v + u)`` with ``u`` uniform in [0, 1) is ``floor(v) + 1`` exactly when
+    ``u >= 1 - frac(v)``, so with probability ``frac(v)``: stochastic rounding in two
+    passes over the vector.
+    """
+    limit = params.l2_bound**2
+    for _ in range(MAX_ROUNDING_ATTEMPTS):
+        rounded = rng.random(scaled.shape[0])
+        rounded += scaled
+        np.floor(rounded, out=rounded)
+        if float(np.dot(rounded, rounded)) <= limit:
+            return rounded
+    raise SecureAggregationError(
+        f"conditional rounding failed {MAX_ROUNDING_ATTEMPTS} times in a row (each fails "
+        f"with probability at most beta={params.beta}); the parameters do not match the "
+        "update: recompute them with calibrate()")
 
 
 def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
@@ -143,59 +206,42 @@ def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
     L1 norm at most ``params.l1_bound``). Raises `SecureAggregationError` for an
     update of the wrong shape or with non-finite values, or when every rounding
     attempt fails the norm check (probability at most ``β ** 100``).
-
-    The rotation runs on the unit vector; the clipped norm, gamma and ``1/sqrt(d')``
-    are applied after, in the same pass that leaves the transform.
     """
     values = np.asarray(update)
-    if values.shape != (params.dimension,):
-        raise SecureAggregationError(
-            f"the update must be a flat vector of {params.dimension} values, got {values.shape}")
-    if signs.shape != (params.padded_dimension,):
-        raise SecureAggregationError(
-            f"the rotation needs {params.padded_dimension} signs, got {signs.shape}")
-    flat = values.astype(np.float64, copy=False)
-    norm = _norm(flat)
-    padded = params.padded_dimension
-    scaled = np.zeros(padded)
-    if norm > 0:
-        unit = np.zeros(padded)
-        np.multiply(flat, signs[: params.dimension], out=unit[: params.dimension])
-        kept = min(norm, params.clip_norm)
-        np.multiply(walsh_hadamard(unit), kept / norm * params.scale / math.sqrt(padded),
-                    out=scaled)
-    floor = np.floor(scaled)
-    fraction = np.subtract(scaled, floor, out=scaled)
-    limit = params.l2_bound**2
-    rounded = np.empty(padded)
-    for _ in range(MAX_ROUNDING_ATTEMPTS):
-        np.add(floor, rng.random(padded) < fraction, out=rounded)
-        if float(np.dot(rounded, rounded)) <= limit:
-            return rounded.astype(np.int64)
-    raise SecureAggregationError(
-        f"conditional rounding failed {MAX_ROUNDING_ATTEMPTS} times in a row (each fails "
-        f"with probability at most beta={params.beta}); the parameters do not match the "
-        "update: recompute them with calibrate()")
+    _check_shapes(values, params, signs)
+    return _round(_clipped_rotated(values, params, signs), params, rng).astype(np.int64)
 
 
 def encode(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
-           rng: np.random.Generator, noise: np.ndarray | None = None) -> np.ndarray:
+           rng: np.random.Generator, noise: np.ndarray | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
     """A client's noisy contribution: uint32 of length d', values below ``2**bits``.
 
     `discretize`, then ``Sk(params.client_noise_mu)`` per coordinate, then mod
     ``2**bits``. ``update`` (1-D, any float dtype, length ``params.dimension``) is not
     modified; ``signs`` is ``rotation_signs(round_seed, params.padded_dimension)``.
     ``noise``: the ``Sk(params.client_noise_mu)`` draws (int64 of d'), when the caller
-    drew them ahead (`NoiseReserve`); they must be fresh and used once.
+    drew them ahead (`NoiseReserve`); they must be fresh and used once, and are
+    overwritten. ``out``: a uint32 array of d' to write the result into (returned).
     """
-    integers = discretize(update, params, signs, rng)
+    values = np.asarray(update)
+    _check_shapes(values, params, signs)
+    padded = params.padded_dimension
     if noise is None:
-        noise = sample_skellam(params.client_noise_mu, integers.shape[0], rng)
-    elif noise.shape != integers.shape or noise.dtype != np.int64:
-        raise SecureAggregationError(f"the noise must be int64 of shape {integers.shape}")
-    integers += noise
-    integers &= params.modulus - 1  # two's complement: the residue mod 2**bits
-    return integers.astype(np.uint32)
+        noise = sample_skellam(params.client_noise_mu, padded, rng)
+    elif noise.shape != (padded,) or noise.dtype != np.int64:
+        raise SecureAggregationError(f"the noise must be int64 of shape ({padded},)")
+    if out is None:
+        out = np.empty(padded, np.uint32)
+    elif out.shape != (padded,) or out.dtype != np.uint32:
+        raise SecureAggregationError(f"the output must be uint32 of shape ({padded},)")
+    # Exact: both terms are integers far below 2**53 (|noise| is a few hundred sigmas
+    # of at most sqrt(2**33); the rounded values are bounded by the ring).
+    np.add(noise, _round(_clipped_rotated(values, params, signs), params, rng), out=noise,
+           casting="unsafe")
+    noise &= params.modulus - 1  # two's complement: the residue mod 2**bits
+    np.copyto(out, noise, casting="unsafe")  # below 2**bits <= 2**32: exact
+    return out
 
 
 def decode_sum(total: np.ndarray, params: SkellamParams, signs: np.ndarray) -> np.ndarray:
