@@ -165,10 +165,10 @@ def _clipped_rotated(values: np.ndarray, params: SkellamParams, signs: np.ndarra
     padded = params.padded_dimension
     if norm == 0:
         return np.zeros(padded)
-    unit = np.zeros(padded, np.float64 if values.dtype == np.float64 else np.float32)
+    unit: np.ndarray = np.zeros(padded, np.float64 if values.dtype == np.float64 else np.float32)
     head = unit[: params.dimension]
     np.multiply(values, signs[: params.dimension], out=head, casting="same_kind")
-    head *= 1.0 / norm
+    np.multiply(head, 1.0 / norm, out=head)
     factor = min(norm, params.clip_norm) * params.scale / math.sqrt(padded)
     scaled = np.multiply(walsh_hadamard(unit), factor, dtype=np.float64)
     length = math.sqrt(float(np.dot(scaled, scaled)))
@@ -187,7 +187,7 @@ def _round(scaled: np.ndarray, params: SkellamParams, rng: np.random.Generator) 
     """
     limit = params.l2_bound**2
     for _ in range(MAX_ROUNDING_ATTEMPTS):
-        rounded = rng.random(scaled.shape[0])
+        rounded: np.ndarray = rng.random(size=scaled.shape[0])
         rounded += scaled
         np.floor(rounded, out=rounded)
         if float(np.dot(rounded, rounded)) <= limit:
