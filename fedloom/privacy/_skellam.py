@@ -187,7 +187,7 @@ def _round(scaled: np.ndarray, params: SkellamParams, rng: np.random.Generator) 
     """
     limit = params.l2_bound**2
     for _ in range(MAX_ROUNDING_ATTEMPTS):
-        rounded: np.ndarray = rng.random(size=scaled.shape[0])
+        rounded = rng.random(size=len(scaled))
         rounded += scaled
         np.floor(rounded, out=rounded)
         if float(np.dot(rounded, rounded)) <= limit:
