@@ -41,9 +41,10 @@ def _sylvester_hadamard(n: int) -> np.ndarray:
     return matrix
 
 
-# Up to 64 the transform is one matrix product; beyond, radix-4 passes follow (256,
-# 1024), and a last radix-2 level when an odd number of levels remains (128, 512, 2048).
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048])
+# Up to 16 the transform is one matrix product with H_n; beyond, H_16 factors along
+# middle axes follow (256, 4096: two and three factors), and one smaller factor last
+# when log2(n) is not a multiple of 4 (32, 64, 128, 512, 1024, 2048).
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
 def test_rotation_equals_the_dense_matrix(n: int) -> None:
     # Independent oracle: the dense matrix product H D x / sqrt(n), no butterflies.
     signs = rotation_signs(b"dense", n)
