@@ -150,6 +150,10 @@ def _check_shapes(values: np.ndarray, params: SkellamParams, signs: np.ndarray) 
             f"the rotation needs {params.padded_dimension} signs, got {signs.shape}")
 
 
+#: The update norms for which a narrow update is rotated in float32 (others: float64).
+_NARROW_NORMS = (1e-30, 1e30)
+
+
 def _clipped_rotated(values: np.ndarray, params: SkellamParams, signs: np.ndarray
                      ) -> np.ndarray:
     """Steps 1-2 and the scaling: ``gamma U clip(x)``, float64 of d'.
@@ -165,7 +169,9 @@ def _clipped_rotated(values: np.ndarray, params: SkellamParams, signs: np.ndarra
     padded = params.padded_dimension
     if norm == 0:
         return np.zeros(padded)
-    unit: np.ndarray = np.zeros(padded, np.float64 if values.dtype == np.float64 else np.float32)
+    # float32 only where 1/norm and the unit vector's entries are normal float32 numbers.
+    narrow = values.dtype != np.float64 and _NARROW_NORMS[0] < norm < _NARROW_NORMS[1]
+    unit: np.ndarray = np.zeros(padded, np.float32 if narrow else np.float64)
     head = unit[: params.dimension]
     np.multiply(values, signs[: params.dimension], out=head, casting="same_kind")
     np.multiply(head, 1.0 / norm, out=head)

@@ -90,6 +90,22 @@ def test_a_clipped_float32_update_rounds_within_the_bound_at_any_scale(
         assert float(np.sum(integers.astype(np.float64) ** 2)) <= params.l2_bound**2
 
 
+@pytest.mark.parametrize("value", [1e-42, 1e-35, 3e38])
+def test_a_float32_update_of_extreme_norm_still_rounds_within_the_bound(value: float) -> None:
+    # Subnormal entries (1/norm would overflow float32) and entries near float32's
+    # maximum: the rotation falls back to float64 and the result is still bounded.
+    d = 1000
+    update = np.full(d, value, np.float32)
+    update[::2] *= -1
+    params = SkellamParams(clip_norm=1.0, dimension=d, scale=1e4)
+    signs = rotation_signs(b"extreme", params.padded_dimension)
+    integers = discretize(update, params, signs, np.random.default_rng(0))
+    norm = float(np.linalg.norm(integers.astype(np.float64)))
+    assert norm <= params.l2_bound
+    if value > 1:  # clipped to c: the rounded norm is c gamma give or take the rounding
+        assert abs(norm - 1e4) <= math.sqrt(params.padded_dimension)
+
+
 def _half_integer_update(d: int, scale: float) -> tuple[np.ndarray, SkellamParams, np.ndarray]:
     """An update whose rotated, scaled coordinates are all exactly 1/2.
 
