@@ -32,6 +32,10 @@ def load_toml(path: str | Path, setting: str = "--config") -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError as exc:
         raise ConfigError(setting, f"file {str(path)!r} not found") from exc
+    except OSError as exc:  # a folder, no permission
+        raise ConfigError(setting, f"cannot read {str(path)!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(setting, f"{path} is not valid TOML: not UTF-8 ({exc.reason})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(setting, f"{path} is not valid TOML: {exc}") from exc
     folder = os.path.dirname(os.path.abspath(path))

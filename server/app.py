@@ -124,19 +124,8 @@ class Server:
 
     async def serve(self) -> list[RoundRecord]:
         """Run the whole federated run; returns the per-round history."""
-        persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)
-        # Round 0 is committed (or the run resumed): the initial model is on disk now,
-        # and holding it would cost one model of memory for the whole run.
-        self.initial_weights = None
-        reporter = RoundReporter(enabled=self.config.progress)
-        coordinator = Coordinator(
-            self.config, self.strategy, persistence, evaluate_fn=self.evaluate_fn, reporter=reporter
-        )
-        self.coordinator = coordinator
         server = grpc.aio.server(options=grpc_server_options(self.config))
-        # Parses requests in the handlers: malformed protobuf gets INVALID_ARGUMENT.
-        add_fleet_servicer(FleetServicer(coordinator, self.auth), server)
-        probes = Probes(server, reflection_enabled=self.config.reflection)
+        # The ports first: a server that cannot listen must not open (or start) a run.
         try:
             port = (
                 server.add_secure_port(self.config.address, self.credentials)
@@ -145,10 +134,28 @@ class Server:
             )
             metrics = MetricsEndpoint.start_if(self.config.metrics_address)
         except (RuntimeError, ConfigError) as exc:
-            persistence.close()
+            await server.stop(None)
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError("address", f"cannot listen on {self.config.address}: {exc}") from exc
+        try:
+            persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)
+        except BaseException:
+            if metrics:
+                metrics.close()
+            await server.stop(None)
+            raise
+        # Round 0 is committed (or the run resumed): the initial model is on disk now,
+        # and holding it would cost one model of memory for the whole run.
+        self.initial_weights = None
+        reporter = RoundReporter(enabled=self.config.progress)
+        coordinator = Coordinator(
+            self.config, self.strategy, persistence, evaluate_fn=self.evaluate_fn, reporter=reporter
+        )
+        self.coordinator = coordinator
+        # Parses requests in the handlers: malformed protobuf gets INVALID_ARGUMENT.
+        add_fleet_servicer(FleetServicer(coordinator, self.auth), server)
+        probes = Probes(server, reflection_enabled=self.config.reflection)
         await server.start()
         await probes.serving()
         self.metrics_port = metrics.port if metrics else None

@@ -14,6 +14,7 @@ Layout of a checkpoint file:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -150,16 +151,29 @@ def load_checkpoint(path: Path, expected_sha256: str | None) -> Checkpoint:
 
 
 def save_weights(path: str | Path, weights: Weights) -> None:
-    """Write bare weights (e.g. a server's initial model) atomically as safetensors."""
+    """Write bare weights (e.g. a server's initial model) atomically as safetensors.
+
+    Raises:
+        CheckpointError: the file cannot be written there (a folder of that name, a
+            read-only or full filesystem); no temp file is left behind.
+    """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        raise CheckpointError(f"cannot write {target}: it is a folder; name a file")
     tmp = target.with_name(f".{target.name}.tmp")
     order = json.dumps(list(weights))
-    save_file(dict(weights.items()), str(tmp), metadata={"fedloom_order": order})
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(dict(weights.items()), str(tmp), metadata={"fedloom_order": order})
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    except (OSError, SafetensorError) as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise CheckpointError(f"cannot write {target}: {reason}") from exc
 
 
 def load_weights(path: str | Path) -> Weights:

@@ -9,12 +9,13 @@ takes them.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from fedloom.errors import ConfigError
 from fedloom.server.checkpoint import load_checkpoint, save_weights
 from fedloom.server.run_report import find_run
-from fedloom.server.store import RunStore
+from fedloom.server.store import RunStore, unusable_database
 
 
 def export_model(state_dir: str | Path, out: str | Path, run: str = "",
@@ -25,7 +26,7 @@ def export_model(state_dir: str | Path, out: str | Path, run: str = "",
     Raises:
         ConfigError: no run database there, no such run or round, or a round whose
             checkpoint is no longer kept (the message lists those that are).
-        CheckpointError: the checkpoint fails its digest.
+        CheckpointError: the checkpoint fails its digest, or ``out`` cannot be written.
     """
     folder = Path(state_dir)
     database = folder / "fedloom.db"
@@ -38,6 +39,8 @@ def export_model(state_dir: str | Path, out: str | Path, run: str = "",
             raise ConfigError("--state-dir", f"{folder} holds no runs")
         record = find_run(store, run) if run else runs[-1]
         rows = {row.round: row for row in store.rounds(record.run_id)}
+    except sqlite3.Error as exc:
+        raise ConfigError("--state-dir", unusable_database(database, exc)) from exc
     finally:
         store.close()
     if not rows:

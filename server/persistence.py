@@ -16,6 +16,7 @@ dropped with an error in the log, and temp files of a torn write are deleted.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -28,6 +29,7 @@ from fedloom.errors import CheckpointError, ConfigError
 from fedloom.records import RoundRecord
 from fedloom.server.checkpoint import load_checkpoint, save_weights, write_checkpoint
 from fedloom.server.crashpoints import crashpoint
+from fedloom.server.state_lock import StateLock
 from fedloom.server.store import ClientRow, RoundRow, RunStore
 from fedloom.strategies import Strategy
 from fedloom.weights import Weights
@@ -55,6 +57,8 @@ class RunPersistence:
         self.keep_checkpoints = keep_checkpoints
         #: The run is over (recorded so): no round is run, its clients are told.
         self.finished = False
+        #: The state folder's lock (`StateLock`), released by `close`.
+        self.lock: StateLock | None = None
 
     @classmethod
     def open(
@@ -68,7 +72,28 @@ class RunPersistence:
         initial model again.
         """
         state_dir = Path(config.state_dir)
+        lock = StateLock.acquire(state_dir)
+        try:
+            persistence = cls._open(config, initial_weights, strategy, state_dir)
+        except BaseException:
+            lock.release()
+            raise
+        persistence.lock = lock
+        return persistence
+
+    @classmethod
+    def _open(cls, config: ServerConfig, initial_weights: Weights | None, strategy: Strategy,
+              state_dir: Path) -> RunPersistence:
         store = RunStore(state_dir / "fedloom.db")
+        try:
+            return cls._open_in(config, initial_weights, strategy, state_dir, store)
+        except BaseException:
+            store.close()
+            raise
+
+    @classmethod
+    def _open_in(cls, config: ServerConfig, initial_weights: Weights | None,
+                 strategy: Strategy, state_dir: Path, store: RunStore) -> RunPersistence:
         run = store.latest_run() if config.resume else None
         if run is not None and run.status == "finished":
             if not config.new_run:
@@ -78,6 +103,7 @@ class RunPersistence:
         # nothing yet: start it again from the initial weights, under the same id.
         unstarted = run is not None and store.latest_round(run.run_id) is None
         if run is not None and not unstarted:
+            _check_resumed_settings(config, store, run)
             return cls._resume(config, store, run.run_id, initial_weights, strategy)
         if initial_weights is None:
             raise ConfigError(
@@ -143,9 +169,16 @@ class RunPersistence:
                         f"run {run_id} there holds a different model ({exc}); use another "
                         "state_dir, or set resume = false to start a new run",
                     ) from exc
-            store.forget_rounds_after(run_id, record.round)
-            _remove_torn_temp_files(state_dir / "checkpoints" / run_id)
-            strategy.load_state_dict(checkpoint.strategy_state)
+            if not finished:  # a finished run trains nothing: its record stays as it is
+                store.forget_rounds_after(run_id, record.round)
+                _remove_torn_temp_files(state_dir / "checkpoints" / run_id)
+            try:
+                strategy.load_state_dict(checkpoint.strategy_state)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(
+                    "strategy", f"run {run_id}'s checkpoint holds another strategy's state "
+                    f"({exc}); resume with the run's strategy, or start a new run "
+                    "(resume = false)") from exc
             persistence = cls(state_dir, store, run_id, checkpoint.weights, record.round,
                               config.keep_checkpoints)
             if finished:
@@ -154,7 +187,7 @@ class RunPersistence:
                     "run %s in %s has finished (its last round is %d): nothing to train. "
                     "This server tells its clients that the run is over, then exits. To "
                     "start a new run here, pass --new-run (new_run = true) once",
-                    run_id, state_dir, record.round)
+                    run_id, state_dir, max([record.round, *lost]))
             else:
                 log.info("resuming run %s after round %d", run_id, record.round)
             return persistence
@@ -243,6 +276,49 @@ class RunPersistence:
 
     def close(self) -> None:
         self.store.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+#: Settings a resumed run must keep: they decide what its rounds compute and what its
+#: checkpoints hold (the strategy's state, the privacy ledger, the asynchronous buffer),
+#: and a secure run must not go on in the clear.
+_FIXED_SETTINGS = ("strategy", "privacy", "rounds.mode", "secure_aggregation.enabled")
+#: Settings that say where and how this server runs, not what the run is.
+_PLACE_SETTINGS = frozenset({"address", "state_dir", "resume", "new_run", "progress",
+                             "metrics_address", "reflection", "tls", "auth", "insecure"})
+
+
+def _flat(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name != "strategy":
+            out.update(_flat(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _check_resumed_settings(config: ServerConfig, store: RunStore, run: Any) -> None:
+    """Refuse a resume whose settings change what the run is (`_FIXED_SETTINGS`); record
+    any other change (``num_rounds`` among them), with a warning that lists it."""
+    now = _flat(json.loads(json.dumps(_config_summary(config), default=str)))
+    then = _flat(run.config)
+    changed = sorted(k for k in now.keys() & then.keys()
+                     if now[k] != then[k] and k.split(".")[0] not in _PLACE_SETTINGS)
+    fixed = [k for k in changed if k in _FIXED_SETTINGS
+             or any(k.startswith(f"{f}.") for f in _FIXED_SETTINGS)]
+    if fixed:
+        differences = "; ".join(f"{k}: {then[k]!r} then, {now[k]!r} now" for k in fixed)
+        raise ConfigError(
+            fixed[0], f"run {run.run_id} was started with other settings ({differences}). "
+            "A run keeps its strategy, privacy, round mode and secure aggregation: start "
+            "this server with the run's settings, or start a new run (resume = false)")
+    if changed:
+        log.warning("resuming run %s with changed settings: %s", run.run_id,
+                    ", ".join(f"{k} {then[k]!r} -> {now[k]!r}" for k in changed))
+        store.update_run(run.run_id, config.num_rounds, _config_summary(config))
 
 
 def _remove_torn_temp_files(folder: Path) -> None:

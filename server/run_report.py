@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedloom.errors import ConfigError
-from fedloom.server.store import ClientRow, RoundRow, RunRecord, RunStore
+from fedloom.server.store import ClientRow, RoundRow, RunRecord, RunStore, unusable_database
 
 DATABASE = "fedloom.db"
 
@@ -48,10 +48,7 @@ def open_store(state_dir: str | Path) -> RunStore:
         raise ConfigError(
             "state_dir", f"no run database at {path}: pass the server's state_dir (--state-dir)"
         )
-    try:
-        return RunStore(path, readonly=True)
-    except sqlite3.Error as exc:
-        raise ConfigError("state_dir", f"cannot read {path}: {exc}") from exc
+    return RunStore(path, readonly=True)  # ConfigError when it is not a run store
 
 
 def _pick(metrics: dict[str, Any], key: str) -> Any:
@@ -236,5 +233,7 @@ def print_runs(
             out.write(clients_table(store, run) + "\n")
         else:
             out.write((rounds_table(store, run) if run else runs_table(store)) + "\n")
+    except sqlite3.Error as exc:  # a copy without its -wal file has no tables, say
+        raise ConfigError("state_dir", unusable_database(store.path, exc)) from exc
     finally:
         store.close()

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedloom.errors import ConfigError
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -143,6 +145,15 @@ class BufferedRow:
     contributor: str = ""
 
 
+def unusable_database(path: Path, exc: BaseException) -> str:
+    """Why the run store at ``path`` cannot be used, and what to do (one line)."""
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if isinstance(exc, sqlite3.DatabaseError) and "not a database" in reason:
+        return (f"{path} is not a fedloom run store ({reason}): restore it from a backup "
+                "(with its -wal file), or use another state_dir")
+    return f"cannot use the run store {path}: {reason}"
+
+
 class RunStore:
     """SQLite-backed record of runs and rounds (``<state_dir>/fedloom.db``).
 
@@ -153,16 +164,20 @@ class RunStore:
     def __init__(self, path: Path, *, readonly: bool = False) -> None:
         self.path = path
         self._lock = threading.RLock()
-        if readonly:  # for readers beside a running server (`fedloom runs`): no writes
-            uri = f"{path.resolve().as_uri()}?mode=ro"
-            self._db = sqlite3.connect(uri, uri=True, isolation_level=None)
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        self._add_missing_columns()
+        try:
+            if readonly:  # for readers beside a running server (`fedloom runs`): no writes
+                uri = f"{path.resolve().as_uri()}?mode=ro"
+                self._db = sqlite3.connect(uri, uri=True, isolation_level=None)
+                self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._add_missing_columns()
+        except (sqlite3.Error, OSError) as exc:
+            raise ConfigError("state_dir", unusable_database(path, exc)) from exc
 
     def _add_missing_columns(self) -> None:
         """Bring a database written before a column existed up to the schema."""
@@ -189,6 +204,13 @@ class RunStore:
                 (run_id, record.created_at, "running", num_rounds, json.dumps(config)),
             )
         return record
+
+    def update_run(self, run_id: str, num_rounds: int, config: dict[str, Any]) -> None:
+        """Record a resumed run's new settings (its rounds and status stay)."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("UPDATE runs SET num_rounds = ?, config = ? WHERE run_id = ?",
+                             (num_rounds, json.dumps(config), run_id))
 
     def latest_run(self) -> RunRecord | None:
         """The newest run, finished or not."""

@@ -12,6 +12,7 @@ import pytest
 from lifecycle_support import ClientThreads, GatedClient, ServerCommand, wait_until
 
 from fedloom import cli
+from fedloom.errors import ConfigError
 from fedloom.server import Server
 
 
@@ -80,5 +81,5 @@ def test_start_raises_what_stopped_the_server_before_it_served(tmp_path: Path) -
     blocker.write_text("not a folder")
     config = ServerConfig(address="127.0.0.1:0", insecure=True, state_dir=str(blocker),
                           progress=False)
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ConfigError, match=r"state_dir: cannot use .*state: File exists"):
         Server(config, initial_weights=Weights({"w": np.zeros(2, np.float32)})).start(10)
