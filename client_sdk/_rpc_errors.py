@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from fedloom._text import one_line
 from fedloom.client_sdk.tls import handshake_hint
 from fedloom.errors import ResultRefusedError, SessionExpiredError, TransportError
 
@@ -30,9 +31,7 @@ MAX_DETAILS = 500
 def server_text(text: object) -> str:
     """A server's words, made safe for the client's log: one line (control characters
     escaped, so no forged log lines), at most `MAX_DETAILS` characters."""
-    raw = "" if text is None else str(text)
-    safe = "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
-    return safe if len(safe) <= MAX_DETAILS else safe[:MAX_DETAILS] + "... (cut)"
+    return one_line(text, MAX_DETAILS)
 
 
 def translate(exc: grpc.RpcError, what: str) -> TransportError:

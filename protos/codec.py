@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from fedloom._text import one_line
 from fedloom.errors import ConfigError, MessageRejectedError, RejectReason
 from fedloom.messages import JoinReply, JoinRequest, NoTask, ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo
@@ -400,9 +401,10 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
             task_id=task_id,
             round=rnd,
             kind=None,
-            failure=_check_text(
+            # Logged and recorded: escaped, so it cannot forge log lines (one_line).
+            failure=one_line(_check_text(
                 header.failure.message, "failure message", MAX_TEXT, printable=False
-            ),
+            )),
         )
     if kind is None or not kind.startswith("secagg_"):
         raise _invalid("result header has no kind (fit, evaluate, a secagg stage or failure)")

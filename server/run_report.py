@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedloom._text import one_line
 from fedloom.errors import ConfigError
 from fedloom.server.store import ClientRow, RoundRow, RunRecord, RunStore, unusable_database
 
@@ -65,10 +66,11 @@ def _number(value: Any, spec: str = ".4f") -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]
-    ]
+    # Cells hold what clients sent (metric names and strings): escaped, so a newline
+    # cannot forge a row and an escape sequence cannot reach the terminal.
+    cells = [[one_line(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(line.rstrip() for line in lines)
 
 

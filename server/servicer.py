@@ -18,6 +18,7 @@ from typing import NoReturn
 
 import grpc
 
+from fedloom._text import one_line
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import Capability, NoTask, TaskHeader
 from fedloom.protos import codec
@@ -139,7 +140,7 @@ class FleetServicer(pb_grpc.FleetServicer):
                 # Already gone (a restart, the reaper, a client leaving the session it
                 # replaced): nothing to end, and nothing worth a warning.
                 return pb.LeaveResponse()
-            self.coordinator.leave(self._client(request.session), request.reason[:200])
+            self.coordinator.leave(self._client(request.session), one_line(request.reason, 200))
         except MessageRejectedError as exc:
             await _reject(context, "Leave", exc)
         return pb.LeaveResponse()
