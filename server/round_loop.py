@@ -89,9 +89,8 @@ class RoundLoop:
         last = parts.config.rounds.last_round(parts.config.num_rounds)
         first = last + 1 if self.persistence.finished else self.next_round
         for server_round in range(first, last + 1):
-            started = time.time()
             try:
-                outcome = await self._fit(server_round)
+                outcome, started = await self._fit(server_round)
             except PrivacyBudgetExhausted as exc:
                 # Raised before the round's tasks go out: the last committed round is
                 # the run's final model, and nothing past the budget is released.
@@ -110,13 +109,17 @@ class RoundLoop:
             log.info("final model written to %s", path)
         self.persistence.finish()
 
-    async def _fit(self, server_round: int) -> FitOutcome:
-        """The round's fit; a failed one is run again ``round_retries`` times (a new
-        sample and new tasks; asynchronous versions are not retried: the buffer goes on)."""
+    async def _fit(self, server_round: int) -> tuple[FitOutcome, float]:
+        """The round's fit, and when its first sample was drawn (the wait for
+        ``min_clients`` before it is not the round's time); a failed one is run again
+        ``round_retries`` times (a new sample and new tasks; asynchronous versions are
+        not retried: the buffer goes on)."""
         config = self.parts.config
         retries = 0 if config.rounds.asynchronous else config.round_retries
+        started: float | None = None
         for attempt in range(retries + 1):
             await self.parts.fleet.wait_for(config.min_clients)
+            started = time.time() if started is None else started
             # Sessions that joined since the version was published (all of them, for
             # the initial model): their broadcasts are built off the loop too.
             await self.parts.model.prepare(self._grants, self.parts.executor)
@@ -126,7 +129,8 @@ class RoundLoop:
             if attempt < retries:
                 log.warning("round %d failed; running it again (%d of %d retries)",
                             server_round, attempt + 1, retries)
-        return outcome
+        assert started is not None  # the loop runs at least once
+        return outcome, started
 
     async def _conclude(self, server_round: int, started: float, outcome: FitOutcome) -> None:
         """Install the new model (if any) and commit the round; then evaluate the model
@@ -165,14 +169,17 @@ class RoundLoop:
             parts.strategy.state_dict(), started, outcome.clients)
         self.driver.committed(server_round)
         self.history.append(record)  # committed: in the history even if a stop comes now
+        epsilon = record.fit.get("privacy_epsilon")
+        ServerMetrics.round_done(record.status, record.duration_s, record.round,
+                                 float(epsilon) if isinstance(epsilon, int | float) else None)
         if evaluates:
             record = await self._evaluate(record)
-        self._report(record)
+        self.parts.reporter.round_finished(record)
 
     async def _evaluate(self, record: RoundRecord) -> RoundRecord:
         """Evaluate the committed round ``record`` (the history's last) — federated,
         then on the server — and record the evaluation in the round."""
-        parts, started = self.parts, time.time()
+        parts = self.parts
         if self._federated:
             # Sessions that joined since the version was published (during the commit,
             # or before a restart) get their broadcasts built off the loop too.
@@ -183,8 +190,7 @@ class RoundLoop:
         if not (record.evaluation_pending or evaluate or server or clients):
             return record  # nothing ran: the committed record stands
         record = dataclasses.replace(record, evaluate=evaluate, server=server,
-                                     evaluation_pending=False,
-                                     duration_s=record.duration_s + time.time() - started)
+                                     evaluation_pending=False)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(parts.executor, self.persistence.record_evaluation, record,
                                    clients)
@@ -198,11 +204,5 @@ class RoundLoop:
         log.info("round %d was committed but not evaluated; evaluating it", record.round)
         if self._federated:
             await parts.fleet.wait_for(parts.config.min_clients)
-        self._report(await self._evaluate(record))
-
-    def _report(self, record: RoundRecord) -> None:
-        """The round is done (committed, and evaluated when due): metrics, progress."""
-        epsilon = record.fit.get("privacy_epsilon")
-        ServerMetrics.round_done(record.status, record.duration_s, record.round,
-                                 float(epsilon) if isinstance(epsilon, int | float) else None)
-        self.parts.reporter.round_finished(record)
+        # Its commit was counted in the metrics of the process that made it.
+        self.parts.reporter.round_finished(await self._evaluate(record))
