@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -46,6 +47,9 @@ EXIT_FAILED = 1  # an unexpected error; started again, the server resumes the ru
 EXIT_REFUSED = 2  # a setting, file or state folder needs fixing: a restart cannot help
 EXIT_STOPPED = 75  # SIGTERM/SIGINT, or min_clients_wait_s passed, with rounds to go
 #                   (EX_TEMPFAIL); a restart resumes
+
+#: The levels ``--log-level`` takes (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _flag(name: str) -> str:
@@ -161,7 +165,7 @@ def _server_parser(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="a strategy setting; VALUE is TOML (e.g. eta=0.01); repeatable",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     _add_log_format(p)
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
@@ -296,6 +300,7 @@ def _run_runs(args: argparse.Namespace) -> int:
     from fedloom.server.run_report import print_runs
 
     print_runs(_state_dir(args), args.run, json_output=args.json, clients=args.clients)
+    sys.stdout.flush()  # here, where a closed pipe (`| head`) is handled, not at exit
     return 0
 
 
@@ -316,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--app", required=True, help="module:attr — a Client, or a function making one")
     c.add_argument("--name", help="a stable name for this client")
     c.add_argument("--token", help="credential, when the server requires one")
-    c.add_argument("--log-level", default="INFO")
+    c.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     c.add_argument("--upload-codecs", type=_codec_list, metavar="A,B",
                    help="codecs to send updates in, most wanted first (docs/compression.md)")
     c.add_argument("--download-codecs", type=_codec_list, metavar="A,B",
@@ -353,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedloom.simulations.demo import add_arguments
 
     add_arguments(d)
-    d.add_argument("--log-level", default="WARNING")
+    d.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
     sim = sub.add_parser("simulate", help="run a scenario TOML on the local or Flower engine",
                          add_help=False)
     sim.add_argument("rest", nargs=argparse.REMAINDER)
@@ -366,6 +371,16 @@ _EXTRAS = {"safetensors": "server", "rich": "server", "prometheus_client": "serv
            "dp_accounting": "server", "grpc_health": "server", "grpc_reflection": "server",
            "zstandard": "zstd", "torch": "torch", "sklearn": "demo", "matplotlib": "demo",
            "flwr": "flower", "ray": "flower"}
+
+
+def _refuse(args: argparse.Namespace, message: str) -> int:
+    """Say why a command is refused (one line on stderr: JSON with ``--log-format
+    json``, where every stderr line must parse) and return `EXIT_REFUSED`."""
+    if getattr(args, "log_format", "text") == "json":
+        logging.getLogger("fedloom").error("fedloom %s: error: %s", args.command, message)
+    else:
+        print(f"fedloom {args.command}: error: {message}", file=sys.stderr)
+    return EXIT_REFUSED
 
 
 def _missing_extra(exc: ImportError) -> str | None:
@@ -389,6 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulate_main(argv[1:])
     args = build_parser().parse_args(argv)
     configure_logging(str(args.log_level), getattr(args, "log_format", "text"))
+    if getattr(args, "log_format", "text") == "json":
+        # gRPC's C core writes its own plain-text lines to stderr (a port it cannot
+        # bind, say); fedloom logs what matters of those as JSON itself.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         if args.command == "server":
             return _run_server(args)
@@ -408,13 +427,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(args)
     except FedloomError as exc:
-        print(f"fedloom {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return _refuse(args, str(exc))
+    except BrokenPipeError:  # `fedloom runs --json | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail too
+        return 0
     except ImportError as exc:
         missing = _missing_extra(exc)
         if missing is not None:
-            print(f"fedloom {args.command}: error: {missing}", file=sys.stderr)
-            return EXIT_REFUSED  # a restart cannot install a package
+            return _refuse(args, missing)  # a restart cannot install a package
         if args.command != "server":
             raise
         logging.getLogger("fedloom.server").exception("the server failed")

@@ -4,7 +4,11 @@ flags that stand alone."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,34 @@ def test_the_server_logs_an_import_error_that_is_no_missing_extra_and_exits_fail
     monkeypatch.setattr(cli, "_run_server", run)
     assert cli.main(["server", "--insecure"]) == cli.EXIT_FAILED
     assert "the server failed" in caplog.text and "some_typo_module" in caplog.text
+
+
+def test_a_refusal_is_a_json_line_with_log_format_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["server", "--insecure", "--log-format", "json", "--num-rounds", "0"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    record = json.loads(line)
+    assert record["level"] == "ERROR"
+    assert record["message"] == "fedloom server: error: num_rounds: must be at least 1"
+
+
+def test_an_unknown_log_level_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["server", "--insecure", "--log-level", "LOUD"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'LOUD'" in capsys.readouterr().err
+
+
+def test_runs_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    from fedloom.server.store import RunStore
+
+    RunStore(tmp_path / "fedloom.db").close()
+    read, write = os.pipe()
+    os.close(read)  # the reader (`| head`) is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fedloom.cli", "runs", "--json", "--state-dir",
+             str(tmp_path)], stdout=write, stderr=subprocess.PIPE, timeout=60, check=False)
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert b"Traceback" not in done.stderr and b"BrokenPipe" not in done.stderr
