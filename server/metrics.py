@@ -58,6 +58,9 @@ class ServerMetrics:
         "fedloom_privacy_epsilon", "Privacy spent so far (epsilon at the run's delta)",
         registry=registry,
     )
+    # NaN (no value on a dashboard) until a private round commits: a gauge starts at 0,
+    # which would read as "no privacy spent" for a run that has no privacy at all.
+    privacy_epsilon.set(float("nan"))
 
     @classmethod
     def rejected(cls, reason: str) -> None:

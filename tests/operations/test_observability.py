@@ -6,6 +6,7 @@ import concurrent.futures
 import io
 import json
 import logging
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -264,3 +265,13 @@ def test_configure_logging_without_a_stream_follows_stderr_as_it_is_then(
         root.setLevel(saved[0])
         for h in [h for h in root.handlers if h not in saved[1]]:
             root.removeHandler(h)
+
+
+def test_epsilon_has_no_value_until_a_private_round_commits() -> None:
+    # A fresh process (these collectors are process-wide): a gauge would start at 0,
+    # which reads as "no privacy spent" on a run that has no privacy at all.
+    probe = ("import math; from fedloom.server.metrics import ServerMetrics as M; "
+             "print(math.isnan(M.registry.get_sample_value('fedloom_privacy_epsilon')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "True"
