@@ -21,6 +21,7 @@ background thread (tests, demos)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -134,53 +135,46 @@ class Server:
             )
             metrics = MetricsEndpoint.start_if(self.config.metrics_address)
         except (RuntimeError, ConfigError) as exc:
-            await server.stop(None)
+            await _stop_unstarted(server)
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError("address", f"cannot listen on {self.config.address}: {exc}") from exc
+        persistence: RunPersistence | None = None
+        reporter: RoundReporter | None = None
+        probes: Probes | None = None
+        started = False
         try:
             persistence = RunPersistence.open(self.config, self.initial_weights, self.strategy)
-        except BaseException:
-            if metrics:
-                metrics.close()
-            await server.stop(None)
-            raise
-        # Round 0 is committed (or the run resumed): the initial model is on disk now,
-        # and holding it would cost one model of memory for the whole run.
-        self.initial_weights = None
-        reporter = RoundReporter(enabled=self.config.progress)
-        coordinator = Coordinator(
-            self.config, self.strategy, persistence, evaluate_fn=self.evaluate_fn, reporter=reporter
-        )
-        self.coordinator = coordinator
-        # Parses requests in the handlers: malformed protobuf gets INVALID_ARGUMENT.
-        add_fleet_servicer(FleetServicer(coordinator, self.auth), server)
-        probes = Probes(server, reflection_enabled=self.config.reflection)
-        await server.start()
-        await probes.serving()
-        self.metrics_port = metrics.port if metrics else None
-        self.port = port
-        self._ready.set()
-        bound = self.config.address.rsplit(":", 1)[0] + f":{port}"
-        if self.credentials is None:
-            warn_plaintext(bound)
-        log.info(
-            "fedloom server listening on %s (run %s, %d rounds)",
-            bound, coordinator.run_id, self.config.num_rounds,
-        )
-        try:
+            # Round 0 is committed (or the run resumed): the initial model is on disk now,
+            # and holding it would cost one model of memory for the whole run.
+            self.initial_weights = None
+            reporter = RoundReporter(enabled=self.config.progress)
+            coordinator = Coordinator(self.config, self.strategy, persistence,
+                                      evaluate_fn=self.evaluate_fn, reporter=reporter)
+            self.coordinator = coordinator
+            # Parses requests in the handlers: malformed protobuf gets INVALID_ARGUMENT.
+            add_fleet_servicer(FleetServicer(coordinator, self.auth), server)
+            probes = Probes(server, reflection_enabled=self.config.reflection)
+            await server.start()
+            started = True
+            await probes.serving()
+            self.metrics_port = metrics.port if metrics else None
+            self.port = port
+            self._ready.set()
+            bound = self.config.address.rsplit(":", 1)[0] + f":{port}"
+            if self.credentials is None:
+                warn_plaintext(bound)
+            log.info(
+                "fedloom server listening on %s (run %s, %d rounds)",
+                bound, coordinator.run_id, self.config.num_rounds,
+            )
             await coordinator.run()
             if coordinator.found_over:
                 log.info("run %s is over; telling its clients for up to %g s",
                          coordinator.run_id, self.config.finished_grace_s)
             await coordinator.linger()
         finally:
-            reporter.close()
-            await probes.shutting_down()
-            if metrics:
-                metrics.close()
-            await server.stop(grace=1.0)
-            persistence.close()
+            await _close(server, started, metrics, reporter, probes, persistence)
         return coordinator.history
 
     @property
@@ -219,6 +213,37 @@ class Server:
             raise RuntimeError("server did not start in time")
         handle.raise_if_failed()  # it failed before serving (the state_dir, a setting)
         return handle
+
+
+async def _stop_unstarted(server: grpc.aio.Server) -> None:
+    """Release the ports of a server that never started: gRPC keeps an added port bound
+    (and accepting) until the server has run, whatever ``stop`` or garbage collection."""
+    with contextlib.suppress(Exception):  # it could not start: nothing listens then
+        await server.start()
+    await server.stop(None)
+
+
+async def _close(server: grpc.aio.Server, started: bool, metrics: MetricsEndpoint | None,
+                 reporter: RoundReporter | None, probes: Probes | None,
+                 persistence: RunPersistence | None) -> None:
+    """Stop serving and close the run, whatever stage `Server.serve` reached. The run's
+    store (and its state folder's lock) is closed last, after the handlers have
+    stopped, and whatever happens before: a second cancel during the awaits (a second
+    Ctrl-C) must not leave the folder locked."""
+    try:
+        if reporter is not None:
+            reporter.close()
+        if metrics is not None:
+            metrics.close()
+        if not started:
+            await _stop_unstarted(server)
+            return
+        if probes is not None:
+            await probes.shutting_down()
+        await server.stop(grace=1.0)
+    finally:
+        if persistence is not None:
+            persistence.close()
 
 
 class ServerHandle:

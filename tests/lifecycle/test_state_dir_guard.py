@@ -19,10 +19,11 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
-from lifecycle_support import ClientThreads, GatedClient, tiny_weights, wait_until
+from lifecycle_support import ClientThreads, GatedClient, free_port, tiny_weights, wait_until
 
 from fedloom import cli
 from fedloom.config import StrategyConfig
@@ -181,3 +182,47 @@ def test_export_to_a_folder_is_refused_and_leaves_no_temp_file(
     assert cli.main(["export", "--state-dir", config.state_dir, "--out", str(out)]) == 2
     assert "it is a folder" in capsys.readouterr().err
     assert list(tmp_path.glob(".outdir*")) == []
+
+
+def test_a_server_that_fails_before_serving_releases_its_folder_and_port(
+        server_config, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from fedloom.server import app
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the coordinator could not be built")
+
+    port = free_port()
+    config = _one_client(server_config, num_rounds=1, address=f"127.0.0.1:{port}")
+    with monkeypatch.context() as patched:
+        patched.setattr(app, "Coordinator", broken)
+        with pytest.raises(RuntimeError, match="could not be built"):
+            Server(config, initial_weights=tiny_weights()).start(10)
+    probe = socket.socket()
+    try:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # the port was released
+    finally:
+        probe.close()
+    again = Server(config, initial_weights=tiny_weights()).start(10)  # and the folder
+    again.stop()
+    again.wait(10)
+
+
+def test_a_second_stop_during_shutdown_still_releases_the_folder(server_config) -> None:  # type: ignore[no-untyped-def]
+    config = _one_client(server_config, num_rounds=3)
+    gate = threading.Event()  # never set: round 1 stays open
+    handle = Server(config, initial_weights=tiny_weights()).start(10)
+    pool = ClientThreads(handle.address, [GatedClient(gate)])  # type: ignore[arg-type]
+    try:
+        wait_until(lambda: bool(handle.server.coordinator
+                                and handle.server.coordinator.registry), 20)
+        time.sleep(0.5)  # the client is long-polling
+        handle.stop()
+        time.sleep(0)
+        handle.stop()  # a second Ctrl-C, during the first one's shutdown
+        handle.wait(20)
+    finally:
+        gate.set()
+        pool.close()
+    again = Server(config, initial_weights=tiny_weights()).start(10)
+    again.stop()
+    again.wait(10)
