@@ -106,8 +106,9 @@ class AsyncRounds(RoundDriver):
         self.num_accepted = 0  # updates acknowledged by this server process
         first = persistence.completed_round + 1
         self._open = self._buffer(first)
-        for entry in self.durable.recover(persistence.completed_round):
-            self._enter(entry, None)
+        if not persistence.finished:  # a finished run trains nothing, and keeps its files
+            for entry in self.durable.recover(persistence.completed_round):
+                self._enter(entry, None)
         check_robust_async(parts.strategy, settings)
         if holds_all_updates(parts.strategy):
             log.info("async rounds: %s holds every update of a step in memory "

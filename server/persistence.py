@@ -27,7 +27,12 @@ from typing import Any
 from fedloom.config import ServerConfig
 from fedloom.errors import CheckpointError, ConfigError
 from fedloom.records import RoundRecord
-from fedloom.server.checkpoint import load_checkpoint, save_weights, write_checkpoint
+from fedloom.server.checkpoint import (
+    load_checkpoint,
+    load_weights,
+    save_weights,
+    write_checkpoint,
+)
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.state_lock import StateLock
 from fedloom.server.store import ClientRow, RoundRow, RunStore
@@ -97,7 +102,7 @@ class RunPersistence:
         run = store.latest_run() if config.resume else None
         if run is not None and run.status == "finished":
             if not config.new_run:
-                return cls._resume(config, store, run.run_id, None, strategy, finished=True)
+                return cls._open_finished(config, store, run.run_id, strategy)
             run = None
         # A run whose round 0 never committed (the server died while writing it) holds
         # nothing yet: start it again from the initial weights, under the same id.
@@ -122,6 +127,33 @@ class RunPersistence:
             RoundRecord(0), initial_weights, strategy.state_dict(), time.time()
         )
         log.info("started run %s in %s", run_id, state_dir)
+        return persistence
+
+    @classmethod
+    def _open_finished(cls, config: ServerConfig, store: RunStore, run_id: str,
+                       strategy: Strategy) -> RunPersistence:
+        """A finished run, as it ended: nothing is trained and nothing is written. Its
+        model is the final one it wrote (``models/``), else its newest checkpoint that
+        verifies (a torn newest one is logged, and stays on record)."""
+        state_dir = Path(config.state_dir)
+        rows = store.rounds(run_id)
+        last = rows[-1].round if rows else 0
+        model = state_dir / "models" / f"{run_id}.safetensors"
+        try:
+            weights = load_weights(model) if model.is_file() else None
+        except CheckpointError as exc:
+            log.error("run %s's final model %s is not usable: %s", run_id, model, exc)
+            weights = None
+        if weights is None:
+            persistence = cls._resume(config, store, run_id, None, strategy, finished=True)
+        else:
+            persistence = cls(state_dir, store, run_id, weights, last, config.keep_checkpoints)
+        persistence.completed_round = last
+        persistence.finished = True
+        log.warning(
+            "run %s in %s has finished (its last round is %d): nothing to train. This server "
+            "tells its clients that the run is over, then exits. To start a new run here, "
+            "pass --new-run (new_run = true) once", run_id, state_dir, last)
         return persistence
 
     @classmethod
@@ -181,14 +213,7 @@ class RunPersistence:
                     "(resume = false)") from exc
             persistence = cls(state_dir, store, run_id, checkpoint.weights, record.round,
                               config.keep_checkpoints)
-            if finished:
-                persistence.finished = True
-                log.warning(
-                    "run %s in %s has finished (its last round is %d): nothing to train. "
-                    "This server tells its clients that the run is over, then exits. To "
-                    "start a new run here, pass --new-run (new_run = true) once",
-                    run_id, state_dir, max([record.round, *lost]))
-            else:
+            if not finished:
                 log.info("resuming run %s after round %d", run_id, record.round)
             return persistence
         raise CheckpointError(

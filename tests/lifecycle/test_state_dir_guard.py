@@ -22,13 +22,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from lifecycle_support import ClientThreads, GatedClient, free_port, tiny_weights, wait_until
 
 from fedloom import cli
 from fedloom.config import StrategyConfig
 from fedloom.errors import ConfigError
-from fedloom.server import Server
+from fedloom.server import Server, load_weights
 from fedloom.server.store import RunStore
 
 
@@ -129,6 +130,11 @@ def test_a_restart_on_a_finished_run_keeps_a_torn_last_round_on_record(
         server.start(10).wait(20)
     assert server.run_finished
     assert any("its last round is 2" in r.getMessage() for r in caplog.records)
+    # It serves the model the run ended with (its final model file), as round 2.
+    final = load_weights(Path(config.state_dir) / "models" / f"{run_id}.safetensors")
+    assert server.weights is not None and server.coordinator is not None
+    assert all(np.array_equal(server.weights[k], final[k]) for k in final)
+    assert server.coordinator.model.version == 2
     store = _store(config)
     try:
         assert [r.round for r in store.rounds(run_id)] == [0, 1, 2]
