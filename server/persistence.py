@@ -107,9 +107,14 @@ class RunPersistence:
         # A run whose round 0 never committed (the server died while writing it) holds
         # nothing yet: start it again from the initial weights, under the same id.
         unstarted = run is not None and store.latest_round(run.run_id) is None
+        summary = _config_summary(config, strategy)
         if run is not None and not unstarted:
-            _check_resumed_settings(config, store, run)
-            return cls._resume(config, store, run.run_id, initial_weights, strategy)
+            changed = _check_resumed_settings(summary, run)
+            persistence = cls._resume(config, store, run.run_id, initial_weights, strategy)
+            if changed:  # recorded once the run has resumed, not by a refused resume
+                log.warning("resuming run %s with changed settings: %s", run.run_id, changed)
+                store.update_run(run.run_id, config.num_rounds, summary)
+            return persistence
         if initial_weights is None:
             raise ConfigError(
                 "initial_weights",
@@ -119,9 +124,10 @@ class RunPersistence:
         if run is not None:
             run_id = run.run_id
             log.warning("run %s never committed round 0; starting it again", run_id)
+            store.update_run(run_id, config.num_rounds, summary)
         else:
             run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-            store.create_run(run_id, config.num_rounds, _config_summary(config))
+            store.create_run(run_id, config.num_rounds, summary)
         persistence = cls(state_dir, store, run_id, initial_weights, 0, config.keep_checkpoints)
         persistence.commit(
             RoundRecord(0), initial_weights, strategy.state_dict(), time.time()
@@ -307,8 +313,9 @@ class RunPersistence:
 
 #: Settings a resumed run must keep: they decide what its rounds compute and what its
 #: checkpoints hold (the strategy's state, the privacy ledger, the asynchronous buffer),
-#: and a secure run must not go on in the clear.
-_FIXED_SETTINGS = ("strategy", "privacy", "rounds.mode", "secure_aggregation.enabled")
+#: and a secure run must not go on in the clear or with weaker client checks.
+_FIXED_SETTINGS = ("strategy_class", "privacy", "rounds.mode", "secure_aggregation.enabled",
+                   "secure_aggregation.allow_unauthenticated")
 #: Settings that say where and how this server runs, not what the run is.
 _PLACE_SETTINGS = frozenset({"address", "state_dir", "resume", "new_run", "progress",
                              "metrics_address", "reflection", "tls", "auth", "insecure"})
@@ -325,13 +332,21 @@ def _flat(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _check_resumed_settings(config: ServerConfig, store: RunStore, run: Any) -> None:
-    """Refuse a resume whose settings change what the run is (`_FIXED_SETTINGS`); record
-    any other change (``num_rounds`` among them), with a warning that lists it."""
-    now = _flat(json.loads(json.dumps(_config_summary(config), default=str)))
-    then = _flat(run.config)
+def _check_resumed_settings(summary: dict[str, Any], run: Any) -> str:
+    """Refuse a resume whose settings change what the run is (`_FIXED_SETTINGS`); the
+    other changes, as a line for the log ("" when none).
+
+    Compared only where both records have the setting (a run recorded by an older
+    version lacks some), and ``privacy.*`` only where either side is private (the
+    fields of an unused ``[privacy]`` table do not matter). The strategy is compared
+    by the class that aggregates (``strategy_class``: the same for ``FedAdam`` and
+    ``fedadam``, or a strategy object passed in Python); its parameters may change.
+    """
+    now, then = _flat(summary), _flat(run.config)
+    private = now.get("privacy.mode", "off") != "off" or then.get("privacy.mode", "off") != "off"
     changed = sorted(k for k in now.keys() & then.keys()
-                     if now[k] != then[k] and k.split(".")[0] not in _PLACE_SETTINGS)
+                     if now[k] != then[k] and k.split(".")[0] not in _PLACE_SETTINGS
+                     and (private or not k.startswith("privacy.")))
     fixed = [k for k in changed if k in _FIXED_SETTINGS
              or any(k.startswith(f"{f}.") for f in _FIXED_SETTINGS)]
     if fixed:
@@ -340,10 +355,7 @@ def _check_resumed_settings(config: ServerConfig, store: RunStore, run: Any) -> 
             fixed[0], f"run {run.run_id} was started with other settings ({differences}). "
             "A run keeps its strategy, privacy, round mode and secure aggregation: start "
             "this server with the run's settings, or start a new run (resume = false)")
-    if changed:
-        log.warning("resuming run %s with changed settings: %s", run.run_id,
-                    ", ".join(f"{k} {then[k]!r} -> {now[k]!r}" for k in changed))
-        store.update_run(run.run_id, config.num_rounds, _config_summary(config))
+    return ", ".join(f"{k} {then[k]!r} -> {now[k]!r}" for k in changed)
 
 
 def _remove_torn_temp_files(folder: Path) -> None:
@@ -353,9 +365,18 @@ def _remove_torn_temp_files(folder: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _config_summary(config: ServerConfig) -> dict[str, Any]:
+def _strategy_class(strategy: Any) -> str:
+    """The class that aggregates: the strategy's own, under any privacy wrapper."""
+    while hasattr(strategy, "inner"):
+        strategy = strategy.inner
+    return type(strategy).__qualname__
+
+
+def _config_summary(config: ServerConfig, strategy: Any) -> dict[str, Any]:
+    """The run's settings as recorded (JSON values: paths and other objects as text)."""
     import dataclasses
 
     summary = dataclasses.asdict(config)
     summary["strategy"] = {"name": config.strategy.name, **dict(config.strategy.params)}
-    return summary
+    summary["strategy_class"] = _strategy_class(strategy)
+    return dict(json.loads(json.dumps(summary, default=str)))

@@ -27,7 +27,7 @@ import pytest
 from lifecycle_support import ClientThreads, GatedClient, free_port, tiny_weights, wait_until
 
 from fedloom import cli
-from fedloom.config import StrategyConfig
+from fedloom.config import PrivacyConfig, RoundsConfig, StrategyConfig
 from fedloom.errors import ConfigError
 from fedloom.server import Server, load_weights
 from fedloom.server.store import RunStore
@@ -93,13 +93,24 @@ def test_a_resume_with_another_strategy_is_refused_and_num_rounds_may_change(
         pool.close()
     store = _store(config)
     committed = [r.round for r in store.rounds(store.runs()[0].run_id)]
+    first_record = store.runs()[0].config
     store.close()
     assert committed == [0, 1]
     other = dataclasses.replace(config, strategy=StrategyConfig("fedadam", {"eta": 0.1}))
-    with pytest.raises(ConfigError, match=r"strategy: run \S+ was started with other "
-                                          r"settings \(strategy: \{'name': 'fedavg'\} then, "
-                                          r"\{'name': 'fedadam', 'eta': 0.1\} now\)"):
+    with pytest.raises(ConfigError, match=r"strategy_class: run \S+ was started with other "
+                                          r"settings \(strategy_class: 'FedAvg' then, "
+                                          r"'FedAdam' now\)"):
         Server(other, initial_weights=tiny_weights()).start(10)
+    # Privacy that was off stays off, whatever its unused fields say; a round mode and
+    # a switch to a private run are refused; the run's record is left as it was.
+    unused = dataclasses.replace(config, privacy=PrivacyConfig(noise_multiplier=3.0),
+                                 rounds=RoundsConfig(mode="async"))
+    with pytest.raises(ConfigError, match=r"rounds.mode: .*\(rounds.mode: 'sync' then, "
+                                          r"'async' now\)"):
+        Server(unused, initial_weights=tiny_weights()).start(10)
+    store = _store(config)
+    assert store.runs()[0].config == first_record
+    store.close()
     # Fewer rounds and another fraction: resumed, logged, and recorded as they now are.
     shorter = dataclasses.replace(config, num_rounds=committed[-1] + 1, round_timeout_s=29.0)
     with caplog.at_level(logging.WARNING, logger="fedloom.server"):
@@ -232,3 +243,45 @@ def test_a_second_stop_during_shutdown_still_releases_the_folder(server_config) 
     again = Server(config, initial_weights=tiny_weights()).start(10)
     again.stop()
     again.wait(10)
+
+
+def _reopen(config, strategy=None) -> None:  # type: ignore[no-untyped-def]
+    """Open the folder's run as a (re)start does (round 0 committed the first time)."""
+    from fedloom.server.persistence import RunPersistence
+    from fedloom.strategies import build_strategy
+
+    strategy = strategy or build_strategy(config.strategy, config.selection)
+    RunPersistence.open(config, tiny_weights(), strategy).close()
+
+
+def test_what_a_resume_may_and_may_not_change(tmp_path: Path) -> None:
+    from fedloom.config import ServerConfig
+    from fedloom.strategies import build_strategy
+
+    base = ServerConfig(insecure=True, state_dir=tmp_path / "s", progress=False,  # a Path
+                        strategy=StrategyConfig("fedadam", {}))
+    _reopen(base)
+    # The same aggregating class, however named or built: resumed.
+    _reopen(dataclasses.replace(base, strategy=StrategyConfig("FedAdam", {"eta": 0.1})))
+    _reopen(dataclasses.replace(base, strategy=StrategyConfig("fedavg", {})),
+            strategy=build_strategy(base.strategy, base.selection))  # a Python object
+    # An unused [privacy] table's fields: resumed.
+    _reopen(dataclasses.replace(base, privacy=PrivacyConfig(noise_multiplier=2.0)))
+    # Weaker secure-aggregation checks: refused.
+    weaker = dataclasses.replace(base, secure_aggregation=dataclasses.replace(
+        base.secure_aggregation, allow_unauthenticated=True))
+    with pytest.raises(ConfigError, match="secure_aggregation.allow_unauthenticated"):
+        _reopen(weaker)
+    # A resume refused for another reason (another model) leaves the record as it was.
+    from fedloom.server.persistence import RunPersistence
+
+    other_model = tiny_weights()
+    other_model = type(other_model)({"w": np.zeros((5, 5), np.float32)})
+    longer = dataclasses.replace(base, num_rounds=50)
+    with pytest.raises(ConfigError, match="different model"):
+        RunPersistence.open(longer, other_model, build_strategy(base.strategy, base.selection))
+    store = RunStore(tmp_path / "s" / "fedloom.db", readonly=True)
+    try:
+        assert store.runs()[0].num_rounds == base.num_rounds
+    finally:
+        store.close()
