@@ -270,7 +270,7 @@ def test_what_a_resume_may_and_may_not_change(tmp_path: Path) -> None:
     # Weaker secure-aggregation checks: refused.
     weaker = dataclasses.replace(base, secure_aggregation=dataclasses.replace(
         base.secure_aggregation, allow_unauthenticated=True))
-    with pytest.raises(ConfigError, match="secure_aggregation.allow_unauthenticated"):
+    with pytest.raises(ConfigError, match=r"secure_aggregation\.allow_unauthenticated"):
         _reopen(weaker)
     # A resume refused for another reason (another model) leaves the record as it was.
     from fedloom.server.persistence import RunPersistence
