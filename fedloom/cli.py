@@ -34,7 +34,7 @@ from fedloom.config import (
     load_toml,
 )
 from fedloom.errors import ClientsUnavailableError, FedloomError
-from fedloom.logs import FORMATS, configure_logging
+from fedloom.logs import FORMATS, JsonFormatter, configure_logging
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import field_help
 
@@ -49,7 +49,7 @@ EXIT_STOPPED = 75  # SIGTERM/SIGINT, or min_clients_wait_s passed, with rounds t
 #                   (EX_TEMPFAIL); a restart resumes
 
 #: The levels ``--log-level`` takes (any case).
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL")
 
 
 def _flag(name: str) -> str:
@@ -299,8 +299,12 @@ def _state_dir(args: argparse.Namespace) -> str:
 def _run_runs(args: argparse.Namespace) -> int:
     from fedloom.server.run_report import print_runs
 
-    print_runs(_state_dir(args), args.run, json_output=args.json, clients=args.clients)
-    sys.stdout.flush()  # here, where a closed pipe (`| head`) is handled, not at exit
+    try:
+        print_runs(_state_dir(args), args.run, json_output=args.json, clients=args.clients)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would be a traceback
+    except BrokenPipeError:  # `fedloom runs --json | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail too
     return 0
 
 
@@ -376,8 +380,10 @@ _EXTRAS = {"safetensors": "server", "rich": "server", "prometheus_client": "serv
 def _refuse(args: argparse.Namespace, message: str) -> int:
     """Say why a command is refused (one line on stderr: JSON with ``--log-format
     json``, where every stderr line must parse) and return `EXIT_REFUSED`."""
-    if getattr(args, "log_format", "text") == "json":
-        logging.getLogger("fedloom").error("fedloom %s: error: %s", args.command, message)
+    if getattr(args, "log_format", "text") == "json":  # written whatever --log-level says
+        record = logging.LogRecord("fedloom", logging.ERROR, __file__, 0,
+                                   "fedloom %s: error: %s", (args.command, message), None)
+        print(JsonFormatter().format(record), file=sys.stderr)
     else:
         print(f"fedloom {args.command}: error: {message}", file=sys.stderr)
     return EXIT_REFUSED
@@ -428,10 +434,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo_main(args)
     except FedloomError as exc:
         return _refuse(args, str(exc))
-    except BrokenPipeError:  # `fedloom runs --json | head`: the reader has what it wanted
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail too
-        return 0
     except ImportError as exc:
         missing = _missing_extra(exc)
         if missing is not None:

@@ -404,7 +404,7 @@ def result_from_proto(header: ProtoResultHeader) -> ResultHeader:
             # Logged and recorded: escaped, so it cannot forge log lines (one_line).
             failure=one_line(_check_text(
                 header.failure.message, "failure message", MAX_TEXT, printable=False
-            )),
+            ), MAX_TEXT),
         )
     if kind is None or not kind.startswith("secagg_"):
         raise _invalid("result header has no kind (fit, evaluate, a secagg stage or failure)")

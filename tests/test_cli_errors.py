@@ -149,3 +149,28 @@ def test_runs_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         os.close(write)
     assert done.returncode == 0, done.stderr
     assert b"Traceback" not in done.stderr and b"BrokenPipe" not in done.stderr
+
+
+def test_a_json_refusal_is_written_whatever_the_log_level(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["server", "--insecure", "--log-format", "json", "--log-level", "critical",
+                     "--num-rounds", "0"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert json.loads(line)["message"].endswith("num_rounds: must be at least 1")
+
+
+@pytest.mark.parametrize("level", ["warn", "fatal", "Debug"])
+def test_the_old_level_names_still_work(level: str) -> None:
+    args = cli.build_parser().parse_args(["server", "--insecure", "--log-level", level])
+    assert getattr(logging, args.log_level) in (logging.WARNING, logging.CRITICAL, logging.DEBUG)
+
+
+def test_a_broken_pipe_in_the_server_is_a_failure_not_a_finish(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A closed pipe under `fedloom runs` ends quietly; under the server it is a failure
+    # (exit 1: restart), never a finished run (exit 0).
+    def broken(args: object) -> int:
+        raise BrokenPipeError("the progress display's pipe closed")
+
+    monkeypatch.setattr(cli, "_run_server", broken)
+    assert cli.main(["server", "--insecure"]) == cli.EXIT_FAILED
