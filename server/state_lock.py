@@ -10,8 +10,9 @@ The lock is ``flock`` on ``<state_dir>/fedloom.lock``, which also records the ho
 pid and host for the refusal message. The kernel releases it when the holder's process
 ends, however it ends (a crash, SIGKILL), so a stale lock file never blocks a restart.
 It is advisory: `fedloom runs` and `fedloom export` read beside a running server and do
-not take it. It holds on a local filesystem, and on NFSv4 (where Linux maps ``flock``
-to byte-range locks); on platforms without ``fcntl`` no lock is taken.
+not take it. It holds on a local filesystem, and between processes on NFSv4 (where
+Linux maps ``flock`` to byte-range locks, which belong to a process: two servers in one
+process would both get it there); on platforms without ``fcntl`` no lock is taken.
 """
 
 from __future__ import annotations
