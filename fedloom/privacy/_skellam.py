@@ -130,15 +130,21 @@ def sample_skellam(mu: float, size: int, rng: np.random.Generator) -> np.ndarray
 def _norm(values: np.ndarray) -> float:
     """The L2 norm, accumulated in float64 (without a float64 copy of a narrower
     vector); refuses NaN and infinities."""
-    if values.dtype == np.float64:
-        squares = float(np.dot(values, values))
-    else:
-        squares = float(np.einsum("i,i->", values, values, dtype=np.float64))
+    with np.errstate(over="ignore", invalid="ignore"):  # checked below
+        if values.dtype == np.float64:
+            squares = float(np.dot(values, values))
+        else:
+            squares = float(np.einsum("i,i->", values, values, dtype=np.float64))
     if math.isfinite(squares):
         return math.sqrt(squares)
     if not np.isfinite(values).all():
         raise SecureAggregationError("the update holds non-finite values (NaN or inf)")
-    return float(np.linalg.norm(values.astype(np.float64)))  # finite, squares overflow
+    # Finite values whose squares overflow float64 (beyond about 1e154): scaled by the
+    # largest magnitude first, so the norm is finite and the update is clipped, not zeroed.
+    wide = values.astype(np.float64)
+    largest = float(np.max(np.abs(wide)))
+    wide /= largest
+    return largest * math.sqrt(float(np.dot(wide, wide)))
 
 
 def _check_shapes(values: np.ndarray, params: SkellamParams, signs: np.ndarray) -> None:

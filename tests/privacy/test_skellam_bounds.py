@@ -90,12 +90,15 @@ def test_a_clipped_float32_update_rounds_within_the_bound_at_any_scale(
         assert float(np.sum(integers.astype(np.float64) ** 2)) <= params.l2_bound**2
 
 
-@pytest.mark.parametrize("value", [1e-42, 1e-35, 3e38])
-def test_a_float32_update_of_extreme_norm_still_rounds_within_the_bound(value: float) -> None:
-    # Subnormal entries (1/norm would overflow float32) and entries near float32's
-    # maximum: the rotation falls back to float64 and the result is still bounded.
+@pytest.mark.parametrize(("value", "dtype"), [(1e-42, np.float32), (1e-35, np.float32),
+                                              (3e38, np.float32), (1e300, np.float64)])
+def test_an_update_of_extreme_norm_still_rounds_within_the_bound(value: float,
+                                                                 dtype: type) -> None:
+    # Subnormal float32 entries (1/norm would overflow float32), entries near float32's
+    # maximum (the rotation falls back to float64), float64 entries whose squares
+    # overflow (the norm is taken scaled): clipped to c, within the bound.
     d = 1000
-    update = np.full(d, value, np.float32)
+    update = np.full(d, value, dtype)
     update[::2] *= -1
     params = SkellamParams(clip_norm=1.0, dimension=d, scale=1e4)
     signs = rotation_signs(b"extreme", params.padded_dimension)
