@@ -150,11 +150,10 @@ class RunPersistence:
         except CheckpointError as exc:
             log.error("run %s's final model %s is not usable: %s", run_id, model, exc)
             weights = None
-        if weights is None:
+        if weights is None:  # the newest checkpoint that verifies, as that round
             persistence = cls._resume(config, store, run_id, None, strategy, finished=True)
         else:
             persistence = cls(state_dir, store, run_id, weights, last, config.keep_checkpoints)
-        persistence.completed_round = last
         persistence.finished = True
         log.warning(
             "run %s in %s has finished (its last round is %d): nothing to train. This server "
