@@ -308,6 +308,16 @@ def _run_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_backup(args: argparse.Namespace) -> int:
+    from fedloom.server.backup import backup_state
+
+    report = backup_state(_state_dir(args), args.out)
+    for line in report.left_out:
+        print(f"left out: {line}", file=sys.stderr)
+    print(report.summary())
+    return 0
+
+
 def _run_export(args: argparse.Namespace) -> int:
     from fedloom.server.export import export_model
 
@@ -358,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "else fedloom-state)")
     e.add_argument("--config", help="server TOML file whose state_dir to read")
     e.set_defaults(log_level="WARNING")
+    b = sub.add_parser("backup", help="copy a state folder consistently, even beside a "
+                       "running server (restore: point state_dir at the copy)")
+    b.add_argument("out", help="the backup folder to create (it must not exist)")
+    b.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
+                   "else fedloom-state)")
+    b.add_argument("--config", help="server TOML file whose state_dir to read")
+    b.set_defaults(log_level="WARNING")
     d = sub.add_parser("demo", help="a real federated run on loopback (digits, PyTorch)")
     from fedloom.simulations.demo import add_arguments
 
@@ -427,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_runs(args)
         if args.command == "export":
             return _run_export(args)
+        if args.command == "backup":
+            return _run_backup(args)
         if args.command == "privacy":
             return privacy_cli.run(args)
         from fedloom.simulations.demo import main as demo_main
