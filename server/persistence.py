@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -248,19 +249,15 @@ class RunPersistence:
             weights=weights,
             strategy_state=strategy_state,
         )
-        self.store.commit_round(
-            RoundRow(
-                self.run_id,
-                server_round,
-                record.status,
-                str(relative),
-                digest,
-                record.to_dict(),
-                started_at,
-                time.time(),
-            ),
-            clients,
-        )
+        row = RoundRow(self.run_id, server_round, record.status, str(relative), digest,
+                       record.to_dict(), started_at, time.time())
+        try:
+            self.store.commit_round(row, clients)
+        except sqlite3.OperationalError as exc:  # a full disk, a read-only folder
+            raise CheckpointError(
+                f"could not record round {server_round} in {self.store.path} ({exc}); the "
+                f"run's last committed round is {self.completed_round}. Free the space (or "
+                "fix the folder) and start the server again: it resumes from there") from exc
         crashpoint("round_committed")
         self.completed_round = server_round
         self._prune(server_round)

@@ -285,3 +285,30 @@ def test_what_a_resume_may_and_may_not_change(tmp_path: Path) -> None:
         assert store.runs()[0].num_rounds == base.num_rounds
     finally:
         store.close()
+
+
+def test_a_full_disk_at_a_commit_stops_the_server_with_a_clear_error(
+        server_config, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import sqlite3
+
+    from fedloom.errors import CheckpointError, FedloomError
+
+    real = RunStore.commit_round
+
+    def full(self, record, clients=()):  # type: ignore[no-untyped-def]
+        if record.round >= 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, record, clients)
+
+    monkeypatch.setattr(RunStore, "commit_round", full)
+    config = _one_client(server_config, num_rounds=2)
+    handle = Server(config, initial_weights=tiny_weights()).start()
+    pool = ClientThreads(handle.address, [GatedClient()])  # type: ignore[arg-type]
+    try:
+        with pytest.raises(CheckpointError, match=r"could not record round 1 in .*database "
+                                                  r"or disk is full.*last committed round "
+                                                  r"is 0.*it resumes from there"):
+            handle.wait(30)
+    finally:
+        pool.close()
+    assert issubclass(CheckpointError, FedloomError)  # `fedloom server`: one line, exit 2
