@@ -10,8 +10,9 @@ written between two copies. The method:
    snapshot, rounds still in the write-ahead log included, while the server writes on;
 2. the files that snapshot names are copied — checkpoints of its rounds, verified
    against the digests it records; buffered updates, verified too; final models as
-   they are. A checkpoint the running server pruned between the snapshot and the copy
-   is reported and left out (an older round, which no resume needs); each run's newest
+   they are. Older rounds' checkpoints the server has pruned (``keep_checkpoints``,
+   perhaps between the snapshot and the copy) are absent from the copy as from the
+   folder; one that fails its digest is reported and left out; each run's newest
    round must be copied whole, or the backup fails (run it again);
 3. everything goes into ``.<out>.tmp``, is fsynced, and is renamed to ``<out>``: a
    backup is whole or absent.
@@ -34,6 +35,7 @@ from fedloom.server.checkpoint import fsync_dir
 from fedloom.server.store import RunStore, unusable_database
 
 DATABASE = "fedloom.db"
+_NOT_KEPT = "is no longer kept"
 
 
 @dataclasses.dataclass
@@ -111,6 +113,8 @@ def _copy_files(store: RunStore, source: Path, staging: Path, report: BackupRepo
                                      row.sha256, report)
             if problem is None:
                 report.checkpoints += 1
+            elif problem == _NOT_KEPT and row is not rounds[-1]:
+                continue  # pruned (keep_checkpoints), by the server, as in the folder
             elif row is rounds[-1]:
                 raise ConfigError(
                     "--state-dir", f"the newest checkpoint of run {run.run_id} (round "
@@ -142,7 +146,7 @@ def _copy_verified(path: Path, copy: Path, sha256: str | None, report: BackupRep
                 dst.write(block)
     except FileNotFoundError:
         copy.unlink(missing_ok=True)
-        return "is no longer kept"
+        return _NOT_KEPT
     if sha256 is not None and digest.hexdigest() != sha256:
         copy.unlink(missing_ok=True)
         return "fails its digest (torn or altered)"

@@ -114,3 +114,24 @@ def test_a_torn_newest_checkpoint_fails_the_backup_and_leaves_nothing(
     with pytest.raises(ConfigError, match=r"round 1, .*\) fails its digest"):
         backup_state(config.state_dir, tmp_path / "copy")
     assert not (tmp_path / "copy").exists() and not list(tmp_path.glob(".copy*"))
+
+
+def test_pruned_rounds_are_not_news_but_a_torn_older_one_is_reported(
+        server_config, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    config = server_config(num_rounds=3, min_clients=1, min_fit_clients=1,
+                           fraction_evaluate=0.0, finished_grace_s=0.0, keep_checkpoints=2)
+    handle = Server(config, initial_weights=tiny_weights()).start()
+    pool = ClientThreads(handle.address, [GatedClient()])  # type: ignore[arg-type]
+    try:
+        handle.wait(30)
+    finally:
+        pool.close()
+    kept = sorted(Path(config.state_dir).glob("checkpoints/*/round-*.safetensors"))
+    assert [p.name for p in kept] == ["round-000002.safetensors", "round-000003.safetensors"]
+    report = backup_state(config.state_dir, tmp_path / "first")
+    assert (report.checkpoints, report.left_out) == (2, [])  # rounds 0 and 1 were pruned
+    with open(kept[0], "ab") as fh:
+        fh.write(b"torn")
+    report = backup_state(config.state_dir, tmp_path / "second")
+    assert report.checkpoints == 1
+    assert len(report.left_out) == 1 and "round 2: fails its digest" in report.left_out[0]
