@@ -226,9 +226,13 @@ def test_epsilon_if_does_not_change_the_ledger(kind: str, sampling: str) -> None
     assert projected > before
     assert accountant.epsilon() == before and accountant.num_rounds == 3
     assert json.dumps(accountant.state_dict()) == state
-    # Projecting again, or another event, still changes nothing.
-    accountant.epsilon_if(nxt)
-    accountant.epsilon_if(ROUNDS[sampling][0])
+    # Projecting again, or another event, still changes nothing; the other event's
+    # projection is its own (not the one kept from the previous call).
+    assert accountant.epsilon_if(nxt) == projected
+    other = ROUNDS[sampling][2]
+    assert other != nxt
+    assert accountant.epsilon_if(other) == pytest.approx(
+        reference_epsilon([*ROUNDS[sampling][:3], other], sampling, kind), rel=1e-9)
     assert accountant.epsilon() == before and json.dumps(accountant.state_dict()) == state
 
 

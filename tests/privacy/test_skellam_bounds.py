@@ -14,20 +14,43 @@ from skellam_support import clipped
 
 from fedloom.errors import ConfigError, SecureAggregationError
 from fedloom.privacy._hadamard import padded_length, rotation_signs, unrotate
-from fedloom.privacy._skellam import DEFAULT_BETA, SkellamParams, discretize, encode
+from fedloom.privacy._skellam import (
+    DEFAULT_BETA,
+    MAX_CLIENT_NOISE_MU,
+    SkellamParams,
+    discretize,
+    encode,
+)
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [("clip_norm", 0.0), ("clip_norm", math.inf), ("dimension", 0), ("scale", -1.0),
-     ("bits", 33), ("bits", 1), ("beta", 1.0), ("beta", -0.1), ("client_noise_mu", -1.0),
-     ("client_noise_mu", math.nan)],
+     ("scale", 0.0), ("bits", 33), ("bits", 1), ("beta", 1.0), ("beta", -0.1),
+     ("client_noise_mu", -1.0), ("client_noise_mu", math.nan)],
 )
 def test_params_refuse_bad_values(field: str, value: float) -> None:
     base = dict(clip_norm=1.0, dimension=10, scale=100.0)
     with pytest.raises(ConfigError, match=field):
         SkellamParams(**{**base, field: value})  # type: ignore[arg-type]
 
+
+
+def test_client_noise_may_reach_the_sampler_limit_and_no_further() -> None:
+    """The calibration caps the noise at `MAX_CLIENT_NOISE_MU` (numpy's Poisson sampler
+    is exact up to there): the cap itself is a valid setting, anything above is not."""
+    base = dict(clip_norm=1.0, dimension=10, scale=100.0)
+    assert SkellamParams(**base, client_noise_mu=MAX_CLIENT_NOISE_MU).client_noise_mu == 2.0**32
+    with pytest.raises(ConfigError, match="client_noise_mu"):
+        SkellamParams(**base, client_noise_mu=math.nextafter(MAX_CLIENT_NOISE_MU, math.inf))
+
+
+def test_the_defaults_are_the_papers_beta_and_no_noise() -> None:
+    """Δ2 (and so every ε) depends on β: the default is the e^-0.5 of Kairouz, Liu &
+    Steinke and Agarwal, Kairouz & Liu; a client adds noise only when told to."""
+    params = SkellamParams(clip_norm=1.0, dimension=10, scale=100.0)
+    assert params.beta == DEFAULT_BETA == math.exp(-0.5)
+    assert params.client_noise_mu == 0.0
 
 @pytest.mark.parametrize("beta", [DEFAULT_BETA, 0.1, 0.99])
 @pytest.mark.parametrize(("c", "scale", "d"), [(1.0, 50.0, 1000), (0.1, 3.0, 100), (2.0, 1e6, 3)])

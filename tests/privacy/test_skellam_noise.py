@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from fedloom.errors import ConfigError
 from fedloom.privacy._skellam import per_client_noise_mu, realised_noise_mu, sample_skellam
 
 
@@ -54,6 +55,22 @@ def test_survivors_carry_the_total_noise_despite_dropouts() -> None:
     total = sum(sample_skellam(mu, 200_000, rng) for _ in range(20))
     assert isinstance(total, np.ndarray) and _moments_match(total, 800.0)
 
+
+
+def test_a_single_expected_client_adds_all_the_noise() -> None:
+    assert per_client_noise_mu(50.0, 1, 0.0) == 50.0
+    assert per_client_noise_mu(50.0, 1, 0.5) == 100.0
+    with pytest.raises(ConfigError, match="expected_clients"):
+        per_client_noise_mu(50.0, 0, 0.0)
+    for bad in (-1.0, math.inf, math.nan):  # a total the ledger could not account for
+        with pytest.raises(ConfigError, match="total_mu"):
+            per_client_noise_mu(bad, 10, 0.0)
+
+
+def test_no_noisy_clients_realise_no_noise() -> None:
+    assert realised_noise_mu(50.0, 0) == 0.0
+    with pytest.raises(ValueError, match=">= 0"):
+        realised_noise_mu(50.0, -1)
 
 def test_zero_noise_is_zero() -> None:
     np.testing.assert_array_equal(sample_skellam(0.0, 7, np.random.default_rng(0)), 0)

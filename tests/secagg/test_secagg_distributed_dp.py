@@ -125,7 +125,10 @@ def test_a_client_refuses_a_partial_or_malformed_announcement() -> None:
     assert from_fit_config({}, 100) is None
     for broken in ({k: v for k, v in good.items() if k != "ddp_scale"},
                    {**good, "ddp_scale": "big"}, {**good, "ddp_client_mu": -1.0},
-                   {**good, "ddp_rotation_seed": "00"}, {**good, "ddp_bits": 40}):
+                   {**good, "ddp_rotation_seed": "00"}, {**good, "ddp_bits": 40},
+                   # not numbers, though float() would take them; a 15-byte seed
+                   {**good, "ddp_clip_norm": True}, {**good, "ddp_scale": "2.5"},
+                   {**good, "ddp_rotation_seed": "ab" * 15}):
         with pytest.raises(SecureAggregationError):
             from_fit_config(broken, 100)
 

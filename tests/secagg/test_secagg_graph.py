@@ -161,6 +161,23 @@ def test_offsets_are_the_best_ranked_unless_they_share_a_factor_with_n() -> None
     assert replaced > 20 and kept > 20  # both branches were exercised
 
 
+def test_an_odd_ring_draws_its_offsets_from_1_to_half_of_n_minus_1() -> None:
+    """Every party derives the graph on its own, so the candidate offsets are part of the
+    protocol: for odd n they run up to (n - 1) / 2 (each member's two farthest members).
+    Every candidate is some seed's choice, and the drawn offsets are the documented
+    best-ranked ones whenever those are coprime with n."""
+    n, k = 25, 4  # candidates 1..12; only 5 and 10 share a factor with 25
+    chosen: set[int] = set()
+    for i in range(200):
+        seed = hashlib.sha256(b"odd %d" % i).digest()
+        ranked = _ranked(n, seed)
+        offsets = ring_offsets(n, k, seed)
+        if math.gcd(n, *ranked[:2]) == 1:
+            assert offsets == sorted(ranked[:2])
+        chosen.update(offsets)
+    assert chosen == set(range(1, (n - 1) // 2 + 1))
+
+
 def test_the_ring_is_the_documented_order() -> None:
     members, seed = _members(15), b"\3" * 32
     ring = ring_order(members, seed)

@@ -22,6 +22,7 @@ from secagg_driver import (
 from fedloom import ClientUpdate, Weights
 from fedloom.errors import SecureAggregationError
 from fedloom.secagg import (
+    SHARE_BYTES,
     AdvertisedKeys,
     MaskedInputReply,
     RoundId,
@@ -33,8 +34,11 @@ from fedloom.secagg import (
     commit_self_mask,
     private_key_from_bytes,
     public_bytes,
+    reconstruct,
+    split,
 )
-from fedloom.secagg._unmask import reconstruct_checked
+from fedloom.secagg._shamir import decode_share, interpolate_at_zero
+from fedloom.secagg._unmask import DealerFaultError, reconstruct_checked
 from fedloom.strategies import WeightedMeanAggregator
 
 CONFIG = SecAggConfig(enabled=True, neighbours=6, threshold=4, clip_range=3.0, bits=20,
@@ -245,6 +249,32 @@ def test_every_threshold_sized_subset_of_revealed_shares_reconstructs(
             with pytest.raises(SecureAggregationError):
                 reconstruct_checked(dict(subset), 6, check, "test")
     assert_matches_plaintext(FULL, rnd, ids[1:])
+
+
+def test_a_reconstruction_is_kept_only_if_it_is_the_committed_secret() -> None:
+    """t shares that are a valid sharing of another secret than the owner committed to
+    (a dealer that shared one seed and committed to another) must not be used to
+    unmask: the check rejects every subset and the owner is named. With one share of a
+    second polynomial among t + 1, the subsets are searched until one reconstructs the
+    committed secret."""
+    committed, other = bytes(range(32)), bytes(range(1, 33))
+
+    def is_committed(secret: bytes) -> bool:
+        return secret == committed
+
+    xs = [1, 2, 3, 4]
+    shares = dict(zip(xs, split(other, 3, xs), strict=True))
+    with pytest.raises(DealerFaultError, match="'dealer' dealt inconsistent shares") as fault:
+        reconstruct_checked(shares, 3, is_committed, "self-mask seed of 'dealer'", "dealer")
+    assert fault.value.owner == "dealer"
+    # x = 2, 3, 4 share `committed`; the share at x = 1 lies on the polynomial through
+    # (0, other), (2, f(2)), (3, f(3)): the first subset {1, 2, 3} reconstructs `other`
+    f = dict(zip(xs, (decode_share(v) for v in split(committed, 3, xs)), strict=True))
+    through = [(0 - 1, int.from_bytes(other, "big")), (2 - 1, f[2]), (3 - 1, f[3])]
+    mixed = {x: f[x].to_bytes(SHARE_BYTES, "big") for x in (2, 3, 4)}
+    mixed[1] = interpolate_at_zero(through).to_bytes(SHARE_BYTES, "big")  # h(1)
+    assert reconstruct([(x, mixed[x]) for x in (1, 2, 3)], 3) == other
+    assert reconstruct_checked(mixed, 3, is_committed, "seed", "dealer") == committed
 
 
 @BOTH_MODES

@@ -34,6 +34,7 @@ from fedloom.secagg import (
     Stage,
     is_connected,
 )
+from fedloom.secagg._server_checks import unrecoverable
 
 Graph = Mapping[str, frozenset[str]]
 
@@ -293,3 +294,24 @@ def test_an_authenticated_server_is_refused_without_the_client_ca_or_with_offers
     with pytest.raises(SecureAggregationError) as info:
         SecAggServer(setup, offers=offers, verifier=pki().verifier)
     assert str(info.value) == "an authenticated attempt never uses key offers"
+
+
+def test_survivors_split_into_two_parts_are_unrecoverable_even_with_t_holders_each() -> None:
+    """Two groups of five, each a clique: every survivor keeps t = 4 neighbours and the
+    survivors are above the floor, but no edge joins the groups, so clients would refuse
+    the set (each group's sum would be revealed). The server must say so itself at the
+    close of masked_input, before it asks for any share; one edge between the groups
+    makes the same survivors recoverable."""
+    ids = ids_of(10)
+    setup = make_setup(CONFIG, ids, 4, authenticated=False)
+    left, right = set(ids[:5]), set(ids[5:])
+    split = {c: frozenset((left if c in left else right) - {c}) for c in ids}
+    everyone, nobody = frozenset(ids), frozenset()
+    assert all(len(split[c]) >= setup.threshold for c in ids)
+    assert len(everyone) >= setup.min_survivors
+    assert unrecoverable(setup, split, everyone, nobody, everyone) == (
+        "the survivors are not connected in the neighbour graph (clients refuse to "
+        "unmask: each part's sum would be revealed)")
+    a, b = ids[0], ids[5]
+    joined = {**split, a: split[a] | {b}, b: split[b] | {a}}
+    assert unrecoverable(setup, joined, everyone, nobody, everyone) == ""

@@ -134,3 +134,36 @@ def test_malformed_shares_are_refused() -> None:
         split(bytes(32), 3, [0, 1, 2])
     with pytest.raises(ValueError):
         split(bytes(31), 2, [1, 2])
+
+
+def test_split_refuses_sharings_whose_shares_would_reveal_the_secret() -> None:
+    """With t = 0 the polynomial is the constant secret, and x = p is x = 0 in the field:
+    either would hand the secret itself to a holder. Fewer x-coordinates than t could
+    never be reconstructed. t = 1 (a constant polynomial) is the documented minimum."""
+    secret = os.urandom(32)
+    with pytest.raises(ValueError, match="threshold"):
+        split(secret, 0, [1, 2, 3])
+    with pytest.raises(ValueError, match="threshold"):
+        split(secret, 4, [1, 2, 3])
+    with pytest.raises(ValueError, match=r"in 1\.\.p-1"):
+        split(secret, 3, [1, 2, PRIME])
+    assert split(secret, 3, [1, 2, PRIME - 1])  # the largest coordinate is allowed
+    (share,) = split(secret, 1, [7])
+    assert reconstruct([(7, share)], 1) == secret
+
+
+@pytest.mark.parametrize("value", [2**256, 2**256 + 1, 2**257 - 1])
+def test_a_reconstruction_of_257_bits_or_more_is_refused_as_inconsistent(value: int) -> None:
+    """A value at or above 2**256 is no 32-byte secret: the refusal must be the
+    `SecureAggregationError` that `reconstruct_checked` passes over to try another subset
+    (not an OverflowError that would end the unmasking)."""
+    shares = [(x, value.to_bytes(SHARE_BYTES, "big")) for x in (1, 2)]  # a constant f
+    with pytest.raises(SecureAggregationError, match="inconsistent"):
+        reconstruct(shares, 2)
+
+
+def test_a_share_equal_to_p_is_not_a_field_element() -> None:
+    """Shares are canonical: p itself (0 in the field) is refused like any value >= p."""
+    with pytest.raises(SecureAggregationError, match="field element"):
+        decode_share(PRIME.to_bytes(SHARE_BYTES, "big"))
+    assert decode_share((PRIME - 1).to_bytes(SHARE_BYTES, "big")) == PRIME - 1
