@@ -33,6 +33,19 @@ class _SecondFitWaits(GatedClient):
         return super().fit(weights, config)
 
 
+def _finished_run(server_config, **settings):  # type: ignore[no-untyped-def]
+    """The config of a run with one client, run to its end."""
+    config = server_config(min_clients=1, min_fit_clients=1, fraction_evaluate=0.0,
+                           finished_grace_s=0.0, **settings)
+    handle = Server(config, initial_weights=tiny_weights()).start()
+    pool = ClientThreads(handle.address, [GatedClient()])  # type: ignore[arg-type]
+    try:
+        handle.wait(30)
+    finally:
+        pool.close()
+    return config
+
+
 def _runs_text(state_dir: Path) -> str:
     out = io.StringIO()
     print_runs(state_dir, out=out)
@@ -78,14 +91,7 @@ def test_a_backup_beside_a_running_server_restores_to_a_resumable_run(
 
 def test_a_finished_run_backs_up_with_its_model_and_reads_the_same(
         server_config, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    config = server_config(num_rounds=2, min_clients=1, min_fit_clients=1,
-                           fraction_evaluate=0.0, finished_grace_s=0.0)
-    handle = Server(config, initial_weights=tiny_weights()).start()
-    pool = ClientThreads(handle.address, [GatedClient()])  # type: ignore[arg-type]
-    try:
-        handle.wait(30)
-    finally:
-        pool.close()
+    config = _finished_run(server_config, num_rounds=2)
     copy = tmp_path / "copy"
     assert cli.main(["backup", str(copy), "--state-dir", config.state_dir]) == 0
     assert "backed up 1 run(s), 3 checkpoint(s)" in capsys.readouterr().out
@@ -100,14 +106,7 @@ def test_a_finished_run_backs_up_with_its_model_and_reads_the_same(
 
 def test_a_torn_newest_checkpoint_fails_the_backup_and_leaves_nothing(
         server_config, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    config = server_config(num_rounds=1, min_clients=1, min_fit_clients=1,
-                           fraction_evaluate=0.0, finished_grace_s=0.0)
-    handle = Server(config, initial_weights=tiny_weights()).start()
-    pool = ClientThreads(handle.address, [GatedClient()])  # type: ignore[arg-type]
-    try:
-        handle.wait(30)
-    finally:
-        pool.close()
+    config = _finished_run(server_config, num_rounds=1)
     (newest,) = Path(config.state_dir).glob("checkpoints/*/round-000001.safetensors")
     with open(newest, "ab") as fh:
         fh.write(b"torn")
@@ -118,14 +117,7 @@ def test_a_torn_newest_checkpoint_fails_the_backup_and_leaves_nothing(
 
 def test_pruned_rounds_are_not_news_but_a_torn_older_one_is_reported(
         server_config, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    config = server_config(num_rounds=3, min_clients=1, min_fit_clients=1,
-                           fraction_evaluate=0.0, finished_grace_s=0.0, keep_checkpoints=2)
-    handle = Server(config, initial_weights=tiny_weights()).start()
-    pool = ClientThreads(handle.address, [GatedClient()])  # type: ignore[arg-type]
-    try:
-        handle.wait(30)
-    finally:
-        pool.close()
+    config = _finished_run(server_config, num_rounds=3, keep_checkpoints=2)
     kept = sorted(Path(config.state_dir).glob("checkpoints/*/round-*.safetensors"))
     assert [p.name for p in kept] == ["round-000002.safetensors", "round-000003.safetensors"]
     report = backup_state(config.state_dir, tmp_path / "first")
