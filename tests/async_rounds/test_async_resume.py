@@ -10,6 +10,7 @@ are refused; nothing is counted twice.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from async_support import Harness, async_config, refused
 from fedbuff import Arrival, client_delta, committed_versions, fedbuff_reference, initial_weights
 
 from fedloom.errors import RejectReason
-from fedloom.server.store import RunStore
+from fedloom.server.store import BufferedRow, RunStore
 
 
 def test_acknowledged_updates_survive_a_restart_mid_buffer(tmp_path: Path) -> None:
@@ -99,3 +100,42 @@ def test_a_buffered_update_that_fails_its_digest_is_dropped_with_an_error(
     asyncio.run(after())
     assert "does not match its digest" in caplog.text
     assert not files[0].exists()  # not read back, and not left behind
+
+
+def test_a_finished_run_keeps_the_buffered_files_it_was_left_with(tmp_path: Path) -> None:
+    # A server started on a finished run trains nothing and writes nothing: an
+    # acknowledged update left on disk (a server killed after its last commit, before
+    # the buffer was emptied) is not recovered, and not deleted either.
+    state = tmp_path / "state"
+    config = async_config(state, num_rounds=1, buffer_size=2)
+
+    async def finish() -> None:
+        async with Harness(config) as harness:
+            await harness.answer(0, 10)
+            await harness.answer(1, 30)
+            assert harness.run_task is not None
+            await asyncio.wait_for(harness.run_task, 20)
+
+    asyncio.run(finish())
+    store = RunStore(state / "fedloom.db")
+    (run,) = store.runs()
+    assert run.status == "finished"
+    left = state / "buffer" / run.run_id / "left-over.bin"
+    left.parent.mkdir(parents=True, exist_ok=True)
+    left.write_bytes(b"an acknowledged update")
+    store.buffer_update(run.run_id, BufferedRow(2, "c", 1, 5, {}, str(left.relative_to(state)),
+                                                hashlib.sha256(left.read_bytes()).hexdigest()))
+    store.close()
+
+    async def restart() -> None:
+        async with Harness(config) as harness:
+            assert harness.persistence.finished
+            assert harness.driver._open.count == 0  # nothing recovered into a buffer
+
+    asyncio.run(restart())
+    store = RunStore(state / "fedloom.db", readonly=True)
+    try:
+        assert len(store.buffered_updates(run.run_id)) == 1
+    finally:
+        store.close()
+    assert left.exists()
