@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,12 @@ class ErrorFeedback:
                      - np.asarray(sent[s.name], np.float64)).astype(np.float32)
             for s in specs if self.codec.applies(s)}
         if self.path is not None:
-            _save(self.path, self.residual)
+            try:
+                _save(self.path, self.residual)
+            except OSError as exc:  # a full disk, a read-only folder: the update goes on
+                log.warning("cannot save the error-feedback residual %s (%s); it is kept in "
+                            "memory only, and a restart starts from zero", self.path,
+                            exc.strerror or exc)
         return encoded
 
     def reset(self) -> None:
@@ -91,7 +97,8 @@ def _load(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as data:
             names = [str(n) for n in data["names"]]
             return {n: np.asarray(data[f"t{i}"], np.float32) for i, n in enumerate(names)}
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        # A torn or truncated file (not an .npz any more): never a crash at every restart.
         log.warning("cannot read the error-feedback residual %s (%s); starting from zero",
                     path, exc)
         return {}

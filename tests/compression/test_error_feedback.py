@@ -83,3 +83,31 @@ def test_an_unreadable_residual_file_starts_from_zero(tmp_path: Path,
     with caplog.at_level(logging.WARNING, logger="fedloom.compression"):
         feedback = ErrorFeedback(make_codec("topk"), path)
     assert feedback.residual == {} and "cannot read" in caplog.text
+
+
+@pytest.mark.parametrize("keep", [0, 100])
+def test_a_truncated_residual_file_starts_from_zero(tmp_path: Path, keep: int,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # A torn write (a full disk, a power cut) leaves a zero-length or cut .npz: numpy
+    # raises EOFError or BadZipFile there, which crashed every restart of the client.
+    path = tmp_path / "feedback.npz"
+    codec = make_codec("topk", fraction=0.1)
+    ErrorFeedback(codec, path).encode(_updates(1)[0], np.random.default_rng(0))
+    path.write_bytes(path.read_bytes()[:keep])
+    with caplog.at_level(logging.WARNING, logger="fedloom.compression"):
+        feedback = ErrorFeedback(codec, path)
+    assert feedback.residual == {} and "cannot read" in caplog.text
+
+
+def test_a_residual_that_cannot_be_saved_stays_in_memory(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    # The state folder is a file (or read-only, or full): the update still goes out.
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the folder should be")
+    feedback = ErrorFeedback(make_codec("topk", fraction=0.1), blocker / "feedback.npz")
+    update = _updates(1)[0]
+    with caplog.at_level(logging.WARNING, logger="fedloom.compression"):
+        encoded = feedback.encode(update, np.random.default_rng(0))
+    assert "cannot save the error-feedback residual" in caplog.text
+    sent = decode(make_codec("topk", fraction=0.1), update.specs(), encoded)["w"]
+    np.testing.assert_allclose(sent + feedback.residual["w"], update["w"], atol=1e-6)
