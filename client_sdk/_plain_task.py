@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedloom.client_sdk._client import Client
+from fedloom.client_sdk._client import Client, EvaluateOutput, FitOutput
 from fedloom.client_sdk._compression import UpdateEncoder
 from fedloom.client_sdk._middleware import TaskContext, TaskResult
 from fedloom.messages import JoinReply, ResultHeader
@@ -22,6 +22,9 @@ def run_fit(client: Client, encoder: UpdateEncoder, joined: JoinReply | None,
     """
     task, weights = context.task, context.weights
     fit = client.fit(weights, task.config)
+    if not isinstance(fit, FitOutput):  # a task failure, not an AttributeError in the SDK
+        raise ValueError(f"{type(client).__name__}.fit returned {type(fit).__name__}, "
+                         "not a FitOutput(weights, num_examples, metrics)")
     problem = _check_output(weights, fit.weights)
     if problem:
         raise ValueError(problem)
@@ -38,6 +41,10 @@ def run_evaluate(client: Client, context: TaskContext) -> TaskResult:
     """Evaluate the global weights on the client's data."""
     task = context.task
     evaluation = client.evaluate(context.weights, task.config)
+    if not isinstance(evaluation, EvaluateOutput):
+        raise ValueError(f"{type(client).__name__}.evaluate returned "
+                         f"{type(evaluation).__name__}, not an EvaluateOutput(loss, "
+                         "num_examples, metrics)")
     return TaskResult(ResultHeader(context.session, task.task_id, task.round,
                                    TaskKind.EVALUATE, num_examples=evaluation.num_examples,
                                    loss=float(evaluation.loss), metrics=evaluation.metrics))

@@ -260,6 +260,25 @@ def test_a_middleware_that_returns_no_result_fails_the_task_naming_it() -> None:
     assert "forgetful" in failure and "returned NoneType, not a TaskResult" in failure
 
 
+class _ReturnsNothing(StepClient):
+    def fit(self, weights: Weights, config: Any) -> FitOutput:
+        return None  # type: ignore[return-value]
+
+    def evaluate(self, weights: Weights, config: Any) -> EvaluateOutput:
+        return (0.5, 10)  # type: ignore[return-value]
+
+
+def test_a_client_that_returns_no_output_fails_the_task_naming_it() -> None:
+    """Reported as the task's failure (it used to end the run with an AttributeError
+    inside the SDK, and no failure reached the server)."""
+    fleet = ScriptedFleet([FIT, EVALUATE])
+    runner = _run(fleet, _ReturnsNothing())
+    [(_, fit_kind, fit_failure), (_, eval_kind, eval_failure)] = fleet.outcome()
+    assert fit_kind is None and eval_kind is None and runner.stats.failures == 2
+    assert "_ReturnsNothing.fit returned NoneType, not a FitOutput" in fit_failure
+    assert "_ReturnsNothing.evaluate returned tuple, not an EvaluateOutput" in eval_failure
+
+
 def test_on_pushed_hears_a_refused_result() -> None:
     fleet = ScriptedFleet([FIT, EVALUATE], refuse=frozenset({"t0"}))
     heard: list[tuple[str, bool]] = []
