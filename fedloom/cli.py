@@ -265,6 +265,7 @@ def _run_client(args: argparse.Namespace) -> int:
               if value is not None}
     config = dataclasses.replace(config, **codecs)
     channel_credentials(config)  # the TLS files checked before the app loads its model
+    token = security_cli.client_token_from_args(args)  # and the token
     app = _load_attr(args.app, "--app")
     client = app() if callable(app) and not isinstance(app, Client) else app
     if not isinstance(client, Client):
@@ -273,7 +274,7 @@ def _run_client(args: argparse.Namespace) -> int:
         args.server,
         client,
         name=args.name or "",
-        token=security_cli.client_token_from_args(args),
+        token=token,
         config=config,
     )
     print(f"client done: {stats}")

@@ -91,9 +91,12 @@ def client_token_from_args(args: argparse.Namespace) -> str:
     if args.token_file:
         try:
             with open(args.token_file, encoding="utf-8") as fh:
-                return fh.read().strip()
-        except OSError as exc:
+                token = fh.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError("--token-file", f"cannot read it: {exc}") from exc
+        if not token:  # not "no token": the operator meant to pass one
+            raise ConfigError("--token-file", f"{args.token_file} is empty")
+        return token
     return os.environ.get("FEDLOOM_TOKEN", "")
 
 

@@ -174,3 +174,13 @@ def test_a_broken_pipe_in_the_server_is_a_failure_not_a_finish(
 
     monkeypatch.setattr(cli, "_run_server", broken)
     assert cli.main(["server", "--insecure"]) == cli.EXIT_FAILED
+
+
+def test_an_empty_token_file_is_refused_by_name(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "token.txt"
+    empty.write_text("\n")
+    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "x:y",
+            "--token-file", str(empty)]
+    assert cli.main(argv) == cli.EXIT_REFUSED
+    assert f"--token-file: {empty} is empty" in capsys.readouterr().err
