@@ -33,7 +33,7 @@ from fedloom.config import (
     from_mapping,
     load_toml,
 )
-from fedloom.errors import ClientsUnavailableError, FedloomError
+from fedloom.errors import ClientsUnavailableError, ConfigError, FedloomError, TransportError
 from fedloom.logs import FORMATS, JsonFormatter, configure_logging
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import field_help
@@ -270,15 +270,19 @@ def _run_client(args: argparse.Namespace) -> int:
     client = app() if callable(app) and not isinstance(app, Client) else app
     if not isinstance(client, Client):
         raise FedloomError(f"--app {args.app} is not a fedloom Client (or a factory of one)")
-    stats = start_client(
-        args.server,
-        client,
-        name=args.name or "",
-        token=token,
-        config=config,
-    )
+    if config.state_dir and os.path.exists(config.state_dir) \
+            and not os.path.isdir(config.state_dir):
+        raise ConfigError("--state-dir", f"{config.state_dir} is not a folder")
+    try:
+        stats = start_client(args.server, client, name=args.name or "", token=token,
+                             config=config)
+    except TransportError as exc:  # gave up reaching the server: a restart may do better
+        logging.getLogger("fedloom.client").error("the client stops: %s", exc)
+        return EXIT_STOPPED
     print(f"client done: {stats}")
-    return 0
+    # As the server's: 0 only once the run is over, so a supervisor restarts a client
+    # stopped (SIGTERM, SIGINT) while its run goes on.
+    return EXIT_FINISHED if stats.run_finished else EXIT_STOPPED
 
 
 def _add_log_format(parser: argparse.ArgumentParser) -> None:
@@ -463,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("fedloom.server").exception("the server failed")
         return EXIT_FAILED
     except Exception:
+        if args.command == "client":  # one record with its traceback (JSON logs too)
+            logging.getLogger("fedloom.client").exception("the client failed")
+            return EXIT_FAILED
         if args.command != "server":
             raise
         # A supervisor restarts on this status; the run resumes from its last commit.

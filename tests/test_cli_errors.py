@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from fedloom import cli
+from fedloom.client_sdk import Client, ClientStats
+from fedloom.errors import TransportError
 from fedloom.privacy import calibrate_noise_multiplier
 from fedloom.simulations.cli import main as simulate_main
 
@@ -184,3 +186,44 @@ def test_an_empty_token_file_is_refused_by_name(tmp_path: Path,
             "--token-file", str(empty)]
     assert cli.main(argv) == cli.EXIT_REFUSED
     assert f"--token-file: {empty} is empty" in capsys.readouterr().err
+
+
+class _NoopClient(Client):
+    def fit(self, weights, config):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+    def evaluate(self, weights, config):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+
+@pytest.mark.parametrize(("outcome", "status"), [
+    (ClientStats(fits=3, run_finished=True), cli.EXIT_FINISHED),
+    (ClientStats(fits=1, run_finished=False), cli.EXIT_STOPPED),  # SIGTERM mid-run
+    (TransportError("gave up after 5 attempts to reach the server"), cli.EXIT_STOPPED),
+    (KeyError("a bug in the app"), cli.EXIT_FAILED),
+])
+def test_the_client_exit_status_says_how_it_ended(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        outcome: object, status: int) -> None:
+    # As the server's: 0 only when the run is over; 75 for a client stopped with its
+    # run going on, or one that gave up reaching the server (a restart may do better);
+    # 1 for a failure; 2 stays for what needs fixing first.
+    def start_client(*args: object, **kwargs: object) -> ClientStats:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert isinstance(outcome, ClientStats)
+        return outcome
+
+    import fedloom.client_sdk as sdk
+
+    monkeypatch.setattr(sdk, "start_client", start_client)
+    monkeypatch.setattr(cli, "_load_attr", lambda spec, setting: _NoopClient())
+    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "m:c",
+            "--log-format", "json"]
+    assert cli.main(argv) == status
+    err = capsys.readouterr().err
+    assert all(json.loads(line) for line in err.strip().splitlines())  # every line JSON
+    if isinstance(outcome, TransportError):
+        assert "the client stops: gave up after 5 attempts" in err
+    if isinstance(outcome, KeyError):
+        assert "the client failed" in err and "a bug in the app" in err
