@@ -281,7 +281,9 @@ class ClientRunner:
             refused = self._push(connection, *result)
             if self.on_pushed is not None:
                 self.on_pushed(context, result, refused=refused)
-            log_task(log, task, result.header, time.monotonic() - started)
+            if not refused:  # counted and logged as sent only once the server has it
+                self._count(context, result)
+                log_task(log, task, result.header, time.monotonic() - started)
         return False
 
     def _push(
@@ -309,11 +311,14 @@ class ClientRunner:
         return False  # not reached: the last attempt returns or raises
 
     def _answer(self, context: TaskContext) -> TaskResult:
-        """The task's result through the middleware, counted in `stats` as reported."""
+        """The task's result through the middleware."""
         try:
-            result = compose(self.middleware, self._run_task)(context)
+            return compose(self.middleware, self._run_task)(context)
         except _TASK_ERRORS as exc:
-            result = _failed(context, exc)
+            return _failed(context, exc)
+
+    def _count(self, context: TaskContext, result: TaskResult) -> None:
+        """Count a result the server took, in `stats` (a refused or lost one is not)."""
         header, task = result.header, context.task
         if header.kind is None:
             self.stats.failures += 1
@@ -321,7 +326,6 @@ class ClientRunner:
             self.stats.fits += 1  # a secure fit is counted like a plain one
         elif header.kind is TaskKind.EVALUATE:
             self.stats.evaluations += 1
-        return result
 
     def _run_task(self, context: TaskContext) -> TaskResult:
         """The innermost step: run the task on the `Client` (or a secure round's stage)."""

@@ -5,6 +5,7 @@ it was sent (results, Leaves)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -289,6 +290,18 @@ def test_on_pushed_hears_a_refused_result() -> None:
     runner = _run(fleet, StepClient(), on_pushed=on_pushed)
     assert heard == [("t0", True), ("t1", False)]
     assert runner.stats.refused == 1
+
+
+def test_a_refused_result_is_neither_counted_nor_logged_as_sent(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fleet = ScriptedFleet([FIT, EVALUATE, FIT], refuse=frozenset({"t0", "t1"}))
+    with caplog.at_level(logging.INFO, logger="fedloom.client"):
+        runner = _run(fleet, StepClient())
+    stats = runner.stats
+    assert (stats.fits, stats.evaluations, stats.refused) == (1, 0, 2)
+    sent = [r.getMessage() for r in caplog.records if "update sent" in r.getMessage()
+            or "evaluated on" in r.getMessage()]
+    assert len(sent) == 1  # the third task's, the only one the server took
 
 
 def test_abort_in_a_middleware_sends_neither_the_result_nor_a_leave() -> None:
