@@ -329,6 +329,82 @@ def test_malformed_ledgers_raise_value_error(events: Any) -> None:
     assert accountant.state_dict() == before  # a refused ledger changes nothing
 
 
+@pytest.mark.parametrize("events", [
+    pytest.param([[1.0, 1]], id="event-a-number"),
+    pytest.param([[[1.0, 5, 10, -0.5], 1]], id="q-negative"),
+    pytest.param([[[1.0, 5, 10, np.array([0.1, 0.2])], 1]], id="q-of-two-values"),
+])
+def test_malformed_events_raise_value_error_whatever_the_sampling(events: Any) -> None:
+    """Checks of the event itself, not left to a sampling mode that reads the field (a
+    ``"none"`` round reads neither m, n nor q)."""
+    accountant = PrivacyAccountant("rdp", "none", DELTA)
+    with pytest.raises(ValueError):
+        accountant.load_state_dict({"kind": "rdp", "sampling": "none", "events": events})
+    assert accountant.num_rounds == 0
+
+
+@pytest.mark.parametrize("event", [[1.0, -1, 10, 0.0], [1.0, 5, -1, 0.0]],
+                         ids=["m-minus-one", "n-minus-one"])
+def test_negative_client_counts_are_refused_under_none(event: list[float]) -> None:
+    accountant = PrivacyAccountant("rdp", "none", DELTA)
+    with pytest.raises(ValueError, match="whole number"):
+        accountant.load_state_dict({"kind": "rdp", "sampling": "none",
+                                    "events": [[event, 1]]})
+
+
+def test_a_ledger_of_arrays_loads_as_its_numbers() -> None:
+    """A checkpoint may hand numbers back as 0-d or 1-element arrays: they are the same
+    ledger (and a Poisson rate of 1, everyone every round, is a valid rate)."""
+    events = [RoundEvent(2.0, 0, 10, 1.0), RoundEvent(2.0, 0, 10, 0.5)]
+    original = PrivacyAccountant("rdp", "poisson", DELTA)
+    for event in events:
+        original.record(event)
+    as_arrays = {"kind": "rdp", "sampling": "poisson", "events": [
+        [[np.array(v) if i % 2 else np.array([v]) for i, v in enumerate(e.to_state())],
+         np.array([1])] for e in events]}
+    restored = PrivacyAccountant("rdp", "poisson", DELTA)
+    restored.load_state_dict(as_arrays)
+    assert restored.state_dict() == original.state_dict()
+    assert restored.epsilon() == pytest.approx(reference_epsilon(events, "poisson"), rel=1e-9)
+
+
+def test_the_ledger_run_length_encodes_consecutive_repeats_only() -> None:
+    """A repeat of the last round extends its count (a long run keeps a short ledger); the
+    same event after another starts a new entry, whether it was projected first or not."""
+    a_event, b_event = FIXED_ROUNDS[0], FIXED_ROUNDS[2]
+    events = [a_event, a_event, b_event, b_event, a_event]
+    plain = PrivacyAccountant("rdp", "fixed", DELTA)
+    projected = PrivacyAccountant("rdp", "fixed", DELTA)
+    for event in events:
+        plain.record(event)
+        projected.epsilon_if(event)
+        projected.record(event)
+    a, b = a_event.to_state(), b_event.to_state()
+    assert plain.state_dict()["events"] == [[a, 2], [b, 2], [a, 1]]
+    assert projected.state_dict() == plain.state_dict() and plain.num_rounds == 5
+    assert plain.epsilon() == pytest.approx(reference_epsilon(events, "fixed"), rel=1e-9)
+
+
+def test_an_unknown_accountant_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown accountant 'moments'"):
+        PrivacyAccountant("moments", "none", DELTA)
+
+
+@pytest.mark.parametrize(("kind", "sampling"), [("rdp", "none"), ("rdp", "fixed")])
+def test_recording_another_event_than_the_projected_one_spends_that_event(
+        kind: str, sampling: str) -> None:
+    """A projection is reused only for the event it projected: recording a different
+    round (say the sample came out smaller) composes that round."""
+    events = ROUNDS[sampling]
+    projected, recorded = events[0], events[2]
+    assert projected != recorded
+    accountant = PrivacyAccountant(kind, sampling, DELTA)
+    accountant.epsilon_if(projected)
+    assert accountant.record(recorded) == pytest.approx(
+        reference_epsilon([recorded], sampling, kind), rel=1e-9)
+    assert accountant.state_dict()["events"] == [[recorded.to_state(), 1]]
+
+
 # -- calibration ------------------------------------------------------------------------------
 
 
@@ -358,6 +434,7 @@ def test_calibrated_noise_meets_the_target_and_is_tight(
     ((0.0, DELTA, 10), {"sampling": "none"}, "target_epsilon"),
     ((-1.0, DELTA, 10), {"sampling": "none"}, "target_epsilon"),
     ((float("nan"), DELTA, 10), {"sampling": "none"}, "target_epsilon"),
+    ((float("inf"), DELTA, 10), {"sampling": "none"}, "target_epsilon"),
     ((1.0, 0.0, 10), {"sampling": "none"}, "delta"),
     ((1.0, 1.0, 10), {"sampling": "none"}, "delta"),
     ((1.0, DELTA, 0), {"sampling": "none"}, "rounds"),
@@ -365,6 +442,9 @@ def test_calibrated_noise_meets_the_target_and_is_tight(
     ((1.0, DELTA, 10), {"sampling": "fixed", "sampled": 11, "population": 10}, "sampled"),
     ((1.0, DELTA, 10), {"sampling": "poisson", "rate": 0.0}, "rate"),
     ((1.0, DELTA, 10), {"sampling": "poisson", "rate": 1.5}, "rate"),
+    # a setting the sampling needs, left out, is refused rather than defaulted
+    ((1.0, DELTA, 10), {"sampling": "fixed", "population": 10}, "sampled"),
+    ((1.0, DELTA, 10), {"sampling": "poisson"}, "rate"),
     ((1.0, DELTA, 10), {"sampling": "fixed", "sampled": 5, "population": 10,
                         "accountant": "pld"}, "accountant"),
 ])
@@ -382,3 +462,30 @@ def test_none_calibration_over_a_partial_round_is_twice_the_full_one() -> None:
     part = calibrate_noise_multiplier(2.0, DELTA, 5, sampling="none", sampled=10,
                                       population=50)
     assert part == pytest.approx(2 * full, rel=2e-3)
+
+
+def test_poisson_sampling_of_everyone_calibrates_as_no_sampling() -> None:
+    """q = 1 (every client every round) is a valid rate, and with nothing to amplify its
+    calibrated z is that of a round without sampling."""
+    z = calibrate_noise_multiplier(2.0, DELTA, 3, sampling="poisson", rate=1.0)
+
+    def spent(multiplier: float) -> float:
+        return reference_epsilon([RoundEvent(multiplier, 0, 10, 1.0)] * 3, "poisson")
+
+    assert spent(z) <= 2.0 < spent(z * 0.98)
+    assert z == pytest.approx(calibrate_noise_multiplier(2.0, DELTA, 3, sampling="none"),
+                              rel=2e-3)
+
+
+@pytest.mark.parametrize(("sampled", "population"), [(10, 10), (1, 10)])
+def test_fixed_sampling_of_everyone_or_of_one_client_calibrates(sampled: int,
+                                                                  population: int) -> None:
+    """m = n (no amplification, the replace-one Gaussian at z / 2) and m = 1 are both
+    valid fixed-size rounds: calibrated, met and tight under the reference accounting."""
+    z = calibrate_noise_multiplier(2.0, DELTA, 3, sampling="fixed", sampled=sampled,
+                                   population=population)
+
+    def spent(multiplier: float) -> float:
+        return reference_epsilon([RoundEvent(multiplier, sampled, population)] * 3, "fixed")
+
+    assert spent(z) <= 2.0 < spent(z * 0.98)

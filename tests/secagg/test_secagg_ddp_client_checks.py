@@ -119,6 +119,22 @@ def test_a_tiny_scale_cannot_pass_for_noise() -> None:
         fit._check_noise(tiny, _setup(1, 8), 8)
 
 
+@pytest.mark.parametrize("noisy", [1, 0, -1, -4])
+def test_no_honest_noise_share_accounts_as_no_noise(noisy: int) -> None:
+    """`noisy_shares` is at most 0 when the announced floor leaves no survivor beyond the
+    colluders and the one share left out: the accounted multiplier is then 0 (not an
+    error, not a stand-in value), and a client with any minimum refuses the round. One
+    share counts at its own noise."""
+    expected = np.sqrt(2 * PARAMS.client_noise_mu * noisy) / PARAMS.l2_bound if noisy > 0 else 0.0
+    assert accounted_noise_multiplier(PARAMS, noisy) == pytest.approx(expected, rel=1e-12)
+    colluding = SecAggConfig().colluding_clients
+    floor = noisy + 1 + colluding
+    if floor >= 1 and noisy < 1:
+        fit = SecureFit(RecordingClient(0, 10), "c0", min_noise_multiplier=1e-9)
+        with pytest.raises(Exception, match="noise multiplier 0; this client requires"):
+            fit._check_noise(PARAMS, _setup(1, 8), floor)
+
+
 class _NonFinite(Client):
     """Training that ends in NaN (e.g. diverged on this client's data)."""
 

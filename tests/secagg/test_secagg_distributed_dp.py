@@ -220,6 +220,28 @@ def test_a_client_refuses_noise_below_its_floor_or_a_setup_below_the_survivor_fl
         lenient._check_noise(params, _setup(5), floor=10)
 
 
+def test_a_rounds_survivor_floor_only_ever_raises_the_runs() -> None:
+    """The announced floor raises the secure round's survivor floor when it is above the
+    run's (threshold + 1, or a configured min_survivors); a lower one leaves the run's
+    floor as it is, and a round without one runs at the run's settings."""
+    from fedloom.privacy._distributed import round_secagg, survivor_floor
+
+    run = secagg(min_survivors=7)  # threshold 3, so the run's floor is 7
+    assert survivor_floor({}) == 0 and survivor_floor({MIN_SURVIVORS_KEY: 0}) == 0
+    assert round_secagg(run, {}).survivor_floor == 7
+    assert round_secagg(run, {MIN_SURVIVORS_KEY: 5}).survivor_floor == 7
+    assert round_secagg(run, {MIN_SURVIVORS_KEY: 9}).survivor_floor == 9
+    assert round_secagg(secagg(), {MIN_SURVIVORS_KEY: 5}).survivor_floor == 5
+
+
+@pytest.mark.parametrize("floor", [-1, True, 2.0, "3", None])
+def test_a_malformed_survivor_floor_is_refused(floor: Any) -> None:
+    from fedloom.privacy._distributed import survivor_floor
+
+    with pytest.raises(SecureAggregationError, match=MIN_SURVIVORS_KEY):
+        survivor_floor({MIN_SURVIVORS_KEY: floor})
+
+
 def test_reserved_noise_is_handed_over_once_and_only_for_its_round_shape() -> None:
     from fedloom.privacy._noise_reserve import NoiseReserve
 
