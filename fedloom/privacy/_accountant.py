@@ -250,6 +250,8 @@ def calibrate_noise_multiplier(
                           f"population ({population})")
     if sampling == "poisson" and not 0 < rate <= 1:
         raise ConfigError("rate", f"poisson sampling needs a rate in (0, 1], got {rate}")
+    if accountant not in ("rdp", "pld"):
+        raise ConfigError("accountant", f"must be 'rdp' or 'pld', got {accountant!r}")
     if accountant == "pld" and sampling == "fixed":
         raise ConfigError("accountant", "PLD does not cover fixed-size sampling; use rdp")
     base, dpa = RoundEvent(1.0, sampled, population, rate), _lib()

@@ -447,6 +447,9 @@ def test_calibrated_noise_meets_the_target_and_is_tight(
     ((1.0, DELTA, 10), {"sampling": "poisson"}, "rate"),
     ((1.0, DELTA, 10), {"sampling": "fixed", "sampled": 5, "population": 10,
                         "accountant": "pld"}, "accountant"),
+    # an unknown accountant (it silently took the PLD branch)
+    ((1.0, DELTA, 10), {"sampling": "poisson", "rate": 0.1, "accountant": "xyz"},
+     "accountant"),
 ])
 def test_impossible_calibrations_raise_config_error(
         args: tuple[float, float, int], kwargs: dict[str, Any], setting: str) -> None:
