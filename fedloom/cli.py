@@ -165,7 +165,7 @@ def _server_parser(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="a strategy setting; VALUE is TOML (e.g. eta=0.01); repeatable",
     )
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    _add_log_level(p, "INFO")
     _add_log_format(p)
     _add_fields(p, ServerConfig, "cfg_")
     _add_fields(p, TransferConfig, "transfer_")
@@ -285,6 +285,17 @@ def _run_client(args: argparse.Namespace) -> int:
     return EXIT_FINISHED if stats.run_finished else EXIT_STOPPED
 
 
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default, type=str.upper, choices=LOG_LEVELS)
+
+
+def _add_state_dir_flags(parser: argparse.ArgumentParser) -> None:
+    """Where a command that reads a server's state folder finds it."""
+    parser.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
+                        "else fedloom-state)")
+    parser.add_argument("--config", help="server TOML file whose state_dir to read")
+
+
 def _add_log_format(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-format",
@@ -340,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--app", required=True, help="module:attr — a Client, or a function making one")
     c.add_argument("--name", help="a stable name for this client")
     c.add_argument("--token", help="credential, when the server requires one")
-    c.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    _add_log_level(c, "INFO")
     c.add_argument("--upload-codecs", type=_codec_list, metavar="A,B",
                    help="codecs to send updates in, most wanted first (docs/compression.md)")
     c.add_argument("--download-codecs", type=_codec_list, metavar="A,B",
@@ -357,9 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_format(c)
     r = sub.add_parser("runs", help="list past runs, or one run's per-round metrics")
     r.add_argument("run", nargs="?", default="", help="a run id (or a unique prefix of one)")
-    r.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
-                   "else fedloom-state)")
-    r.add_argument("--config", help="server TOML file whose state_dir to read")
+    _add_state_dir_flags(r)
     r.add_argument("--json", action="store_true", help="print everything as JSON")
     r.add_argument("--clients", action="store_true", help="one run's per-client metrics, "
                    "round by round (with --json: a clients list in each round)")
@@ -369,22 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run", default="", help="a run id or a unique prefix (default: the newest)")
     e.add_argument("--round", type=int, default=None,
                    help="the round (default: the last committed; it must still be kept)")
-    e.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
-                   "else fedloom-state)")
-    e.add_argument("--config", help="server TOML file whose state_dir to read")
+    _add_state_dir_flags(e)
     e.set_defaults(log_level="WARNING")
     b = sub.add_parser("backup", help="copy a state folder consistently, even beside a "
                        "running server (restore: point state_dir at the copy)")
     b.add_argument("out", help="the backup folder to create (it must not exist)")
-    b.add_argument("--state-dir", help="the server's state_dir (default: from --config, "
-                   "else fedloom-state)")
-    b.add_argument("--config", help="server TOML file whose state_dir to read")
+    _add_state_dir_flags(b)
     b.set_defaults(log_level="WARNING")
     d = sub.add_parser("demo", help="a real federated run on loopback (digits, PyTorch)")
     from fedloom.simulations.demo import add_arguments
 
     add_arguments(d)
-    d.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
+    _add_log_level(d, "WARNING")
     sim = sub.add_parser("simulate", help="run a scenario TOML on the local or Flower engine",
                          add_help=False)
     sim.add_argument("rest", nargs=argparse.REMAINDER)

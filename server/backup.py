@@ -32,9 +32,10 @@ from pathlib import Path
 
 from fedloom.errors import ConfigError
 from fedloom.server.checkpoint import fsync_dir
+from fedloom.server.persistence import model_file
+from fedloom.server.run_report import DATABASE
 from fedloom.server.store import RunStore, unusable_database
 
-DATABASE = "fedloom.db"
 _NOT_KEPT = "is no longer kept"
 
 
@@ -128,7 +129,7 @@ def _copy_files(store: RunStore, source: Path, staging: Path, report: BackupRepo
             if problem is not None:
                 report.left_out.append(f"run {run.run_id}, an acknowledged update for "
                                        f"version {buffered.version}: {problem}")
-        model = Path("models") / f"{run.run_id}.safetensors"
+        model = model_file(run.run_id)
         if (source / model).is_file():
             _copy_verified(source / model, staging / model, None, report)
 

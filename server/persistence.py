@@ -145,7 +145,7 @@ class RunPersistence:
         state_dir = Path(config.state_dir)
         rows = store.rounds(run_id)
         last = rows[-1].round if rows else 0
-        model = state_dir / "models" / f"{run_id}.safetensors"
+        model = state_dir / model_file(run_id)
         try:
             weights = load_weights(model) if model.is_file() else None
         except CheckpointError as exc:
@@ -288,7 +288,7 @@ class RunPersistence:
     @property
     def model_path(self) -> Path:
         """Where the run's final model is written (`write_model`)."""
-        return self.state_dir / "models" / f"{self.run_id}.safetensors"
+        return self.state_dir / model_file(self.run_id)
 
     def write_model(self, weights: Weights) -> Path:
         """Write the run's final model as a plain safetensors file (atomically), for
@@ -352,6 +352,11 @@ def _check_resumed_settings(summary: dict[str, Any], run: Any) -> str:
             "A run keeps its strategy, privacy, round mode and secure aggregation: start "
             "this server with the run's settings, or start a new run (resume = false)")
     return ", ".join(f"{k} {then[k]!r} -> {now[k]!r}" for k in changed)
+
+
+def model_file(run_id: str) -> Path:
+    """Where run ``run_id``'s final model is written, relative to the state folder."""
+    return Path("models") / f"{run_id}.safetensors"
 
 
 def _remove_torn_temp_files(folder: Path) -> None:

@@ -221,7 +221,13 @@ def discretize(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
     """
     values = np.asarray(update)
     _check_shapes(values, params, signs)
-    return _round(_clipped_rotated(values, params, signs), params, rng).astype(np.int64)
+    return _discretized(values, params, signs, rng).astype(np.int64)
+
+
+def _discretized(values: np.ndarray, params: SkellamParams, signs: np.ndarray,
+                 rng: np.random.Generator) -> np.ndarray:
+    """Steps 1-3 on a checked update: float64 holding the integer vector."""
+    return _round(_clipped_rotated(values, params, signs), params, rng)
 
 
 def encode(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
@@ -249,8 +255,7 @@ def encode(update: np.ndarray, params: SkellamParams, signs: np.ndarray,
         raise SecureAggregationError(f"the output must be uint32 of shape ({padded},)")
     # Exact: both terms are integers far below 2**53 (|noise| is a few hundred sigmas
     # of at most sqrt(2**33); the rounded values are bounded by the ring).
-    np.add(noise, _round(_clipped_rotated(values, params, signs), params, rng), out=noise,
-           casting="unsafe")
+    np.add(noise, _discretized(values, params, signs, rng), out=noise, casting="unsafe")
     noise &= params.modulus - 1  # two's complement: the residue mod 2**bits
     np.copyto(out, noise, casting="unsafe")  # below 2**bits <= 2**32: exact
     return out

@@ -72,17 +72,23 @@ def test_acknowledged_updates_survive_a_restart_mid_buffer(tmp_path: Path) -> No
         store.close()
 
 
+async def _two_updates(config, *, to_the_end: bool) -> None:  # type: ignore[no-untyped-def]
+    """Clients 0 and 1 answer a task each (10 and 30 examples); then the server stops, or
+    with ``to_the_end`` runs on until its run is over."""
+    async with Harness(config) as harness:
+        await harness.answer(0, 10)
+        await harness.answer(1, 30)
+        if to_the_end:
+            assert harness.run_task is not None
+            await asyncio.wait_for(harness.run_task, 20)
+
+
 def test_a_buffered_update_that_fails_its_digest_is_dropped_with_an_error(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state = tmp_path / "state"
     config = async_config(state, num_rounds=1, buffer_size=3)
 
-    async def before() -> None:
-        async with Harness(config) as harness:
-            await harness.answer(0, 10)
-            await harness.answer(1, 30)
-
-    asyncio.run(before())
+    asyncio.run(_two_updates(config, to_the_end=False))
     files = sorted((state / "buffer").rglob("*.bin"))
     assert len(files) == 2
     damaged = bytearray(files[0].read_bytes())
@@ -109,14 +115,7 @@ def test_a_finished_run_keeps_the_buffered_files_it_was_left_with(tmp_path: Path
     state = tmp_path / "state"
     config = async_config(state, num_rounds=1, buffer_size=2)
 
-    async def finish() -> None:
-        async with Harness(config) as harness:
-            await harness.answer(0, 10)
-            await harness.answer(1, 30)
-            assert harness.run_task is not None
-            await asyncio.wait_for(harness.run_task, 20)
-
-    asyncio.run(finish())
+    asyncio.run(_two_updates(config, to_the_end=True))
     store = RunStore(state / "fedloom.db")
     (run,) = store.runs()
     assert run.status == "finished"
