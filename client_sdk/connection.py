@@ -70,6 +70,8 @@ CAPABILITIES: frozenset[Capability] = frozenset(Capability)
 #: Pushes of payloads this large go over a connection of their own when
 #: ``ClientConfig.separate_upload_connection`` is on (smaller ones leave little behind).
 SEPARATE_UPLOAD_MIN_BYTES = 64 * 1024
+#: The longest a Leave may take (it is the last call of a session, often of a process).
+LEAVE_TIMEOUT_S = 5.0
 #: Tasks answered with an update about the size of their model (an evaluation is not).
 _UPLOADING = frozenset({TaskKind.FIT, TaskKind.SECAGG})
 
@@ -107,7 +109,9 @@ class Connection:
         # The channel the next large push will use, opened (and connecting) when a task
         # with a large model arrives, so its handshake overlaps the training.
         self._upload: tuple[grpc.Channel, grpc.Future] | None = None
+        self._uploading: grpc.Channel | None = None  # the separate channel of a push under way
         self._closed = False
+        self._cut = False  # `cut_calls`: calls in flight cancelled, no new ones but Leave
 
     def close(self) -> None:
         self._closed = True
@@ -124,6 +128,39 @@ class Connection:
             if self._active is not None:
                 self._active.cancel()
 
+    def cut_calls(self) -> None:
+        """Cancel every call in flight (a push, a join, a pull) and fail every later one
+        at once, except `leave`, which then goes over a fresh channel: a stopping
+        client's grace is over (`ClientConfig.stop_timeout_s`). Safe from any thread.
+
+        Closing the channels is what cancels a blocking gRPC call from another thread.
+        """
+        with self._lock:
+            self._cut = True
+            uploading, self._uploading = self._uploading, None
+        self.cancel_active()
+        self._close_tasks()
+        spare = self._take_upload_channel()
+        for channel in (spare[0] if spare else None, uploading, self._channel):
+            if channel is not None:
+                channel.close()
+
+    def _check_not_cut(self, what: str) -> None:
+        if self._cut:
+            raise TransportError(f"{what}: not sent, the client is stopping (its "
+                                 "stop_timeout_s is over)")
+
+    def _failed(self, exc: grpc.RpcError | ValueError, what: str) -> TransportError:
+        """The error of a call that failed, naming the stop when `cut_calls` ended it (a
+        closed channel fails a call in flight with CANCELLED and a new one with
+        ValueError)."""
+        if self._cut:
+            return TransportError(f"{what}: cancelled, the client is stopping (its "
+                                  "stop_timeout_s is over)")
+        if isinstance(exc, ValueError):
+            return TransportError(f"{what}: the connection is closed")
+        return translate(exc, what)
+
     def _session_proto(self) -> pb.Session:
         if self.session is None:
             raise SessionExpiredError("not joined")
@@ -136,6 +173,7 @@ class Connection:
         request = JoinRequest(PROTOCOL_VERSION, capabilities, name, token,
                               upload_codecs=self.config.upload_codecs,
                               download_codecs=self.config.download_codecs)
+        self._check_not_cut("join")
         try:
             response = self._stub.Join(
                 codec.join_request_to_proto(request), timeout=self.config.rpc_timeout_s
@@ -143,7 +181,11 @@ class Connection:
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise AccessDeniedError(exc.code(), server_text(exc.details())) from exc
-            raise translate(exc, "join") from exc
+            raise self._failed(exc, "join") from exc
+        except ValueError as exc:  # the channel was closed under the call (`cut_calls`)
+            if not self._cut:
+                raise
+            raise self._failed(exc, "join") from exc
         try:
             grant = codec.join_reply_from_proto(response)
         except MessageRejectedError as exc:
@@ -175,7 +217,7 @@ class Connection:
         except grpc.RpcError as exc:
             raise translate(exc, "heartbeat") from exc
         except ValueError as exc:  # gRPC's refusal of a call on a closed channel
-            if not self._closed:
+            if not (self._closed or self._cut):
                 raise
             raise TransportError("heartbeat: the connection is closed") from exc
 
@@ -185,12 +227,14 @@ class Connection:
         ending = session or self.session
         if ending is None:
             return
+        request = pb.LeaveRequest(session=codec.session_to_proto(ending), reason=reason)
         try:
-            self._stub.Leave(
-                pb.LeaveRequest(session=codec.session_to_proto(ending), reason=reason),
-                timeout=5.0,
-            )
-        except grpc.RpcError as exc:
+            if self._cut:  # its channel is closed: a short-lived one of its own
+                with open_channel(self.config, self._options) as channel:
+                    pb_grpc.FleetStub(channel).Leave(request, timeout=LEAVE_TIMEOUT_S)
+            else:
+                self._stub.Leave(request, timeout=LEAVE_TIMEOUT_S)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: closed under the call
             log.debug("leave failed: %s", exc)
         if session is None:
             self.session = None
@@ -202,6 +246,7 @@ class Connection:
         From the session's Tasks stream (opened on first use and kept between tasks)
         when ``ClientConfig.task_stream`` is on, else from one long-poll Pull call.
         """
+        self._check_not_cut("pull")
         streamed = self.config.task_stream
         call = self._tasks if streamed else None
         if call is None:
@@ -264,6 +309,7 @@ class Connection:
 
         size = len(payload) if payload is not None else 0
         timeout = self.config.rpc_timeout_s + size / (1 << 20)  # >= 1 MiB/s
+        self._check_not_cut("push")
         try:
             if payload is None and result.update is None:  # one message: no request stream
                 response = self._stub.Report(codec.result_to_proto(result), timeout=timeout)
@@ -275,12 +321,23 @@ class Connection:
                 # for these messages when the connection closes (see ClientConfig).
                 prepared = self._take_upload_channel()
                 channel = prepared[0] if prepared else open_channel(self.config, self._options)
-                with channel:
-                    response = _push_method(channel)(messages(), timeout=timeout)
+                with self._lock:
+                    self._uploading = channel
+                try:
+                    with channel:
+                        self._check_not_cut("push")  # `cut_calls` may have missed it
+                        response = _push_method(channel)(messages(), timeout=timeout)
+                finally:
+                    with self._lock:
+                        self._uploading = None
             else:
                 response = self._push(messages(), timeout=timeout)
         except grpc.RpcError as exc:
-            raise translate(exc, "push") from exc
+            raise self._failed(exc, "push") from exc
+        except ValueError as exc:  # the channel was closed under the call (`cut_calls`)
+            if not self._cut:
+                raise
+            raise self._failed(exc, "push") from exc
         return bool(response.duplicate)
 
     def _inline(self, size: int, chunk_size: int) -> bool:

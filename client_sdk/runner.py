@@ -41,6 +41,7 @@ from fedloom.client_sdk._middleware import (
 )
 from fedloom.client_sdk._plain_task import run_evaluate, run_fit
 from fedloom.client_sdk._progress import console_handler, log_task
+from fedloom.client_sdk._stop_watch import StopWatch
 from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.client_sdk.tls import HandshakeFailures
@@ -165,7 +166,15 @@ class ClientRunner:
             connection.close()
 
     def run(self) -> ClientStats:
+        """Take part until the run is over or a stop; see the module docstring."""
         self._aborted.clear()
+        watch = StopWatch(self.stop, lambda: self._connection, self.config.stop_timeout_s)
+        try:
+            return self._run()
+        finally:
+            watch.close()
+
+    def _run(self) -> ClientStats:
         backoff = Backoff(self.config.reconnect_initial_s, self.config.reconnect_max_s)
         failures_in_a_row = 0
         # Refused handshakes look like any outage to the loop: explain them once.

@@ -62,6 +62,11 @@ class ClientConfig:
     name: str = described("", "a stable name for this client")
     rpc_timeout_s: float = described(30.0, "time limit of one call, in seconds (a task's "
                                            "download: this, plus 1 s per 16 KiB of weights)")
+    stop_timeout_s: float = described(
+        20.0, "after a stop (SIGTERM, SIGINT, request_stop, the stop event), the longest a "
+        "call in flight (a result's push, a join) may still run before it is cancelled; "
+        "the Leave that follows waits at most 5 s more. Keep the two under the platform's "
+        "grace period (Kubernetes: 30 s)")
     reconnect_initial_s: float = described(0.5, "first reconnect delay (doubles, jittered)")
     reconnect_max_s: float = described(30.0, "longest reconnect delay")
     max_reconnect_attempts: int | None = described(
@@ -109,7 +114,8 @@ class ClientConfig:
         check(math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0,
               "min_noise_multiplier", "must be a number >= 0 (0: no floor)")
         _check_client_tls(self)
-        for name in ("rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
+        for name in ("rpc_timeout_s", "stop_timeout_s", "reconnect_initial_s",
+                     "reconnect_max_s"):
             value = getattr(self, name)
             check(math.isfinite(value) and value > 0, name, "must be a positive number")
         check(

@@ -261,7 +261,8 @@ def _run_client(args: argparse.Namespace) -> int:
                                               ("download_codecs", args.download_codecs),
                                               ("state_dir", args.state_dir),
                                               ("max_reconnect_attempts",
-                                               args.max_reconnect_attempts))
+                                               args.max_reconnect_attempts),
+                                              ("stop_timeout_s", args.stop_timeout_s))
               if value is not None}
     config = dataclasses.replace(config, **codecs)
     channel_credentials(config)  # the TLS files checked before the app loads its model
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-reconnect-attempts", type=int, metavar="N",
                    help="give up after N failed reconnects in a row (default: retry "
                    "until stopped)")
+    c.add_argument("--stop-timeout-s", type=float, metavar="S",
+                   help="on SIGTERM/SIGINT, cancel a push or join still in flight after S "
+                   "seconds (default 20; the Leave then takes at most 5 s more)")
     security_cli.add_client_flags(c)
     security_cli.add_certs_parser(sub)
     privacy_cli.add_parser(sub)

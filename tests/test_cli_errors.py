@@ -15,6 +15,7 @@ import pytest
 
 from fedloom import cli
 from fedloom.client_sdk import Client, ClientStats
+from fedloom.config import ClientConfig
 from fedloom.errors import TransportError
 from fedloom.privacy import calibrate_noise_multiplier
 from fedloom.simulations.cli import main as simulate_main
@@ -227,3 +228,23 @@ def test_the_client_exit_status_says_how_it_ended(
         assert "the client stops: gave up after 5 attempts" in err
     if isinstance(outcome, KeyError):
         assert "the client failed" in err and "a bug in the app" in err
+
+
+def test_the_client_commands_stop_timeout_reaches_its_config(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[float] = []
+
+    def start_client(*args: object, config: ClientConfig, **kwargs: object) -> ClientStats:
+        seen.append(config.stop_timeout_s)
+        return ClientStats(run_finished=True)
+
+    import fedloom.client_sdk as sdk
+
+    monkeypatch.setattr(sdk, "start_client", start_client)
+    monkeypatch.setattr(cli, "_load_attr", lambda spec, setting: _NoopClient())
+    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "m:c"]
+    assert cli.main([*argv, "--stop-timeout-s", "8.5"]) == cli.EXIT_FINISHED
+    assert cli.main(argv) == cli.EXIT_FINISHED
+    assert seen == [8.5, ClientConfig("h:1", insecure=True).stop_timeout_s]
+    assert cli.main([*argv, "--stop-timeout-s", "0"]) == cli.EXIT_REFUSED
+    assert "stop_timeout_s" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""`StopWatch`: bounds how long a stopping client may still take.
+
+A stop (SIGTERM, SIGINT, `ClientRunner.request_stop`, or the application setting the
+``stop`` event) lets the task in progress finish and its result go out, then leaves.
+Against a server that has frozen mid-call, that push (or a join) would run to its
+``rpc_timeout_s`` and the Leave after it to its own, longer than a platform's grace
+period before it kills the process (Kubernetes: 30 s). The watch cancels the wait for a
+task as soon as the stop is seen, and once ``stop_timeout_s`` has passed, every call still
+in flight (`Connection.cut_calls`): the Leave then gets at most
+`fedloom.client_sdk.connection.LEAVE_TIMEOUT_S` of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from fedloom.client_sdk.connection import Connection
+
+log = logging.getLogger("fedloom.client")
+
+#: How often the watch looks at the stop event (it has no callbacks).
+POLL_S = 0.1
+
+
+class StopWatch:
+    """Watches ``stop`` from a thread until closed; see the module docstring.
+
+    Args:
+        stop: the runner's stop event.
+        connection: the runner's current connection (None between connections).
+        timeout_s: the grace of calls in flight once ``stop`` is set.
+    """
+
+    def __init__(self, stop: threading.Event, connection: Callable[[], Connection | None],
+                 timeout_s: float) -> None:
+        self._stop, self._connection, self._timeout_s = stop, connection, timeout_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fedloom-stop")
+        self._thread.start()
+
+    def close(self) -> None:
+        """The loop is over: the watch ends (now, or when its poll next wakes)."""
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if self._done.is_set():
+                return
+        connection = self._connection()
+        if self._done.is_set():
+            return
+        if connection is not None:
+            connection.cancel_active()  # a wait for a task ends now, not at its long poll
+        if self._done.wait(self._timeout_s):
+            return
+        connection = self._connection()
+        if connection is not None:
+            log.warning("still stopping after stop_timeout_s (%g s): cancelling the calls in "
+                        "flight; a result not yet sent is lost", self._timeout_s)
+            connection.cut_calls()
