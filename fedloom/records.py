@@ -81,6 +81,12 @@ class RoundRecord:
         """One value of the flat `metrics`."""
         return self.metrics.get(key, default)
 
+    @property
+    def headline(self) -> Mapping[str, Any]:
+        """The evaluation a round is summed up by (its loss and accuracy): see
+        `headline_evaluation`."""
+        return headline_evaluation(self.server, self.evaluate)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (what the run store keeps)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -93,3 +99,12 @@ class RoundRecord:
         """A record from its JSON form; keys a newer writer added are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def headline_evaluation(server: Mapping[str, Any] | None,
+                        evaluate: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The server-side evaluation when the round has one, else the federated one: every
+    headline figure (loss, accuracy) of a round comes from the same evaluation, never a
+    loss from one and an accuracy from the other."""
+    return server or evaluate or {}
+

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from fedloom.messages import Capability, ResultHeader
 from fedloom.server.client_metrics import evaluate_rows, records_per_client
@@ -18,6 +21,7 @@ from fedloom.server.rounds import RoundTasks
 from fedloom.server.store import ClientRow
 from fedloom.server.tasks import Task
 from fedloom.server.uploads import SpooledWeights, Upload
+from fedloom.strategies import HookOutputError, checked_output
 from fedloom.types import EvaluateResult, Metrics, TaskKind
 from fedloom.weights import Weights
 
@@ -87,5 +91,34 @@ async def server_evaluate(parts: RoundParts, evaluate_fn: EvaluateFn | None,
     outcome = await loop.run_in_executor(parts.executor, evaluate_fn, server_round, weights)
     if outcome is None:
         return {}
+    try:
+        return checked_evaluation(outcome)
+    except HookOutputError as exc:
+        # As for a metrics hook: a fault in reporting code costs this round's server
+        # metrics, not the run (the round is committed; a restart would meet it again).
+        log.error("round %d: %s; its server-side metrics are not recorded", server_round, exc)
+        return {}
+
+
+def checked_evaluation(outcome: Any) -> dict[str, Any]:
+    """``evaluate_fn``'s ``(loss, metrics)`` as a round's server metrics: the loss a
+    finite number, the metrics what a round record holds (numpy scalars become Python
+    numbers; `fedloom.strategies.checked_output`'s rules).
+
+    Raises:
+        HookOutputError: anything else, naming what was wrong and the fix.
+    """
+    if not (isinstance(outcome, tuple | list) and len(outcome) == 2):
+        raise HookOutputError(f"evaluate_fn must return (loss, metrics) or None, got "
+                              f"{type(outcome).__name__}")
     loss, metrics = outcome
-    return {"loss": float(loss), **dict(metrics)}
+    if isinstance(loss, np.generic):
+        loss = loss.item()
+    if isinstance(loss, bool) or not isinstance(loss, int | float):
+        raise HookOutputError(f"evaluate_fn returned a loss of type {type(loss).__name__}; "
+                              "return a Python float (e.g. float(loss) or loss.item())")
+    if not math.isfinite(loss):
+        raise HookOutputError(f"evaluate_fn returned the loss {loss} (the model may have "
+                              "diverged); a loss must be finite")
+    checked = checked_output({} if metrics is None else metrics, "evaluate_fn")
+    return {"loss": float(loss), **{k: v for k, v in checked.items() if k != "loss"}}

@@ -14,15 +14,6 @@ from fedloom.types import TaskKind
 log = logging.getLogger("fedloom.server")
 
 
-def _pick(record: RoundRecord, key: str) -> Any:
-    """A metric from server-side evaluation, else from federated evaluation."""
-    for source in (record.server, record.evaluate):
-        value = source.get(key)
-        if value is not None:
-            return value
-    return None
-
-
 def _fmt(value: Any, spec: str = ".4f") -> str:
     if value is None:
         return "-"
@@ -56,7 +47,8 @@ class RoundReporter:
             self._set_status(f"round {server_round}: {answered}/{total} clients {verb}")
 
     def round_finished(self, record: RoundRecord) -> None:
-        loss, acc = _pick(record, "loss"), _pick(record, "accuracy")
+        headline = record.headline
+        loss, acc = headline.get("loss"), headline.get("accuracy")
         trained = record.round > 0  # round 0 only evaluates the initial model
         log.info(
             "round %s %s: loss=%s accuracy=%s updates=%s",

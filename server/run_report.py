@@ -28,6 +28,7 @@ client and phase of each round; with ``--json`` each round gets a ``clients`` li
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import sys
 import time
@@ -37,6 +38,7 @@ from typing import Any, TextIO
 
 from fedloom._text import one_line
 from fedloom.errors import ConfigError
+from fedloom.records import headline_evaluation
 from fedloom.server.store import ClientRow, RoundRow, RunRecord, RunStore, unusable_database
 
 DATABASE = "fedloom.db"
@@ -53,12 +55,8 @@ def open_store(state_dir: str | Path) -> RunStore:
 
 
 def _pick(metrics: dict[str, Any], key: str) -> Any:
-    """A metric from server-side evaluation, else from federated evaluation."""
-    for source in ("server", "evaluate"):
-        value = (metrics.get(source) or {}).get(key)
-        if value is not None:
-            return value
-    return None
+    """A headline metric of a round (`fedloom.records.headline_evaluation`)."""
+    return headline_evaluation(metrics.get("server"), metrics.get("evaluate")).get(key)
 
 
 def _number(value: Any, spec: str = ".4f") -> str:
@@ -182,6 +180,19 @@ def _json_default(value: Any) -> Any:
     return value.hex() if isinstance(value, bytes) else str(value)
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float as None: strict JSON (what `jq` and most
+    parsers read) has no NaN or Infinity, and a database written by an older version, or
+    by an evaluation function that returned one, may hold them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value
+
+
 def find_run(store: RunStore, prefix: str) -> RunRecord:
     """The run whose id is ``prefix`` or starts with it (ConfigError if none or several)."""
     matches = [r for r in store.runs() if r.run_id.startswith(prefix)]
@@ -229,7 +240,8 @@ def print_runs(
     try:
         run = find_run(store, run_id) if run_id else None
         if json_output:
-            json.dump(as_json(store, run, clients), out, indent=2, default=_json_default)
+            json.dump(_strict(as_json(store, run, clients)), out, indent=2,
+                      default=_json_default, allow_nan=False)
             out.write("\n")
         elif run is not None and clients:
             out.write(clients_table(store, run) + "\n")

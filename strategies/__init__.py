@@ -43,7 +43,7 @@ from fedloom.strategies._holding import HoldingAggregator
 from fedloom.strategies._krum import Krum, KrumAggregator, MultiKrum
 from fedloom.strategies._mean import WeightedMeanAggregator
 from fedloom.strategies._median import CoordinateMedianAggregator, FedMedian
-from fedloom.strategies._metrics import MetricsAggregationFn
+from fedloom.strategies._metrics import HookOutputError, MetricsAggregationFn, checked_output
 from fedloom.strategies._momentum import FedAvgM, ServerMomentum
 from fedloom.strategies._norm_bound import NormBoundedStrategy, clip_update, update_norm
 from fedloom.strategies._optimizers import ServerSGD, add_delta
@@ -89,6 +89,7 @@ __all__ = [
     "FedTrimmedAvg",
     "FedYogi",
     "HoldingAggregator",
+    "HookOutputError",
     "Krum",
     "KrumAggregator",
     "MeanUpdate",
@@ -115,6 +116,7 @@ __all__ = [
     "check_finite_step",
     "check_robust_async",
     "check_secure_strategy",
+    "checked_output",
     "clip_update",
     "describe_strategies",
     "holds_all_updates",
