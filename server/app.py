@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from fedloom.config import ServerConfig
-from fedloom.errors import ConfigError
+from fedloom.errors import AggregationError, ConfigError
 from fedloom.records import RoundRecord
 from fedloom.server.auth import Authenticator
 from fedloom.server.coordinator import Coordinator, EvaluateFn
@@ -45,6 +45,7 @@ from fedloom.strategies import (
     Strategy,
     apply_privacy,
     build_strategy,
+    check_aggregatable,
     check_robust_async,
     check_secure_strategy,
 )
@@ -108,6 +109,11 @@ class Server:
             colluding_clients=config.secure_aggregation.colluding_clients)
         check_secure_strategy(self.strategy, config.secure_aggregation)
         check_robust_async(self.strategy, config.rounds)
+        if initial_weights is not None:
+            try:  # every client's fit would fail on it, round after round
+                check_aggregatable(initial_weights)
+            except AggregationError as exc:
+                raise ConfigError("initial_weights", str(exc)) from exc
         self.initial_weights = initial_weights
         self.evaluate_fn = evaluate_fn
         self.credentials = server_credentials(config)  # None: plaintext (insecure = true)

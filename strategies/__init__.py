@@ -41,7 +41,7 @@ from fedloom.strategies._fedopt import FedAdagrad, FedAdam, FedYogi
 from fedloom.strategies._fedprox import FedProx
 from fedloom.strategies._holding import HoldingAggregator
 from fedloom.strategies._krum import Krum, KrumAggregator, MultiKrum
-from fedloom.strategies._mean import WeightedMeanAggregator
+from fedloom.strategies._mean import WeightedMeanAggregator, check_aggregatable
 from fedloom.strategies._median import CoordinateMedianAggregator, FedMedian
 from fedloom.strategies._metrics import HookOutputError, MetricsAggregationFn, checked_output
 from fedloom.strategies._momentum import FedAvgM, ServerMomentum
@@ -113,6 +113,7 @@ __all__ = [
     "aggregate_secure_mean",
     "apply_privacy",
     "build_strategy",
+    "check_aggregatable",
     "check_finite_step",
     "check_robust_async",
     "check_secure_strategy",

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from fedloom.config import SelectionConfig
+from fedloom.errors import ConfigError
 from fedloom.fit_config import SERVER_ROUND
 from fedloom.strategies._base import Aggregator, NonFiniteStepError, ServerOptimizer, StateDict
 from fedloom.strategies._metrics import (
@@ -29,6 +30,7 @@ from fedloom.types import (
     FitPlan,
     Metrics,
     Scalar,
+    validate_record,
 )
 from fedloom.weights import Weights
 
@@ -70,8 +72,9 @@ class ComposedStrategy:
         self.aggregator = aggregator
         self.optimizer = optimizer
         self.selection = selection if selection is not None else SelectionConfig()
-        self.fit_config: dict[str, Scalar] = dict(fit_config or {})
-        self.evaluate_config: dict[str, Scalar] = dict(evaluate_config or {})
+        self.fit_config: dict[str, Scalar] = _checked_config(fit_config, "fit_config")
+        self.evaluate_config: dict[str, Scalar] = _checked_config(evaluate_config,
+                                                                  "evaluate_config")
         self.sampler = ClientSampler(self.selection.seed)
         self.fit_metrics_aggregation_fn = fit_metrics_aggregation_fn
         self.evaluate_metrics_aggregation_fn = evaluate_metrics_aggregation_fn
@@ -156,3 +159,19 @@ class ComposedStrategy:
     def load_state_dict(self, state: StateDict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer.load_state_dict(state.get("optimizer", {}))
+
+
+def _checked_config(config: Mapping[str, Scalar] | None, setting: str) -> dict[str, Scalar]:
+    """``config`` as every task will carry it, checked now: a value the wire cannot
+    carry (a numpy scalar, None, a nested dict, NaN) would otherwise fail every round's
+    tasks once the run has started."""
+    for key, value in (config or {}).items():
+        if isinstance(value, np.generic) and not isinstance(value, bool | int | float):
+            raise ConfigError(f"{setting}[{key!r}]", f"a numpy {type(value).__name__}: pass "
+                              "a Python value (value.item())")
+    try:
+        return dict(validate_record(config or {}, setting))
+    except ValueError as exc:
+        where, _, problem = str(exc).partition(": ")
+        raise ConfigError(where, problem) from exc
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from fedloom import ConfigError, ServerConfig, StrategyConfig
@@ -18,6 +19,7 @@ from fedloom.config import (
 from fedloom.server.app import Server, grpc_server_options
 from fedloom.settings import field_help
 from fedloom.strategies import build_strategy
+from fedloom.weights import Weights
 
 
 @pytest.mark.parametrize(
@@ -156,3 +158,15 @@ def test_the_metrics_table_from_toml_and_flags(tmp_path) -> None:
     with pytest.raises(ConfigError, match="must be true or false, got 'yes'") as info:
         MetricsConfig(per_client="yes")  # type: ignore[arg-type]
     assert info.value.setting == "metrics.per_client"
+
+
+def test_a_model_with_a_boolean_tensor_is_refused_when_the_server_is_made() -> None:
+    # Every client's fit would fail on it (a delta of booleans has no meaning), round
+    # after round; the server says so at start, naming the tensor.
+    weights = Weights({"w": np.zeros(4, np.float32), "mask": np.ones(3, np.bool_)})
+    with pytest.raises(ConfigError, match="tensor 'mask' is boolean") as info:
+        Server(ServerConfig(insecure=True), initial_weights=weights)
+    assert info.value.setting == "initial_weights"
+    Server(ServerConfig(insecure=True),  # an integer mask goes
+           initial_weights=Weights({"w": np.zeros(4, np.float32),
+                                    "mask": np.ones(3, np.int8)}))

@@ -334,3 +334,21 @@ def test_the_local_engine_records_the_hooks_output() -> None:
         assert record.evaluate == pytest.approx({"accuracy": 0.2, "loss": 1.0,
                                                  "num_examples": 10})
         assert record.metrics["federated_accuracy"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"x": np.float32(1.0)}, r"fit_config\['x'\]: a numpy float32: pass a Python value"),
+    ({"local_epochs": np.int64(2)}, r"fit_config\['local_epochs'\]: a numpy int64"),
+    ({"x": None}, r"fit_config\['x'\]: NoneType is not a bool, int, float, str or bytes"),
+    ({"x": {"a": 1}}, r"fit_config\['x'\]: dict is not a bool"),
+    ({"x": float("nan")}, r"fit_config\['x'\]: nan is not finite"),
+])
+def test_a_fit_config_the_wire_cannot_carry_is_refused_when_the_strategy_is_made(
+        config: dict[str, Any], message: str) -> None:
+    # It used to pass until round 1's tasks were made, after the run had started.
+    with pytest.raises(ConfigError, match=message):
+        FedAvg(fit_config=config)
+    with pytest.raises(ConfigError, match=message.replace("fit_config", "evaluate_config")):
+        FedAvg(evaluate_config=config)
+    assert FedAvg(fit_config={"lr": np.float64(0.1), "local_epochs": 2}).fit_config == {
+        "lr": 0.1, "local_epochs": 2}
