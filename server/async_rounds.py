@@ -141,9 +141,8 @@ class AsyncRounds(RoundDriver):
         result: AggregateResult | None
         try:
             result = await aggregation.result
-        except AggregationError as exc:
-            log.warning("version %d failed: %s; the global model is unchanged", server_round, exc)
-            result = None
+        except AggregationError as exc:  # the version fails with it (logged at its commit)
+            result = AggregateResult(None, num_updates=buffer.count, reason=str(exc))
         keep = records_per_client(parts.config, parts.strategy)
         clients = [fit_row(parts.fleet.registry, e.row.client_id, e.row.num_examples,
                            e.row.metrics) for e in buffer.entries] if keep else []

@@ -221,9 +221,8 @@ class PlainRounds(RoundDriver):
         result: AggregateResult | None
         try:
             result = await aggregation.result
-        except AggregationError as exc:
-            log.warning("round %d failed: %s; the global model is unchanged", server_round, exc)
-            result = None
+        except AggregationError as exc:  # the round fails with it (logged at its commit)
+            result = AggregateResult(None, num_updates=phase.num_accepted, reason=str(exc))
         finally:
             owner.close()
             self.clean_spool()

@@ -138,7 +138,8 @@ class RoundLoop:
         parts, result = self.parts, outcome.result
         sections: dict[str, Any] = {}
         if result is not None and result.weights is None:
-            log.warning("round %d produced no model: %s", server_round, result.reason)
+            log.warning("round %d failed: %s; the global model is unchanged", server_round,
+                        result.reason)
             sections["reason"] = result.reason
         last = parts.config.rounds.last_round(parts.config.num_rounds)
         evaluates = parts.config.rounds.evaluates(server_round, last)

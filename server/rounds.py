@@ -211,8 +211,8 @@ class RoundTasks:
                 _End()
                 if enough
                 else _Abort(
-                    f"round {self.round}: {self.num_accepted} of {len(self.tasks)} sampled "
-                    f"clients returned an update; at least {self.minimum} needed"
+                    f"{self.num_accepted} of {len(self.tasks)} sampled clients returned an "
+                    f"update; at least {self.minimum} needed"
                 )
             )
         return enough

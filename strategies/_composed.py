@@ -111,6 +111,7 @@ class ComposedStrategy:
         mean = self.aggregator.finalize()
         if mean.delta is None:
             return AggregateResult(None, num_updates=mean.num_updates, reason=mean.reason)
+        _check_delta_layout(self.aggregator, current, mean.delta)
         # Before the step: the optimizer's state is the last thing a round changes.
         metrics = aggregate_metrics(self.fit_metrics_aggregation_fn,
                                     "fit_metrics_aggregation_fn", server_round, from_clients)
@@ -159,6 +160,32 @@ class ComposedStrategy:
     def load_state_dict(self, state: StateDict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer.load_state_dict(state.get("optimizer", {}))
+
+
+def _check_delta_layout(aggregator: Aggregator, current: Weights, delta: Weights) -> None:
+    """A delta with the model's tensors (names, order, shapes; its dtypes may be wider).
+
+    An aggregator's bug, not a client's: `ValueError` naming the aggregator and the
+    tensor, where the optimizer's step would fail with a bare KeyError or broadcast error.
+    """
+    names, expected = list(delta.keys()), list(current.keys())
+    problem = ""
+    if names != expected:
+        missing = [n for n in expected if n not in delta]
+        extra = [n for n in names if n not in current]
+        problem = (f"tensor {missing[0]!r} is missing" if missing else
+                   f"it has a tensor {extra[0]!r} the model has not" if extra else
+                   "its tensors are in another order than the model's")
+    else:
+        for name, arr in current.items():
+            if delta[name].shape != arr.shape:
+                problem = (f"tensor {name!r} has shape {delta[name].shape}, the model's "
+                           f"{arr.shape}")
+                break
+    if problem:
+        raise ValueError(f"{type(aggregator).__name__}.finalize returned a delta that does "
+                         f"not fit the model: {problem} (an aggregator returns one delta "
+                         "tensor per model tensor, with its name, order and shape)")
 
 
 def _checked_config(config: Mapping[str, Scalar] | None, setting: str) -> dict[str, Scalar]:

@@ -199,10 +199,9 @@ class SecureRounds(RoundDriver):
                         server_round, number, outcome, len(participants))
         if failures:
             info["failures"] = failures
-        if isinstance(outcome, str):
-            log.warning("secure round %d failed: %s; the global model is unchanged",
-                        server_round, outcome)
+        if isinstance(outcome, str):  # logged with the round's commit, as its reason
             info["failure"] = outcome
+            record.result = AggregateResult(None, reason=f"secure aggregation: {outcome}")
             return record
         self.last_result = outcome
         survivors = len(outcome.survivors)
@@ -215,9 +214,8 @@ class SecureRounds(RoundDriver):
             # e.g. a distributed-DP sum whose contributor count does not match: the round
             # fails and is committed as failed (with the strategy's state: its ledger
             # has this unmasked sum); the server carries on
-            log.warning("secure round %d failed: %s; the global model is unchanged",
-                        server_round, exc)
             info["failure"] = str(exc)
+            record.result = AggregateResult(None, num_updates=survivors, reason=str(exc))
         return record
 
     def _setup(self, server_round: int, participants: list[str], current: Weights,

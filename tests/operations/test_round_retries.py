@@ -35,5 +35,9 @@ def test_a_failed_round_is_run_again_when_asked(server_config, retries: int,  # 
     for t in threads:
         t.join(10)
     assert [r.status for r in history if r.round > 0] == statuses
+    # A failed round says why, in its record (and so in the run store and `fedloom runs`).
+    assert [r.reason for r in history if r.round > 0] == [
+        "1 of 2 sampled clients returned an update; at least 2 needed" if s == "failed"
+        else "" for s in statuses]
     # Round 1 was tried twice when retried: the failing client trained on its second try.
     assert clients[0].calls == (3 if retries else 2)
