@@ -109,6 +109,7 @@ class Server:
             colluding_clients=config.secure_aggregation.colluding_clients)
         check_secure_strategy(self.strategy, config.secure_aggregation)
         check_robust_async(self.strategy, config.rounds)
+        _warn_below_minimum(self.strategy, config)
         if initial_weights is not None:
             try:  # every client's fit would fail on it, round after round
                 check_aggregatable(initial_weights)
@@ -303,3 +304,18 @@ class ServerHandle:
             raise TimeoutError("server still running")
         self.raise_if_failed()
         return self.history
+
+
+def _warn_below_minimum(strategy: Strategy, config: ServerConfig) -> None:
+    """Say at start when a round may sample fewer clients than the strategy's rule needs
+    (Krum's ``2f + 3``, say): each such round fails, and a run can end having failed them
+    all. A warning, not a refusal: ``fraction_fit`` of a larger fleet may sample enough."""
+    aggregator = getattr(strategy, "aggregator", None)
+    need = getattr(aggregator, "min_updates", 1)
+    have = config.selection.min_fit_clients
+    if isinstance(need, int) and have < need and not config.rounds.asynchronous:
+        log.warning("%s needs at least %d updates a round, but min_fit_clients is %d: a "
+                    "round that samples fewer than %d clients fails; raise min_fit_clients "
+                    "(and min_clients) to %d", type(aggregator).__name__, need, have, need,
+                    need)
+

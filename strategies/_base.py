@@ -57,6 +57,13 @@ class Aggregator(abc.ABC):
     #: True when the aggregator must hold every update (robust rules); False for a stream.
     holds_all_updates: bool = False
 
+    @property
+    def min_updates(self) -> int:
+        """The fewest updates a round needs for this rule to produce a model (its
+        precondition: a round with fewer fails); 1 when any number will do. The server
+        warns at start when its ``min_fit_clients`` is below it."""
+        return 1
+
     @abc.abstractmethod
     def start(self, current: Weights) -> None:
         """Begin a round whose updates are deltas from ``current``."""

@@ -93,6 +93,11 @@ class BulyanAggregator(HoldingAggregator):
         self.selection_rule: SelectionRule = selection_rule
         self.enforce_preconditions = enforce_preconditions
 
+    @property
+    def min_updates(self) -> int:
+        """``n >= 4f + 3`` (below it no model comes, enforced or not)."""
+        return 4 * self.num_malicious_nodes + 3
+
     def combine(
         self, current: Weights, deltas: Sequence[Weights], num_examples: Sequence[int]
     ) -> MeanUpdate:

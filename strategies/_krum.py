@@ -110,6 +110,13 @@ class KrumAggregator(HoldingAggregator):
         self.weighted_by_examples = weighted_by_examples
         self.enforce_preconditions = enforce_preconditions
 
+    @property
+    def min_updates(self) -> int:
+        """``n > 2f + 2`` and ``m <= n``, when preconditions are enforced."""
+        if not self.enforce_preconditions:
+            return 1
+        return max(2 * self.num_malicious_nodes + 3, self.num_nodes_to_select)
+
     def combine(
         self, current: Weights, deltas: Sequence[Weights], num_examples: Sequence[int]
     ) -> MeanUpdate:

@@ -65,6 +65,11 @@ class TrimmedMeanAggregator(HoldingAggregator):
         self.beta = float(beta)
         self.enforce_preconditions = enforce_preconditions
 
+    @property
+    def min_updates(self) -> int:
+        """Enough updates to trim one from each end, when preconditions are enforced."""
+        return min_updates_to_trim(self.beta) if self.enforce_preconditions else 1
+
     def combine(
         self, current: Weights, deltas: Sequence[Weights], num_examples: Sequence[int]
     ) -> MeanUpdate:
