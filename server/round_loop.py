@@ -107,7 +107,18 @@ class RoundLoop:
             path = await loop.run_in_executor(parts.executor, self.persistence.write_model,
                                               parts.model.weights)
             log.info("final model written to %s", path)
+            self._say_if_nothing_trained()
         self.persistence.finish()
+
+    def _say_if_nothing_trained(self) -> None:
+        """A run whose every round failed ends like any other (its rounds are over), but
+        its final model is the initial one: say so loudly, with the last round's reason
+        (a client model that does not fit the server's, a rule's precondition, ...)."""
+        trained = [r for r in self.history if r.round > 0]
+        if trained and all(r.status == "failed" for r in trained):
+            log.error("the run is over, but none of its %d rounds produced a model: the final "
+                      "model is the initial one (last round: %s)", len(trained),
+                      trained[-1].reason or "no reason recorded")
 
     async def _fit(self, server_round: int) -> tuple[FitOutcome, float]:
         """The round's fit, and when its first sample was drawn (the wait for

@@ -201,4 +201,8 @@ def test_a_round_whose_aggregation_fails_is_logged_and_keeps_the_model(
     logged = [r.getMessage() for r in caplog.records if "round 1 failed" in r.getMessage()]
     assert logged == ["round 1 failed: the updates disagree on everything; the global model "
                       "is unchanged"]  # once
+    # Every round failed: the run ends, but says loudly that it trained nothing.
+    assert ("the run is over, but none of its 1 rounds produced a model: the final model is "
+            "the initial one (last round: the updates disagree on everything)") in [
+        r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert committed_models(config.state_dir)[1].allclose(small_weights(), rtol=0, atol=0)

@@ -25,7 +25,8 @@ class FailsOnce(ScriptedClient):
 
 @pytest.mark.parametrize(("retries", "statuses"), [(0, ["failed", "ok"]), (1, ["ok", "ok"])])
 def test_a_failed_round_is_run_again_when_asked(server_config, retries: int,  # type: ignore[no-untyped-def]
-                                                statuses: list[str]) -> None:
+                                                statuses: list[str],
+                                                caplog: pytest.LogCaptureFixture) -> None:
     config = server_config(num_rounds=2, min_clients=2, min_fit_clients=2,
                            fraction_evaluate=0.0, round_retries=retries)
     handle = Server(config, initial_weights=small_weights()).start()
@@ -35,6 +36,7 @@ def test_a_failed_round_is_run_again_when_asked(server_config, retries: int,  # 
     for t in threads:
         t.join(10)
     assert [r.status for r in history if r.round > 0] == statuses
+    assert not [r for r in caplog.records if "produced a model" in r.getMessage()]  # one did
     # A failed round says why, in its record (and so in the run store and `fedloom runs`).
     assert [r.reason for r in history if r.round > 0] == [
         "1 of 2 sampled clients returned an update; at least 2 needed" if s == "failed"
