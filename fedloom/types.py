@@ -26,6 +26,8 @@ MAX_KEY_LENGTH = 256
 MAX_NORM_KEY = MAX_UPDATE_NORM
 MAX_STRING_VALUE = 4096
 MAX_ENTRIES = 256
+#: The range of an int in a record: the wire carries it as a signed 64-bit integer.
+MIN_INT, MAX_INT = -(2**63), 2**63 - 1
 
 
 class TaskKind(enum.StrEnum):
@@ -50,8 +52,7 @@ class FrozenRecord(dict[str, Scalar]):
 
     def __init__(self, record: Mapping[str, Scalar] | None = None, what: str = "record") -> None:
         if record:
-            _check_entries(record, what)
-            dict.update(self, record)
+            dict.update(self, _checked_entries(record, what))
 
     def _refuse(self) -> NoReturn:
         raise TypeError("a validated record is read-only; change a copy (dict(record))")
@@ -93,28 +94,38 @@ class FrozenRecord(dict[str, Scalar]):
 def validate_record(record: Mapping[str, Scalar], what: str) -> FrozenRecord:
     """Validate a config/metrics record and return it as a `FrozenRecord`.
 
-    Keys are non-empty strings of at most 256 characters; values are bool, int, float,
-    str or bytes; there are at most 256 entries. Floats may be NaN only in metrics the
-    caller chooses to accept; here they must be finite. A `FrozenRecord` was validated
-    when it was made and cannot have changed since: it is returned as it is.
+    Keys are non-empty strings of at most 256 characters; values are bool, int (signed
+    64-bit, what the wire carries), float, str or bytes; there are at most 256 entries.
+    Floats may be NaN only in metrics the caller chooses to accept; here they must be
+    finite. A `FrozenRecord` was validated when it was made and cannot have changed
+    since: it is returned as it is.
     """
     return record if type(record) is FrozenRecord else FrozenRecord(record, what)
 
 
-def _check_entries(record: Mapping[str, Scalar], what: str) -> None:
+def _checked_entries(record: Mapping[str, Scalar], what: str) -> dict[str, Scalar]:
+    """``record``'s entries; `ValueError` naming the entry that a record cannot hold."""
     if len(record) > MAX_ENTRIES:
         raise ValueError(f"{what}: {len(record)} entries, at most {MAX_ENTRIES} allowed")
+    checked: dict[str, Scalar] = {}
     for key, value in record.items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"{what}: key {key!r} must be a string of 1..{MAX_KEY_LENGTH}")
-        if not isinstance(value, bool | int | float | str | bytes):
-            raise ValueError(
-                f"{what}[{key!r}]: {type(value).__name__} is not a bool, int, float, str or bytes"
-            )
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{what}[{key!r}]: {value} is not finite")
-        if isinstance(value, str | bytes) and len(value) > MAX_STRING_VALUE:
-            raise ValueError(f"{what}[{key!r}]: longer than {MAX_STRING_VALUE}")
+        checked[key] = _checked_value(value, f"{what}[{key!r}]")
+    return checked
+
+
+def _checked_value(value: Scalar, what: str) -> Scalar:
+    if not isinstance(value, bool | int | float | str | bytes):
+        raise ValueError(f"{what}: {type(value).__name__} is not a bool, int, float, str or bytes")
+    if isinstance(value, int) and not MIN_INT <= value <= MAX_INT:
+        raise ValueError(f"{what}: {value} is outside the signed 64-bit range "
+                         f"[-2**63, 2**63 - 1]; send a larger number as a float or a str")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what}: {value} is not finite")
+    if isinstance(value, str | bytes) and len(value) > MAX_STRING_VALUE:
+        raise ValueError(f"{what}: longer than {MAX_STRING_VALUE}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

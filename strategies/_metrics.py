@@ -23,10 +23,10 @@ not hold the loss), and only when there is at least one. Where fedloom differs:
   mean: under secure aggregation (the server sees no client's fit metrics) and under
   differential privacy (client metrics are functions of the data, outside the guarantee)
   it is not called at all;
-- a hook that raises, or returns anything but a mapping of names to bool, int, float
-  (finite) or str, is logged as an error naming the hook and its output is dropped for
-  that round (the round's model and the strategy's own entries stand): a fault in
-  reporting code does not throw away the clients' training. ``bytes`` values are
+- a hook that raises, or returns anything but a mapping of names to bool, int (signed
+  64-bit), float (finite) or str, is logged as an error naming the hook and its output
+  is dropped for that round (the round's model and the strategy's own entries stand): a
+  fault in reporting code does not throw away the clients' training. ``bytes`` values are
   refused because the run store keeps round metrics as JSON; numpy scalars are
   converted to Python numbers.
 """
@@ -40,7 +40,15 @@ from typing import Any
 
 import numpy as np
 
-from fedloom.types import MAX_ENTRIES, MAX_KEY_LENGTH, MAX_STRING_VALUE, Metrics, Scalar
+from fedloom.types import (
+    MAX_ENTRIES,
+    MAX_INT,
+    MAX_KEY_LENGTH,
+    MAX_STRING_VALUE,
+    MIN_INT,
+    Metrics,
+    Scalar,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +154,9 @@ def checked_output(output: Any, hook_name: str) -> dict[str, Scalar]:
             raise HookOutputError(
                 f"{hook_name} returned {key!r} = {value!r} ({type(value).__name__}); a "
                 "metric must be a bool, int, float or str")
+        if isinstance(value, int) and not MIN_INT <= value <= MAX_INT:
+            raise HookOutputError(f"{hook_name} returned {key!r} = {value}; an int metric "
+                                  "must fit in a signed 64 bits (return a float)")
         if isinstance(value, float) and not math.isfinite(value):
             raise HookOutputError(f"{hook_name} returned {key!r} = {value}; a metric must "
                                   "be finite")

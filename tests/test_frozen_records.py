@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from fedloom.client_sdk import FitOutput
-from fedloom.types import ClientUpdate, FitPlan, FrozenRecord, validate_record
+from fedloom.protos import codec
+from fedloom.types import MAX_INT, MIN_INT, ClientUpdate, FitPlan, FrozenRecord, validate_record
 from fedloom.weights import Weights
 
 CHANGES: dict[str, Callable[[Any], object]] = {
@@ -78,6 +79,23 @@ def test_a_frozen_record_made_directly_is_checked_too() -> None:
         FrozenRecord.fromkeys(["a"], 1)
     merged = validate_record({"a": 1}, "m") | {"b": 2}
     assert type(merged) is dict and merged == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("value", [MAX_INT + 1, MIN_INT - 1, 2**70])
+def test_an_int_the_wire_cannot_carry_is_refused_naming_the_range(value: int) -> None:
+    """Refused where the record is made: it used to pass, and the client died at push
+    (protobuf's "Value out of range"), outside the task's error handling."""
+    with pytest.raises(ValueError, match=r"fit metrics\['n'\]: -?\d+ is outside the signed "
+                                         r"64-bit range \[-2\*\*63, 2\*\*63 - 1\]"):
+        FitOutput(_weights(), 3, {"n": value})
+    with pytest.raises(ValueError, match="outside the signed 64-bit range"):
+        FitPlan(("1",), {"n": value})
+
+
+def test_the_ints_at_the_ends_of_the_range_travel() -> None:
+    record = validate_record({"low": MIN_INT, "high": MAX_INT, "flag": True}, "metrics")
+    back = codec.record_from_proto(codec.record_to_proto(record), "metrics")
+    assert back == {"low": -(2**63), "high": 2**63 - 1, "flag": True}
 
 
 def test_a_frozen_record_pickles_copies_and_serialises_as_a_dict() -> None:

@@ -98,6 +98,17 @@ def test_bad_configuration_names_the_setting(
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_config_value_no_record_can_hold_is_refused_when_the_strategy_is_made(
+        name: str) -> None:
+    """Not at each round: an int past 64 bits used to pass the constructor, then failed
+    the server's Tasks handler at every round (protobuf's "Value out of range")."""
+    with pytest.raises(ValueError, match=r"fit_config\['x'\]: \d+ is outside the signed 64-bit"):
+        build_strategy(StrategyConfig(name, {"fit_config": {"x": 2**70}}))
+    with pytest.raises(ValueError, match=r"evaluate_config\['t'\]: nan is not finite"):
+        STRATEGIES[name](evaluate_config={"t": float("nan")})
+
+
 def test_server_owned_settings_are_not_strategy_settings() -> None:
     for name in NAMES:
         settings = strategy_settings(name)
