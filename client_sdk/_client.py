@@ -16,13 +16,23 @@ from fedloom.weights import Weights
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FitOutput:
-    """The result of local training: new local weights, examples used, metrics."""
+    """The result of local training: new local weights, examples used, metrics.
+
+    Checked here, so that a wrong one fails its task with a message that says what to
+    change, rather than the SDK later: ``weights`` is a `Weights` (wrap a dict of arrays:
+    ``Weights(arrays)``), ``num_examples`` a positive int, ``metrics`` a record of bool,
+    int, float, str or bytes.
+    """
 
     weights: Weights
     num_examples: int
     metrics: Metrics = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.weights, Weights):
+            raise TypeError(f"FitOutput.weights must be a fedloom.weights.Weights, not "
+                            f"{type(self.weights).__name__}: wrap the arrays, "
+                            "FitOutput(Weights(arrays), num_examples)")
         if isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int):
             raise TypeError("FitOutput.num_examples must be an int")
         if self.num_examples <= 0:

@@ -280,6 +280,38 @@ def test_a_client_that_returns_no_output_fails_the_task_naming_it() -> None:
     assert "_ReturnsNothing.evaluate returned tuple, not an EvaluateOutput" in eval_failure
 
 
+class _SendsBadOutput(StepClient):
+    """Returns what ``make_fit`` / ``make_evaluate`` build: outputs the SDK cannot send."""
+
+    def __init__(self, make_fit: Callable[[Weights], FitOutput] | None = None,
+                 make_evaluate: Callable[[], EvaluateOutput] | None = None) -> None:
+        super().__init__()
+        self.make_fit, self.make_evaluate = make_fit, make_evaluate
+
+    def fit(self, weights: Weights, config: Any) -> FitOutput:
+        return self.make_fit(weights) if self.make_fit else super().fit(weights, config)
+
+    def evaluate(self, weights: Weights, config: Any) -> EvaluateOutput:
+        return self.make_evaluate() if self.make_evaluate else super().evaluate(weights, config)
+
+
+@pytest.mark.parametrize(("client", "failed", "message"), [
+    (_SendsBadOutput(make_fit=lambda w: FitOutput({n: a + 0.1 for n, a in w.items()}, 10)),
+     FIT, "TypeError: FitOutput.weights must be a fedloom.weights.Weights, not dict: wrap "
+          "the arrays, FitOutput(Weights(arrays), num_examples)"),
+], ids=["fit weights a dict"])
+def test_a_client_output_the_sdk_cannot_send_fails_the_task_naming_the_fix(
+        client: Client, failed: TaskKind, message: str) -> None:
+    """Refused when the output is made, inside the task: the run goes on. These used to
+    end run() (an AttributeError in the SDK, or a push that could not encode them)."""
+    fleet = ScriptedFleet([FIT, EVALUATE])
+    runner = _run(fleet, client)
+    [(_, fit_kind, fit_failure), (_, eval_kind, eval_failure)] = fleet.outcome()
+    assert (fit_failure or eval_failure) == message
+    assert (fit_kind, eval_kind) == ((None, EVALUATE) if failed is FIT else (FIT, None))
+    assert runner.stats.failures == 1 and runner.stats.run_finished
+
+
 def test_on_pushed_hears_a_refused_result() -> None:
     fleet = ScriptedFleet([FIT, EVALUATE], refuse=frozenset({"t0"}))
     heard: list[tuple[str, bool]] = []
