@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import operator
 
 from fedloom.types import Config, Metrics, validate_record
 from fedloom.weights import Weights
@@ -20,8 +21,8 @@ class FitOutput:
 
     Checked here, so that a wrong one fails its task with a message that says what to
     change, rather than the SDK later: ``weights`` is a `Weights` (wrap a dict of arrays:
-    ``Weights(arrays)``), ``num_examples`` a positive int, ``metrics`` a record of bool,
-    int, float, str or bytes.
+    ``Weights(arrays)``), ``num_examples`` a positive int (a numpy integer is taken as
+    one), ``metrics`` a record of bool, int, float, str or bytes.
     """
 
     weights: Weights
@@ -33,27 +34,56 @@ class FitOutput:
             raise TypeError(f"FitOutput.weights must be a fedloom.weights.Weights, not "
                             f"{type(self.weights).__name__}: wrap the arrays, "
                             "FitOutput(Weights(arrays), num_examples)")
-        if isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int):
-            raise TypeError("FitOutput.num_examples must be an int")
-        if self.num_examples <= 0:
-            raise ValueError(f"FitOutput.num_examples must be positive, got {self.num_examples}")
+        object.__setattr__(self, "num_examples", _count(self.num_examples, "FitOutput"))
         object.__setattr__(self, "metrics", validate_record(self.metrics, "fit metrics"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EvaluateOutput:
-    """The result of local evaluation of the global weights."""
+    """The result of local evaluation of the global weights.
+
+    Checked as `FitOutput` is: ``loss`` a number (kept as a float: a numpy scalar or a
+    one-element tensor is converted), ``num_examples`` a positive int.
+    """
 
     loss: float
     num_examples: int
     metrics: Metrics = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_examples <= 0:
-            raise ValueError(
-                f"EvaluateOutput.num_examples must be positive, got {self.num_examples}"
-            )
+        object.__setattr__(self, "loss", _loss(self.loss))
+        object.__setattr__(self, "num_examples", _count(self.num_examples, "EvaluateOutput"))
         object.__setattr__(self, "metrics", validate_record(self.metrics, "evaluate metrics"))
+
+
+def _loss(value: object) -> float:
+    """``value`` as a float; a bool or a text is not a loss, though float() takes them."""
+    try:
+        if not isinstance(value, bool | str | bytes):
+            return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        pass
+    raise TypeError(f"EvaluateOutput.loss must be a number, not {type(value).__name__} "
+                    f"({value!r}): pass the mean loss as float(loss)")
+
+
+def _count(value: object, owner: str) -> int:
+    """``value`` as a positive Python int: a numpy integer (``len`` of an array, a sum)
+    counts as an int, a float or a bool does not, whatever its value."""
+    index = None if isinstance(value, bool) else _as_index(value)
+    if index is None:
+        raise TypeError(f"{owner}.num_examples must be an int, not {type(value).__name__} "
+                        f"({value!r}): pass the number of examples as int(n)")
+    if index <= 0:
+        raise ValueError(f"{owner}.num_examples must be positive, got {index}")
+    return index
+
+
+def _as_index(value: object) -> int | None:
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 class Client(abc.ABC):

@@ -299,7 +299,10 @@ class _SendsBadOutput(StepClient):
     (_SendsBadOutput(make_fit=lambda w: FitOutput({n: a + 0.1 for n, a in w.items()}, 10)),
      FIT, "TypeError: FitOutput.weights must be a fedloom.weights.Weights, not dict: wrap "
           "the arrays, FitOutput(Weights(arrays), num_examples)"),
-], ids=["fit weights a dict"])
+    (_SendsBadOutput(make_evaluate=lambda: EvaluateOutput(0.5, num_examples=10.5)),  # type: ignore[arg-type]
+     EVALUATE, "TypeError: EvaluateOutput.num_examples must be an int, not float (10.5): "
+               "pass the number of examples as int(n)"),
+], ids=["fit weights a dict", "evaluate num_examples a float"])
 def test_a_client_output_the_sdk_cannot_send_fails_the_task_naming_the_fix(
         client: Client, failed: TaskKind, message: str) -> None:
     """Refused when the output is made, inside the task: the run goes on. These used to
