@@ -302,7 +302,10 @@ class _SendsBadOutput(StepClient):
     (_SendsBadOutput(make_evaluate=lambda: EvaluateOutput(0.5, num_examples=10.5)),  # type: ignore[arg-type]
      EVALUATE, "TypeError: EvaluateOutput.num_examples must be an int, not float (10.5): "
                "pass the number of examples as int(n)"),
-], ids=["fit weights a dict", "evaluate num_examples a float"])
+    (_SendsBadOutput(make_fit=lambda w: FitOutput(w, 10, {"n": 2**70})),
+     FIT, "ValueError: fit metrics['n']: 1180591620717411303424 is outside the signed 64-bit "
+          "range [-2**63, 2**63 - 1]; send a larger number as a float or a str"),
+], ids=["fit weights a dict", "evaluate num_examples a float", "fit metric past 64 bits"])
 def test_a_client_output_the_sdk_cannot_send_fails_the_task_naming_the_fix(
         client: Client, failed: TaskKind, message: str) -> None:
     """Refused when the output is made, inside the task: the run goes on. These used to
