@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import NoReturn
 
+import numpy as np
+
 from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.weights import Weights
 
@@ -40,12 +42,12 @@ class FrozenRecord(dict[str, Scalar]):
     """A validated config or metrics record: a dict that refuses every change.
 
     Made from a mapping, which it checks (`validate_record`'s rules, errors naming
-    ``what``) and copies. The frozen dataclasses here hold their records as these, so a
-    record cannot change after it was checked, and `validate_record` passes one on as
-    it is: a client's metrics checked once in its `FitOutput` are not checked again in
-    its `ClientUpdate`, nor when an engine replaces the update's delta. Reading,
-    iterating, JSON and pickling work as for a dict; ``dict(record)`` (or
-    ``record.copy()``) is a changeable copy.
+    ``what``) and copies, numpy scalars converted to Python ones. The frozen dataclasses
+    here hold their records as these, so a record cannot change after it was checked,
+    and `validate_record` passes one on as it is: a client's metrics checked once in its
+    `FitOutput` are not checked again in its `ClientUpdate`, nor when an engine replaces
+    the update's delta. Reading, iterating, JSON and pickling work as for a dict;
+    ``dict(record)`` (or ``record.copy()``) is a changeable copy.
     """
 
     __slots__ = ()
@@ -96,22 +98,26 @@ def validate_record(record: Mapping[str, Scalar], what: str) -> FrozenRecord:
 
     Keys are non-empty strings of at most 256 characters; values are bool, int (signed
     64-bit, what the wire carries), float, str or bytes; there are at most 256 entries.
-    Floats may be NaN only in metrics the caller chooses to accept; here they must be
-    finite. A `FrozenRecord` was validated when it was made and cannot have changed
-    since: it is returned as it is.
+    Numpy scalars (``np.float32(0.5)``, ``np.int64(3)``, ``np.bool_(True)``) are
+    converted to Python ones, as a metrics hook's output is: a metric computed with
+    numpy need not be unwrapped by hand. Floats may be NaN only in metrics the caller
+    chooses to accept; here they must be finite. A `FrozenRecord` was validated when it
+    was made and cannot have changed since: it is returned as it is.
     """
     return record if type(record) is FrozenRecord else FrozenRecord(record, what)
 
 
 def _checked_entries(record: Mapping[str, Scalar], what: str) -> dict[str, Scalar]:
-    """``record``'s entries; `ValueError` naming the entry that a record cannot hold."""
+    """``record``'s entries, numpy scalars as Python ones; `ValueError` naming the entry
+    that a record cannot hold."""
     if len(record) > MAX_ENTRIES:
         raise ValueError(f"{what}: {len(record)} entries, at most {MAX_ENTRIES} allowed")
     checked: dict[str, Scalar] = {}
     for key, value in record.items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"{what}: key {key!r} must be a string of 1..{MAX_KEY_LENGTH}")
-        checked[key] = _checked_value(value, f"{what}[{key!r}]")
+        checked[key] = _checked_value(value.item() if isinstance(value, np.generic) else value,
+                                      f"{what}[{key!r}]")
     return checked
 
 

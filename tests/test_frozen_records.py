@@ -92,6 +92,24 @@ def test_an_int_the_wire_cannot_carry_is_refused_naming_the_range(value: int) ->
         FitPlan(("1",), {"n": value})
 
 
+def test_numpy_scalars_are_taken_as_the_python_scalars_they_hold() -> None:
+    """As a server's metrics hook's output is: a metric computed with numpy (a float32
+    model's mean, a count) needs no unwrapping, and travels and stores as JSON."""
+    out = FitOutput(_weights(), 3, {"acc": np.float32(0.5), "seen": np.int64(7),
+                                    "ok": np.bool_(True), "loss": np.float64(0.25),
+                                    "tag": np.str_("a")})
+    assert out.metrics == {"acc": 0.5, "seen": 7, "ok": True, "loss": 0.25, "tag": "a"}
+    assert [type(v) for v in out.metrics.values()] == [float, int, bool, float, str]
+    assert codec.record_from_proto(codec.record_to_proto(out.metrics), "m") == out.metrics
+    assert json.loads(json.dumps(out.metrics)) == out.metrics
+    with pytest.raises(ValueError, match=r"fit metrics\['n'\]: \d+ is outside the signed"):
+        FitOutput(_weights(), 3, {"n": np.uint64(2**64 - 1)})
+    with pytest.raises(ValueError, match=r"fit metrics\['t'\]: nan is not finite"):
+        FitOutput(_weights(), 3, {"t": np.float32("nan")})
+    with pytest.raises(ValueError, match="complex is not a bool, int, float, str or bytes"):
+        FitOutput(_weights(), 3, {"z": np.complex64(1j)})
+
+
 def test_the_ints_at_the_ends_of_the_range_travel() -> None:
     record = validate_record({"low": MIN_INT, "high": MAX_INT, "flag": True}, "metrics")
     back = codec.record_from_proto(codec.record_to_proto(record), "metrics")
