@@ -129,6 +129,8 @@ class TorchClient(Client):
         val_loader: yields batches for `evaluate`; without one, evaluation uses
             ``train_loader``.
         loss_fn: defaults to cross-entropy (`torch.nn.functional.cross_entropy`).
+            `evaluate` reports its mean, and an ``accuracy`` metric when the model
+            classifies (see `evaluate_module`).
         optimizer_factory: builds a fresh optimizer per fit (default SGD, lr 0.05,
             momentum 0.9); momentum does not carry over between rounds.
         local_epochs: passes over ``train_loader`` per fit.
@@ -241,9 +243,11 @@ class TorchClient(Client):
         return seen // epochs, metrics
 
     def evaluate(self, weights: Weights, config: Config) -> EvaluateOutput:
+        """The mean loss over ``val_loader``, with an ``accuracy`` metric only when the
+        model classifies (`evaluate_module` says when): a regression reports none."""
         load_weights(self.model, weights)
         loss, accuracy, n = evaluate_module(self.model, self.val_loader, self.loss_fn, self.device)
-        return EvaluateOutput(loss, n, {"accuracy": accuracy})
+        return EvaluateOutput(loss, n, {} if accuracy is None else {"accuracy": accuracy})
 
 
 def _seed(seed: int, device: torch.device) -> None:
@@ -381,18 +385,32 @@ def evaluate_module(
     loader: Iterable[Batch],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
-) -> tuple[float, float, int]:
-    """Mean loss, accuracy (argmax of the outputs) and example count over ``loader``."""
+) -> tuple[float, float | None, int]:
+    """Mean loss, accuracy and example count over ``loader``.
+
+    The accuracy (the argmax of the outputs against the targets) is None unless every
+    batch is a classification (`_classifies`): compared anyway, a regression's (N, 1)
+    outputs and targets broadcast to N x N and gave "accuracies" such as 16.0.
+    """
     model.eval()
-    total_loss, correct, n = 0.0, 0, 0
+    total_loss, correct, n, classifies = 0.0, 0, 0, True
     with torch.no_grad():
         for inputs, targets in loader:
             inputs, targets = inputs.to(device), targets.to(device)
             outputs = model(inputs)
             total_loss += float(loss_fn(outputs, targets)) * len(targets)
-            if outputs.ndim == 2:
+            classifies = classifies and _classifies(outputs, targets)
+            if classifies:
                 correct += int((outputs.argmax(dim=1) == targets).sum())
             n += len(targets)
     if n == 0:
         raise ValueError("the evaluation loader yielded no examples")
-    return total_loss / n, correct / n, n
+    return total_loss / n, correct / n if classifies else None, n
+
+
+def _classifies(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Scores of shape (N, C), C >= 2, against integer class labels of shape (N,)."""
+    labels = not (targets.dtype.is_floating_point or targets.dtype.is_complex
+                  or targets.dtype == torch.bool)
+    return (outputs.ndim == 2 and outputs.shape[1] >= 2 and targets.shape == outputs.shape[:1]
+            and labels)

@@ -114,7 +114,7 @@ def _server_evaluator(seed: int) -> Any:
     def evaluate(server_round: int, weights: Weights) -> tuple[float, dict[str, float]]:
         load_weights(model, weights)
         loss, accuracy, _ = evaluate_module(model, loader, loss_fn, torch.device("cpu"))
-        return loss, {"accuracy": accuracy}
+        return loss, {} if accuracy is None else {"accuracy": accuracy}
 
     return evaluate
 

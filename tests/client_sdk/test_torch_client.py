@@ -82,6 +82,43 @@ def test_fit_lowers_the_loss_and_reports_examples() -> None:
     assert not out.weights.allclose(start, rtol=0, atol=1e-6)
 
 
+def test_evaluate_reports_the_share_of_argmax_hits_as_accuracy_for_a_classifier() -> None:
+    client = _client()
+    out = client.evaluate(client.get_weights(), {})
+    client.model.eval()
+    with torch.no_grad():  # the reference: every batch's argmax against its labels
+        hits = sum(int((client.model(x).argmax(dim=1) == y).sum()) for x, y in _data())
+    assert out.metrics["accuracy"] == pytest.approx(hits / 256)
+    assert out.num_examples == 256
+
+
+def _mse_on_flat(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ((outputs.squeeze(1) - targets) ** 2).mean()
+
+
+@pytest.mark.parametrize(("outputs", "targets", "loss_fn"), [
+    (1, torch.zeros(64, 1), torch.nn.functional.mse_loss),  # broadcast to 64 x 64: 16.0
+    (1, torch.zeros(64), _mse_on_flat),
+    (3, torch.zeros(64, 3), torch.nn.functional.mse_loss),
+    (1, torch.zeros(64, dtype=torch.long), _mse_on_flat),
+    (2, torch.eye(2)[torch.arange(64) % 2], torch.nn.functional.binary_cross_entropy_with_logits),
+], ids=["(N,1) on (N,1)", "(N,1) on float (N,)", "(N,3) on (N,3)", "one column on labels",
+        "multi-label (N,2) on float (N,2)"])
+def test_evaluate_reports_no_accuracy_when_the_model_does_not_classify(
+        outputs: int, targets: torch.Tensor, loss_fn) -> None:  # type: ignore[no-untyped-def]
+    """Only scores (N, C), C >= 2, against integer labels (N,) have an accuracy: a
+    regression's argmax compared with its targets gave numbers such as 16.0."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    client = TorchClient(torch.nn.Linear(8, outputs), [(x, targets)], loss_fn=loss_fn,
+                         device="cpu")
+    out = client.evaluate(client.get_weights(), {})
+    assert "accuracy" not in out.metrics and out.metrics == {}
+    with torch.no_grad():
+        assert out.loss == pytest.approx(float(loss_fn(client.model(x), targets)), rel=1e-6)
+    assert out.num_examples == 64
+
+
 def test_fit_is_reproducible_with_a_seed_and_starts_from_the_given_weights() -> None:
     client = _client()
     start = client.get_weights()
