@@ -11,6 +11,8 @@ import abc
 import dataclasses
 import operator
 
+import numpy as np
+
 from fedloom.types import Config, Metrics, validate_record
 from fedloom.weights import Weights
 
@@ -70,7 +72,8 @@ def _loss(value: object) -> float:
 def _count(value: object, owner: str) -> int:
     """``value`` as a positive Python int: a numpy integer (``len`` of an array, a sum)
     counts as an int, a float or a bool does not, whatever its value."""
-    index = None if isinstance(value, bool) else _as_index(value)
+    # a bool has an __index__ (and np.bool_ had one in older numpy): not a count
+    index = None if isinstance(value, bool | np.bool_) else _as_index(value)
     if index is None:
         raise TypeError(f"{owner}.num_examples must be an int, not {type(value).__name__} "
                         f"({value!r}): pass the number of examples as int(n)")
