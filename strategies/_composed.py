@@ -189,13 +189,9 @@ def _check_delta_layout(aggregator: Aggregator, current: Weights, delta: Weights
 
 
 def _checked_config(config: Mapping[str, Scalar] | None, setting: str) -> dict[str, Scalar]:
-    """``config`` as every task will carry it, checked now: a value the wire cannot
-    carry (a numpy scalar, None, a nested dict, NaN) would otherwise fail every round's
-    tasks once the run has started."""
-    for key, value in (config or {}).items():
-        if isinstance(value, np.generic) and not isinstance(value, bool | int | float):
-            raise ConfigError(f"{setting}[{key!r}]", f"a numpy {type(value).__name__}: pass "
-                              "a Python value (value.item())")
+    """``config`` as every task will carry it (numpy scalars as the Python values they
+    hold), checked now: a value the wire cannot carry (None, a nested dict, NaN, an int
+    past 64 bits) would otherwise fail every round's tasks once the run has started."""
     try:
         return dict(validate_record(config or {}, setting))
     except ValueError as exc:
