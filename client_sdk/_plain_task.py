@@ -21,10 +21,7 @@ def run_fit(client: Client, encoder: UpdateEncoder, joined: JoinReply | None,
         ValueError: the client's new weights cannot be sent (layout, NaN or Inf).
     """
     task, weights = context.task, context.weights
-    fit = client.fit(weights, task.config)
-    if not isinstance(fit, FitOutput):  # a task failure, not an AttributeError in the SDK
-        raise ValueError(f"{type(client).__name__}.fit returned {type(fit).__name__}, "
-                         "not a FitOutput(weights, num_examples, metrics)")
+    fit = checked_fit(client, client.fit(weights, task.config))
     problem = _check_output(weights, fit.weights)
     if problem:
         raise ValueError(problem)
@@ -35,6 +32,18 @@ def run_fit(client: Client, encoder: UpdateEncoder, joined: JoinReply | None,
                           num_examples=fit.num_examples, base_round=task.round - 1,
                           metrics=fit.metrics, update=info, codec=codec)
     return TaskResult(header, payload)
+
+
+def checked_fit(client: Client, fit: object) -> FitOutput:
+    """``fit``, what ``client.fit`` returned, once it is a `FitOutput`.
+
+    Raises:
+        ValueError: it is not (a task failure, not an AttributeError in the SDK).
+    """
+    if not isinstance(fit, FitOutput):
+        raise ValueError(f"{type(client).__name__}.fit returned {type(fit).__name__}, "
+                         "not a FitOutput(weights, num_examples, metrics)")
+    return fit
 
 
 def run_evaluate(client: Client, context: TaskContext) -> TaskResult:

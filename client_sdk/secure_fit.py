@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from fedloom.client_sdk._client import Client
+from fedloom.client_sdk._plain_task import checked_fit
 from fedloom.errors import SecureAggregationError
 from fedloom.fit_config import MAX_UPDATE_NORM
 from fedloom.messages import MASKED_TENSOR, MaskedInputHeader, ResultHeader, Session, TaskHeader
@@ -197,7 +198,7 @@ class SecureFit:
             raise SecureAggregationError(
                 f"the round announces {setup.vector_length} values, the model has {size}")
         started = time.thread_time()
-        fit = self.client.fit(weights, task.config)
+        fit = checked_fit(self.client, self.client.fit(weights, task.config))
         self._train_cpu_s = time.thread_time() - started
         self.cpu_s["train"] = self.cpu_s.get("train", 0.0) + self._train_cpu_s
         weights.check_same_layout(fit.weights, what="the client's new weights")

@@ -13,6 +13,7 @@ import hashlib
 from typing import Any
 
 import numpy as np
+import pytest
 from e2e_harness import RecordingClient
 from helpers import small_weights
 
@@ -212,3 +213,19 @@ def test_a_share_task_on_keys_never_offered_is_refused_and_nothing_trains() -> N
     result, _ = fit.execute(SESSION, _task(masked), small_weights())
     assert result.kind is None and "no keys were shared" in result.failure
     assert client.sent == []
+
+
+def test_a_fit_that_returns_no_fit_output_fails_its_task_not_the_client() -> None:
+    """As in a plain round (`run_fit`): a ValueError the runner turns into a task
+    failure, where an AttributeError from inside the SDK ended ``run()``."""
+
+    class ReturnsNothing(RecordingClient):
+        def fit(self, weights: Weights, config: Any) -> Any:
+            super().fit(weights, config)
+            return None
+
+    client = ReturnsNothing(seed=0, num_examples=10)
+    with pytest.raises(ValueError, match="ReturnsNothing.fit returned NoneType, not a "
+                                         r"FitOutput\(weights, num_examples, metrics\)"):
+        _masked_input_after(_advertise(), client)
+    assert len(client.sent) == 1
