@@ -80,8 +80,28 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def state_dict_to_weights(state: Mapping[str, torch.Tensor]) -> Weights:
-    """Copy a ``state_dict`` to host memory as `Weights`, keeping names and order."""
-    return Weights((name, t.detach().cpu().numpy().copy()) for name, t in state.items())
+    """Copy a ``state_dict`` to host memory as `Weights`, keeping names and order.
+
+    Raises:
+        ValueError: a tensor's dtype has no numpy (wire) counterpart, e.g. bfloat16.
+    """
+    try:
+        return Weights((name, t.detach().cpu().numpy().copy()) for name, t in state.items())
+    except TypeError as exc:  # torch: "Got unsupported ScalarType BFloat16"
+        odd = next((f"{name!r} ({t.dtype})" for name, t in state.items()
+                    if not _has_numpy_dtype(t.dtype)), "a tensor")
+        raise ValueError(
+            f"the model's tensor {odd} cannot be sent: its dtype has no numpy counterpart "
+            "(weights travel as float16/32/64 or integers); keep the parameters in float32 "
+            "and train in bfloat16 under torch.autocast") from exc
+
+
+def _has_numpy_dtype(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return False
+    return True
 
 
 def load_weights(module: torch.nn.Module, weights: Weights) -> None:
@@ -200,7 +220,7 @@ class TorchClient(Client):
         An engine that moves weights in and out of the module itself (a round's clients
         sharing one module, `fedloom.simulations.lean`) calls this instead of `fit`.
         """
-        epochs = int(config.get(LOCAL_EPOCHS, self.local_epochs))
+        epochs = _whole_epochs(config.get(LOCAL_EPOCHS, self.local_epochs))
         if not 1 <= epochs <= self.max_local_epochs:
             raise ConfigError(LOCAL_EPOCHS, f"must be in 1..{self.max_local_epochs} "
                                             f"(max_local_epochs), got {epochs}")
@@ -339,6 +359,15 @@ def proximal_mu(config: Config) -> float:
     if not (math.isfinite(mu) and mu >= 0):
         raise ConfigError(PROXIMAL_MU, f"must be a number >= 0, got {value!r}")
     return mu
+
+
+def _whole_epochs(value: object) -> int:
+    """A fit config's ``local_epochs`` as an int: 2.7 epochs is refused, not cut to 2."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(LOCAL_EPOCHS, f"must be a whole number of epochs, got {value!r}")
+    return value
 
 
 def max_update_norm(config: Config) -> float | None:

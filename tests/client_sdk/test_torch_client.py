@@ -53,6 +53,18 @@ def test_weights_follow_the_state_dict_names_order_and_dtypes() -> None:
     np.testing.assert_array_equal(weights["0.weight"], before)
 
 
+def test_a_bfloat16_model_is_refused_naming_the_tensor_and_the_fix() -> None:
+    # numpy has no bfloat16: torch's own "Got unsupported ScalarType BFloat16" named
+    # neither the tensor nor what to do.
+    model = _model()
+    model[3].to(torch.bfloat16)
+    client = TorchClient(model, _data(), device="cpu")
+    with pytest.raises(ValueError, match=r"tensor '3.weight' \(torch.bfloat16\) cannot be sent"
+                                         r".*keep the parameters in float32 and train in "
+                                         "bfloat16 under torch.autocast"):
+        client.get_weights()
+
+
 def test_load_weights_round_trips_and_checks_the_layout() -> None:
     source, target = _model(seed=1), _model(seed=2)
     weights = state_dict_to_weights(source.state_dict())
@@ -289,6 +301,11 @@ def test_a_server_cannot_ask_for_more_epochs_than_the_client_allows() -> None:
         with pytest.raises(ConfigError, match=r"local_epochs: must be in 1\.\.5"):
             client.fit(weights, {"local_epochs": asked})
     client.fit(weights, {"local_epochs": 5})
+    client.fit(weights, {"local_epochs": 2.0})  # a whole number written as a float
+    for odd in (2.7, True, "2"):  # 2.7 was cut to 2 epochs without a word
+        with pytest.raises(ConfigError, match="local_epochs: must be a whole number of "
+                                              f"epochs, got {odd!r}"):
+            client.fit(weights, {"local_epochs": odd})
     with pytest.raises(ConfigError, match="max_local_epochs"):
         _client(local_epochs=3, max_local_epochs=2)
 
