@@ -144,6 +144,11 @@ class StackedGradients:
         # No tied weights to untie: the fitter refuses models that have them.
         return functional_call(self._model, (params, consts), (x,), tie_weights=False)
 
+    def logits(self, params: Sequence[torch.Tensor], consts: Tensors,
+               x: torch.Tensor) -> torch.Tensor:
+        """Every client's logits ``(clients, width, classes)`` for batches ``x``, no loss."""
+        return self._forward(dict(zip(self.names, params, strict=True)), consts, x)
+
     def __call__(self, params: Sequence[torch.Tensor], consts: Tensors, x: torch.Tensor,
                  y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
                  proximal: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None,

@@ -26,10 +26,14 @@ rounding (batched matrix products and the loss sum in another order):
 Limits: the loss is cross-entropy over integer labels (`TorchClient`'s default); the
 model must train the same under ``vmap``. Models that cannot are refused when the
 fitter is built, with a `ConfigError` saying why: buffers that training updates
-(batch norm's running statistics), randomness in the forward pass (dropout),
-data-dependent control flow (a branch on a tensor's value, ``.item()``), tied
-parameters. Beyond the known module types, one vmapped training step on a small batch
-finds these; state a module keeps in plain Python attributes is not checked. The
+(batch norm's running statistics), statistics over the batch (every batch norm, with
+or without running statistics: a short batch's padding would enter them), randomness
+in the forward pass (dropout), data-dependent control flow (a branch on a tensor's
+value, ``.item()``), tied parameters. Beyond the known module types, one vmapped
+training step on a small batch finds these, and one example's output computed beside
+two different neighbours finds a model that mixes the examples of a batch; state a
+module keeps in plain Python attributes is not checked. Per-example normalisation
+(``LayerNorm``, ``GroupNorm``) trains as alone. The
 clients' data lives on the device for the fitter's lifetime; a chunk holds its
 parameters and optimizer state once per client. Unlike `TorchClient`, the fitter
 leaves torch's global random state alone (a model it accepts draws nothing). Like the
@@ -91,6 +95,9 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = ("sgd", "adam")
 _USE_LOCAL = 'use engine = "local"'
+# BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm, with or without running
+# statistics: in training they all normalise with the statistics of the batch.
+_BATCH_STATISTICS = (torch.nn.modules.batchnorm._BatchNorm,)
 _DROPOUT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
             torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
@@ -341,6 +348,30 @@ class VectorizedFitter:
                 raise ConfigError(
                     "model", f"buffer {name!r} changes during a training step, and "
                     f"vectorized training cannot keep it per client; {_USE_LOCAL}")
+        self._probe_mixing(params, consts)
+
+    def _probe_mixing(self, params: list[torch.Tensor], consts: Tensors) -> None:
+        """Refuse a model whose output for an example depends on the other examples of
+        its batch: a client's short batch is padded with examples the mask weighs 0 in
+        the loss, but such a model would see them, and train otherwise than alone.
+
+        Two clients with the same weights get batches that share their first example
+        and differ in the second; its logits must not differ.
+        """
+        assert self._x is not None
+        x = self._x
+        other = next((j for j in range(2, min(len(x), 256)) if not torch.equal(x[j], x[1])),
+                     None)
+        if other is None:  # too few distinct examples to tell
+            return
+        batches = torch.stack([x[[0, 1]], x[[0, other]]])
+        with torch.no_grad():
+            logits = self._gradients.logits(params, consts, batches)
+        if not torch.allclose(logits[0, 0], logits[1, 0], rtol=1e-4, atol=1e-5):
+            raise ConfigError(
+                "model", "its output for one example changes with the other examples of "
+                "its batch (a statistic over the batch?), and vectorized training pads a "
+                f"client's short batches with examples it must not see; {_USE_LOCAL}")
 
 
 def _trainable_names(model: torch.nn.Module) -> list[str]:
@@ -363,6 +394,10 @@ def _refuse_known_modules(model: torch.nn.Module) -> None:
                 getattr(module, "running_mean", None) is not None):
             raise ConfigError("model", f"{where} keeps running statistics, which vectorized "
                               f"training cannot update per client; {_USE_LOCAL}")
+        if isinstance(module, _BATCH_STATISTICS):
+            raise ConfigError("model", f"{where} normalises over the batch, and vectorized "
+                              "training pads a client's short batches with examples that "
+                              f"would enter those statistics; {_USE_LOCAL}")
         if isinstance(module, _DROPOUT) and module.p > 0:
             raise ConfigError("model", f"{where} draws random masks in training, which "
                               f"vectorized training cannot draw per client; {_USE_LOCAL}")

@@ -13,6 +13,7 @@ moves the weights by 1e-3 or more.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -292,8 +293,18 @@ def sequential(*middle: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 16), *middle, torch.nn.Linear(16, 10))
 
 
+class Centred(Branching):
+    """Subtracts the batch's mean: each example's output depends on the others."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x - x.mean(0))
+
+
 @pytest.mark.parametrize(("model", "reason"), [
     (sequential(torch.nn.BatchNorm1d(16)), "BatchNorm1d at '1' keeps running statistics"),
+    (sequential(torch.nn.BatchNorm1d(16, track_running_stats=False)),
+     "BatchNorm1d at '1' normalises over the batch"),
+    (Centred(), "output for one example changes with the other examples of its batch"),
     (sequential(torch.nn.Dropout(0.2)), "Dropout at '1' draws random masks"),
     (Branching(), "data-dependent control flow"),
     (Noisy(), "draws random numbers"),
@@ -309,11 +320,22 @@ def test_models_it_cannot_batch_are_refused_with_the_reason(
     assert 'engine = "local"' in str(caught.value)
 
 
-def test_batch_norm_without_running_statistics_and_idle_dropout_are_accepted() -> None:
+def test_per_example_normalisation_and_idle_dropout_train_as_alone() -> None:
+    """LayerNorm normalises each example on its own, so padded short batches (batch
+    size 16 over shares of 5 to 129 examples) change nothing: each task's weights are
+    its `TorchClient`'s alone."""
     job = make_job()
-    model = sequential(torch.nn.BatchNorm1d(16, track_running_stats=False),
-                       torch.nn.Dropout(0.0))
-    VectorizedFitter(model, job.clients, batch_size=16, lr=0.05, momentum=0.9)
+    model = sequential(torch.nn.LayerNorm(16), torch.nn.Dropout(0.0))
+    fitter = VectorizedFitter(model, job.clients, batch_size=16, lr=0.05, momentum=0.9,
+                              seed=job.scenario.seed)
+    weights = Weights({k: v.detach().numpy().copy() for k, v in model.state_dict().items()})
+    tasks = mixed_tasks(job)
+    assert any(sizes(job)[task.index] % 16 for task in tasks)  # some batch is padded
+    for ours, task in zip(fitter.fit(weights, tasks), tasks, strict=True):
+        data = job.clients[task.index]
+        alone = make_torch_client(data.x, data.y, batch_size=16, lr=0.05, momentum=0.9,
+                                  seed=job.scenario.seed, model=copy.deepcopy(model))
+        assert_same_fit(ours, alone.fit(weights, dict(task.config)))
 
 
 @pytest.mark.parametrize(("setting", "changes"), [
