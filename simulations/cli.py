@@ -11,8 +11,10 @@
 read as TOML, so ``--set client.lr=0.1`` is a float and ``--set engine=flower`` may go
 unquoted). ``--set rounds.mode=async`` works on a file that says ``rounds = N``: the
 count moves to ``num_rounds``, beside the ``[rounds]`` table (see
-`fedloom.simulations.scenario`). Exit status: 0 on success, 2 for a bad scenario or
-argument, 1 for another fedloom error (e.g. the results cannot be written).
+`fedloom.simulations.scenario`). The ``--out`` folder is created before the run
+trains (a file or an unwritable folder is refused); an earlier run's results in it
+are replaced, with a warning naming them. Exit status: 0 on success, 2 for a bad
+scenario or argument (``--out`` included), 1 for another fedloom error.
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             data["progress"] = False
         scenario = scenario_from_mapping(data)
         out_dir = Path(args.out) if args.out else Path("runs") / scenario.name
+        from fedloom.simulations.history import prepare_out_dir
 
+        prepare_out_dir(out_dir, "--out")  # refused here, before any training
         from fedloom.simulations.runner import run_scenario
 
         history = run_scenario(scenario, out_dir)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fedloom.errors import ConfigError
 from fedloom.records import RoundRecord
 from fedloom.types import AggregateResult, Metrics
 from fedloom.weights import Weights
@@ -40,6 +41,32 @@ __all__ = ["History", "RoundRecord", "RoundRecorder"]
 
 #: The metric holding the virtual time at which a round ended (see the module docstring).
 VIRTUAL_TIME = "virtual_time_s"
+#: The files `History.write` puts in a results folder.
+RESULT_FILES = ("history.json", "history.csv", "history.png", "final.safetensors")
+
+
+def prepare_out_dir(out_dir: str | Path, setting: str = "out_dir") -> list[str]:
+    """Create the results folder and check that it takes files, before a run trains, so
+    a folder that cannot be written costs no training. Returns the result files of an
+    earlier run that this run's will replace.
+
+    Raises:
+        ConfigError: naming ``setting``, when the folder cannot be created or written.
+    """
+    folder = Path(out_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(setting, f"{str(folder)!r} is a file, not a folder: name a "
+                          "folder for the results (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".fedloom-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(setting, f"{str(folder)!r} cannot hold the results "
+                          f"({exc.strerror or exc}): name a folder this user can create "
+                          "and write") from exc
+    return [name for name in RESULT_FILES if (folder / name).exists()]
 
 
 @dataclasses.dataclass

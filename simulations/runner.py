@@ -35,7 +35,7 @@ from fedloom.client_sdk.torch_trainer import TorchClient
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import SimulatedCompression
 from fedloom.simulations.fitting import RoundFitter
-from fedloom.simulations.history import History, RoundRecord
+from fedloom.simulations.history import History, RoundRecord, prepare_out_dir
 from fedloom.simulations.job import Job
 from fedloom.simulations.local_async import run_local_async
 from fedloom.simulations.local_engine import run_local
@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # flwr is optional (fedloom[flower]); the local engine runs w
     from flwr.app import Context
     from flwr.clientapp import ClientApp
 
+logger = logging.getLogger(__name__)
+
 
 def run_scenario(scenario: Scenario, out_dir: str | Path | None,
                  on_round: Callable[[RoundRecord], None] | None = None) -> History:
@@ -55,10 +57,19 @@ def run_scenario(scenario: Scenario, out_dir: str | Path | None,
     history.json, history.csv, history.png and final.safetensors there. ``on_round``
     is called with each finished round's record (after the progress display).
 
+    An ``out_dir`` is created (or refused) before the run starts; result files of an
+    earlier run there are replaced, with a warning naming them.
+
     Raises:
         ConfigError: when the scenario cannot be built (unknown strategy setting, a
-            partition that leaves a client too few examples...).
+            partition that leaves a client too few examples...), or ``out_dir`` cannot
+            be created or written.
     """
+    if out_dir is not None:  # a folder that cannot take the results fails before training
+        replaced = prepare_out_dir(out_dir)
+        if replaced:
+            logger.warning("%s: this run replaces %s of an earlier run", out_dir,
+                           ", ".join(replaced))
     job = Job.from_scenario(scenario)
     strategy = job.build_strategy()  # validate before anything starts
     initial = job.initial_weights()
