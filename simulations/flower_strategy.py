@@ -66,7 +66,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerBaseStrategy
 
-from fedloom.errors import PrivacyBudgetExhausted
+from fedloom.errors import AggregationError, PrivacyBudgetExhausted
 from fedloom.fit_config import FLOWER_SERVER_ROUND
 from fedloom.simulations._records import (
     ARRAYS_KEY,
@@ -82,6 +82,7 @@ from fedloom.simulations._records import (
 )
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import CompressionSpec, SimulatedCompression
+from fedloom.simulations.history import failed_aggregation
 from fedloom.simulations.plan import client_fit_config, client_info, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import (
@@ -314,7 +315,10 @@ class FlowerStrategy(FlowerBaseStrategy):
                 else:
                     yield self.compression.update(update, self._seed_index[cid], server_round)
 
-        result = self.strategy.aggregate_fit(server_round, current, updates())
+        try:
+            result = self.strategy.aggregate_fit(server_round, current, updates())
+        except AggregationError as exc:  # the server's rule: the round failed, go on
+            result = failed_aggregation(server_round, exc)
         failures[0] += len(self._plan_order) - len(ordered)  # no reply at all
         metrics = metrics_to_record({**result.metrics, "num-failures": failures[0]})
         if self.on_fit_round is not None:

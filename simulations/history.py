@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import io
 import json
+import logging
 import math
 import os
 import time
@@ -32,12 +33,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedloom.errors import ConfigError
+from fedloom.errors import AggregationError, ConfigError
 from fedloom.records import RoundRecord
 from fedloom.types import AggregateResult, Metrics
 from fedloom.weights import Weights
 
 __all__ = ["History", "RoundRecord", "RoundRecorder"]
+
+logger = logging.getLogger(__name__)
 
 #: The metric holding the virtual time at which a round ended (see the module docstring).
 VIRTUAL_TIME = "virtual_time_s"
@@ -205,6 +208,13 @@ def _atomic_text(path: Path, text: str) -> None:
     _fsync_replace(tmp, path)
 
 
+def failed_aggregation(server_round: int, exc: AggregationError) -> AggregateResult:
+    """A round whose ``aggregate_fit`` raised, as the server takes it: logged, recorded
+    as failed with the reason, the global model unchanged, and the run goes on."""
+    logger.warning("round %d failed: %s; the global model is unchanged", server_round, exc)
+    return AggregateResult(None, reason=str(exc) or type(exc).__name__)
+
+
 class RoundRecorder:
     """Collects one round at a time from an engine, in the engines' shared order.
 
@@ -221,13 +231,16 @@ class RoundRecorder:
 
     def fit(self, result: AggregateResult, num_failures: int,
             num_sampled: int | None = None, num_cancelled: int = 0,
-            traffic: Metrics | None = None) -> None:
+            traffic: Metrics | None = None, num_updates: int | None = None) -> None:
         """The round's fit: the strategy's result, the clients whose update did not count,
         how many were sampled (default: updates + failures), how many of those were
-        cancelled when the round closed (over-selection), and the bytes each client
-        moved (`fedloom.simulations.compression`), recorded with the fit metrics."""
-        updates = result.metrics.get("num_updates", 0)
-        num_updates = int(updates) if isinstance(updates, int | float) else 0
+        cancelled when the round closed (over-selection), the bytes each client moved
+        (`fedloom.simulations.compression`), recorded with the fit metrics, and the
+        updates received (default: the strategy's ``num_updates`` metric; a failed
+        aggregation reports none)."""
+        if num_updates is None:
+            updates = result.metrics.get("num_updates", 0)
+            num_updates = int(updates) if isinstance(updates, int | float) else 0
         self._pending.update(
             fit={**result.metrics, **(traffic or {})}, num_failures=num_failures,
             num_updates=num_updates,

@@ -55,7 +55,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from fedloom.config import RoundsConfig
-from fedloom.simulations.history import History, RoundRecord, RoundRecorder
+from fedloom.errors import AggregationError
+from fedloom.simulations.history import History, RoundRecord, RoundRecorder, failed_aggregation
 from fedloom.simulations.local_engine import ClientFactory, EvaluateFn, federated_evaluate
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.simulations.speed import SpeedModel
@@ -152,8 +153,11 @@ class _AsyncRun:
     def step(self) -> None:
         """The buffer is full: the strategy's step makes the next version."""
         server_round = self.version + 1
-        result = self.strategy.aggregate_fit(server_round, self.current,
-                                             weighted_updates(self.buffer, self.weighting))
+        try:
+            result = self.strategy.aggregate_fit(server_round, self.current,
+                                                 weighted_updates(self.buffer, self.weighting))
+        except AggregationError as exc:  # the server's rule: the version failed, go on
+            result = failed_aggregation(server_round, exc)
         self.recorder.fit(result, self.num_failures,
                           num_sampled=len(self.buffer) + self.num_failures)
         self.buffer, self.num_failures = [], 0

@@ -11,7 +11,9 @@ bridge (`FlowerStrategy` under Flower's ``Strategy.start``) does, step for step:
 
 Same calls in the same order with the same configs give the same model as the Flower
 engine, round for round (tests/simulations check it). A client that raises, or returns
-unusable weights, is counted in ``num_failures`` and left out of the round.
+unusable weights, is counted in ``num_failures`` and left out of the round. A round
+whose aggregation raises `AggregationError` (Krum short of updates...) is recorded as
+failed, with the reason, and the run goes on from the same model, as on the server.
 
 With a ``clock`` (`fedloom.simulations.clock.SyncClock`) each round is timed on the
 virtual clock: only the clients whose updates count (all sampled ones, or the first to
@@ -42,11 +44,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fedloom.client_sdk._client import Client
-from fedloom.errors import PrivacyBudgetExhausted
+from fedloom.errors import AggregationError, PrivacyBudgetExhausted
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import CompressionSpec, SimulatedCompression
 from fedloom.simulations.fitting import FitTask, RoundFitter, SerialFitter
-from fedloom.simulations.history import History, RoundRecord, RoundRecorder
+from fedloom.simulations.history import (
+    History,
+    RoundRecord,
+    RoundRecorder,
+    failed_aggregation,
+)
 from fedloom.simulations.plan import client_fit_configs, client_infos, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import ClientInfo, ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
@@ -129,17 +136,22 @@ def run_local(
             plan = FitPlan(timing.client_ids, plan.config)
             num_sampled, num_cancelled = timing.num_sampled, timing.num_cancelled
         failures: list[str] = []
-        updates = _fit_updates(
+        received = [0]
+        updates = _counted(_fit_updates(
             fitter, plan, current, server_round, base_seed, fit_defaults, failures, compression
-        )
-        if secure_aggregation is None:
-            result = strategy.aggregate_fit(server_round, current, updates)
-        else:
-            result = secure_aggregation.aggregate_fit(
-                strategy, server_round, current, plan, updates, failures)
+        ), received)
+        try:
+            if secure_aggregation is None:
+                result = strategy.aggregate_fit(server_round, current, updates)
+            else:
+                result = secure_aggregation.aggregate_fit(
+                    strategy, server_round, current, plan, updates, failures)
+        except AggregationError as exc:  # the server's rule: the round failed, the run goes on
+            result = failed_aggregation(server_round, exc)
         recorder.fit(result, len(failures), num_sampled=num_sampled,
                      num_cancelled=num_cancelled,
-                     traffic=compression.traffic() if secure_aggregation is None else None)
+                     traffic=compression.traffic() if secure_aggregation is None else None,
+                     num_updates=received[0] if result.weights is None else None)
         if result.weights is not None:
             current = result.weights
         else:
@@ -170,6 +182,14 @@ def federated_evaluate(
         except Exception as exc:
             logger.warning("client %s failed to evaluate: %s", cid, exc)
     return strategy.aggregate_evaluate(server_round, results) if results else None
+
+
+def _counted(updates: Iterator[ClientUpdate], count: list[int]) -> Iterator[ClientUpdate]:
+    """``updates``, counting in ``count[0]`` those the strategy took (a failed
+    aggregation's record still says how many updates came in)."""
+    for update in updates:
+        count[0] += 1
+        yield update
 
 
 def _fit_updates(
