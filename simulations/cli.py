@@ -14,7 +14,10 @@ count moves to ``num_rounds``, beside the ``[rounds]`` table (see
 `fedloom.simulations.scenario`). The ``--out`` folder is created before the run
 trains (a file or an unwritable folder is refused); an earlier run's results in it
 are replaced, with a warning naming them. Exit status: 0 on success, 2 for a bad
-scenario or argument (``--out`` included), 1 for another fedloom error.
+scenario or argument (``--out`` included), 1 for another fedloom error, 75 for
+Ctrl-C (the server's ``EXIT_STOPPED``). A run stopped by Ctrl-C or an error writes
+the rounds it finished, and the model after the last of them, to ``--out`` first, and
+says so on its error line.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from typing import Any
 
 from fedloom.config import load_toml
 from fedloom.errors import ConfigError, FedloomError
+
+#: Ctrl-C's exit status: `fedloom.cli`'s ``EXIT_STOPPED``, the server's and client's
+#: for SIGINT with rounds to go.
+EXIT_STOPPED = 75
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,6 +95,13 @@ def _server_form(data: dict[str, Any]) -> bool:
     return "num_rounds" in data or isinstance(data.get("rounds"), dict)
 
 
+def _notes(exc: BaseException) -> str:
+    """The notes `run_scenario` adds to an exception (where a stopped run's results
+    went), on the same line."""
+    notes = getattr(exc, "__notes__", [])
+    return "".join(f"; {note}" for note in notes)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fedloom simulate``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -118,11 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fedloom.simulations.runner import run_scenario
 
         history = run_scenario(scenario, out_dir)
+    except KeyboardInterrupt as exc:
+        print(f"fedloom simulate: interrupted{_notes(exc)}", file=sys.stderr)
+        return EXIT_STOPPED
     except ConfigError as exc:
-        print(f"fedloom simulate: {exc}", file=sys.stderr)
+        print(f"fedloom simulate: {exc}{_notes(exc)}", file=sys.stderr)
         return 2
     except FedloomError as exc:
-        print(f"fedloom simulate: error: {exc}", file=sys.stderr)
+        print(f"fedloom simulate: error: {exc}{_notes(exc)}", file=sys.stderr)
         return 1
     accuracy = history.final("test_accuracy")
     summary = f"test accuracy {accuracy:.4f}" if accuracy is not None else "done"

@@ -65,6 +65,7 @@ def run_flower(
     fit_defaults: Mapping[str, Scalar] | None = None,
     evaluate_fn: EvaluateFn | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    on_model: Callable[[Weights], None] | None = None,
     backend_config: Mapping[str, Any] | None = None,
     timeout_s: float = 3600.0,
     verbose: bool = False,
@@ -89,7 +90,7 @@ def run_flower(
     if evaluate_every < 1:
         raise ValueError("evaluate_every must be at least 1")
     started = time.perf_counter()
-    recorder = RoundRecorder(on_round)
+    recorder = RoundRecorder(on_round, on_model)
 
     def on_fit_round(_round: int, result: AggregateResult, failures: int) -> None:
         timing = clock.last if clock is not None else None
@@ -121,7 +122,8 @@ def run_flower(
         metrics = None
         if evaluate_fn is not None and (server_round == 0 or bridge.evaluates(server_round)):
             metrics = evaluate_fn(server_round, weights)
-        recorder.finish(server_round, metrics, clock.now if clock is not None else None)
+        recorder.finish(server_round, metrics, clock.now if clock is not None else None,
+                        weights)
         return metrics_to_record(metrics) if metrics else None
 
     server_app = ServerApp()

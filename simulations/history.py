@@ -219,12 +219,14 @@ class RoundRecorder:
     """Collects one round at a time from an engine, in the engines' shared order.
 
     An engine calls `fit`, then `evaluate` (when it ran federated evaluation), then
-    `finish` with the central metrics; `finish` returns the `RoundRecord` and hands it
-    to ``on_round``.
+    `finish` with the central metrics and the round's global model; `finish` returns
+    the `RoundRecord`, hands the model to ``on_model`` and then the record to
+    ``on_round`` (so a caller that stops the run from ``on_round`` has both).
     """
 
-    def __init__(self, on_round: Callable[[RoundRecord], None] | None = None) -> None:
-        self.on_round = on_round
+    def __init__(self, on_round: Callable[[RoundRecord], None] | None = None,
+                 on_model: Callable[[Weights], None] | None = None) -> None:
+        self.on_round, self.on_model = on_round, on_model
         self.records: list[RoundRecord] = []
         self._pending: dict[str, Any] = {}
         self._started = time.perf_counter()
@@ -253,9 +255,10 @@ class RoundRecorder:
         self._pending["evaluate"] = dict(metrics)
 
     def finish(self, server_round: int, central: Metrics | None,
-               virtual_time_s: float | None = None) -> RoundRecord:
-        """Close the round with the central metrics and, on a virtual clock, the virtual
-        time at which it ended."""
+               virtual_time_s: float | None = None,
+               weights: Weights | None = None) -> RoundRecord:
+        """Close the round with the central metrics, on a virtual clock the virtual time
+        at which it ended, and the global model after it."""
         now = time.perf_counter()
         server = dict(central or {})
         if virtual_time_s is not None:
@@ -265,6 +268,8 @@ class RoundRecorder:
         self._started = now
         self.records.append(record)
         self._pending = {}
+        if weights is not None and self.on_model is not None:
+            self.on_model(weights)
         if self.on_round is not None:
             self.on_round(record)
         return record

@@ -86,14 +86,15 @@ class _AsyncRun:
                  num_clients: int, num_rounds: int, rounds: RoundsConfig, speed: SpeedModel,
                  base_seed: int, fit_defaults: Mapping[str, Scalar] | None,
                  evaluate_fn: EvaluateFn | None,
-                 on_round: Callable[[RoundRecord], None] | None) -> None:
+                 on_round: Callable[[RoundRecord], None] | None,
+                 on_model: Callable[[Weights], None] | None = None) -> None:
         self.strategy, self.client_fn, self.speed = strategy, client_fn, speed
         self.rounds, self.base_seed = rounds, base_seed
         self.fit_defaults, self.evaluate_fn = fit_defaults, evaluate_fn
         self.weighting = StalenessWeighting.from_config(rounds)
         self.last = rounds.last_round(num_rounds)
         self.infos = client_infos(num_clients)
-        self.recorder = RoundRecorder(on_round)
+        self.recorder = RoundRecorder(on_round, on_model)
         self.rng = random.Random(base_seed)  # the server's idle-client sampler
         self.now = 0.0
         self.version, self.current = 0, initial
@@ -110,7 +111,7 @@ class _AsyncRun:
 
     def run(self) -> None:
         central = self.evaluate_fn(0, self.current) if self.evaluate_fn else None
-        self.recorder.finish(0, central, 0.0)
+        self.recorder.finish(0, central, 0.0, self.current)
         self.top_up()
         while self.version < self.last:
             finish, _, task = heapq.heappop(self.pending)
@@ -176,7 +177,7 @@ class _AsyncRun:
             if federated is not None:
                 self.recorder.evaluate(federated)
             central = self.evaluate_fn(server_round, self.current) if self.evaluate_fn else None
-        self.recorder.finish(server_round, central, self.now)
+        self.recorder.finish(server_round, central, self.now, self.current)
 
     def top_up(self) -> None:
         """Start idle clients until ``concurrency`` train (the server's `_top_up`)."""
@@ -234,6 +235,7 @@ def run_local_async(
     fit_defaults: Mapping[str, Scalar] | None = None,
     evaluate_fn: EvaluateFn | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    on_model: Callable[[Weights], None] | None = None,
 ) -> History:
     """Run FedBuff over clients ``0 .. num_clients - 1`` (see the module docstring).
 
@@ -249,6 +251,7 @@ def run_local_async(
         fit_defaults: client settings sent with every fit (``local_epochs``...).
         evaluate_fn: central evaluation, ``(version, weights) -> metrics``.
         on_round: called with each finished `RoundRecord` (progress displays).
+        on_model: called with each finished version's global model, before ``on_round``.
 
     Returns:
         The `History`: version 0 (initial evaluation) and one record per version.
@@ -268,6 +271,7 @@ def run_local_async(
     started = time.perf_counter()
     run = _AsyncRun(strategy, client_fn, initial, num_clients=num_clients,
                     num_rounds=num_rounds, rounds=rounds, speed=speed, base_seed=base_seed,
-                    fit_defaults=fit_defaults, evaluate_fn=evaluate_fn, on_round=on_round)
+                    fit_defaults=fit_defaults, evaluate_fn=evaluate_fn, on_round=on_round,
+                    on_model=on_model)
     run.run()
     return History("local", run.recorder.records, run.current, time.perf_counter() - started)

@@ -79,6 +79,7 @@ def run_local(
     fit_defaults: Mapping[str, Scalar] | None = None,
     evaluate_fn: EvaluateFn | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    on_model: Callable[[Weights], None] | None = None,
     secure_aggregation: LocalSecureAggregation | None = None,
     clock: SyncClock | None = None,
     evaluate_every: int = 1,
@@ -97,6 +98,8 @@ def run_local(
         fit_defaults: client settings sent with every fit (``local_epochs``, ``lr``...).
         evaluate_fn: central evaluation, ``(round, weights) -> metrics``.
         on_round: called with each finished `RoundRecord` (progress displays).
+        on_model: called with each finished round's global model, before ``on_round``
+            (what a run stopped early has made).
         secure_aggregation: run the fit rounds under SecAgg+ (see the module docstring).
         clock: time the rounds on a virtual clock (see the module docstring).
         evaluate_every: rounds between evaluations (the last round is always evaluated).
@@ -115,13 +118,13 @@ def run_local(
         secure_aggregation.check(strategy)
     started = time.perf_counter()
     infos = client_infos(num_clients)
-    recorder = RoundRecorder(on_round)
+    recorder = RoundRecorder(on_round, on_model)
     fitter = fitter if fitter is not None else SerialFitter(client_fn)
     compression = compression if compression is not None else SimulatedCompression(
         CompressionSpec(), base_seed)
     current = initial
     recorder.finish(0, evaluate_fn(0, current) if evaluate_fn else None,
-                    0.0 if clock is not None else None)
+                    0.0 if clock is not None else None, current)
     for server_round in range(1, num_rounds + 1):
         try:
             plan = strategy.configure_fit(server_round, current, infos)
@@ -163,7 +166,8 @@ def run_local(
             if federated is not None:
                 recorder.evaluate(federated)
             central = evaluate_fn(server_round, current) if evaluate_fn else None
-        recorder.finish(server_round, central, clock.now if clock is not None else None)
+        recorder.finish(server_round, central, clock.now if clock is not None else None,
+                        current)
     return History("local", recorder.records, current, time.perf_counter() - started)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,7 +59,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path | None,
     is called with each finished round's record (after the progress display).
 
     An ``out_dir`` is created (or refused) before the run starts; result files of an
-    earlier run there are replaced, with a warning naming them.
+    earlier run there are replaced, with a warning naming them. A run stopped by
+    Ctrl-C or an error writes the rounds it finished, and the model after the last of
+    them, to ``out_dir`` before the exception goes on, with a note on it saying so.
 
     Raises:
         ConfigError: when the scenario cannot be built (unknown strategy setting, a
@@ -77,25 +80,51 @@ def run_scenario(scenario: Scenario, out_dir: str | Path | None,
     def evaluate(_round: int, weights: Weights) -> Metrics:
         return job.central_evaluate(weights)
 
-    with _progress(scenario) as show:
-        def each_round(record: RoundRecord) -> None:
-            show(record)
-            if on_round is not None:
-                on_round(record)
+    so_far = History(scenario.engine, weights=initial, scenario=scenario.to_dict())
+    started = time.perf_counter()
+    try:
+        with _progress(scenario) as show:
+            def each_round(record: RoundRecord) -> None:
+                so_far.rounds.append(record)
+                show(record)
+                if on_round is not None:
+                    on_round(record)
 
-        if scenario.engine != "flower":
-            history = _run_local(job, strategy, initial, evaluate, each_round)
-        else:
-            history = _run_flower(job, strategy, initial, evaluate, each_round)
+            def keep(weights: Weights) -> None:
+                so_far.weights = weights
+
+            if scenario.engine != "flower":
+                history = _run_local(job, strategy, initial, evaluate, each_round, keep)
+            else:
+                history = _run_flower(job, strategy, initial, evaluate, each_round, keep)
+    except BaseException as exc:  # Ctrl-C or an error mid-run: keep the finished rounds
+        if out_dir is not None and so_far.rounds:
+            so_far.wall_s = time.perf_counter() - started
+            _write_so_far(so_far, out_dir, exc)
+        raise
     history.scenario = scenario.to_dict()
     if out_dir is not None:
         history.write(out_dir)
     return history
 
 
+def _write_so_far(so_far: History, out_dir: str | Path, exc: BaseException) -> None:
+    """Write the rounds a stopped run finished, and its model after the last of them,
+    and say so in a note on ``exc`` (the CLI prints it; a traceback shows it)."""
+    last = so_far.rounds[-1].round
+    try:
+        so_far.write(out_dir)
+    except Exception as failure:  # the run's own error stays the one raised
+        exc.add_note(f"its results so far could not be written to {out_dir}: {failure}")
+        return
+    exc.add_note(f"rounds 0..{last} and the model after round {last} are written "
+                 f"to {out_dir}/")
+
+
 def _run_local(
     job: Job, strategy: Strategy, initial: Weights,
     evaluate: Callable[[int, Weights], Metrics], on_round: Callable[[RoundRecord], None],
+    on_model: Callable[[Weights], None],
 ) -> History:
     scenario = job.scenario
     client_fn = job.client_fn()  # fits run one at a time: one module serves every client
@@ -117,7 +146,7 @@ def _run_local(
                 num_clients=scenario.num_clients, num_rounds=scenario.rounds,
                 rounds=scenario.rounds_config, speed=scenario.speed_model(),
                 base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
-                evaluate_fn=evaluate, on_round=on_round,
+                evaluate_fn=evaluate, on_round=on_round, on_model=on_model,
             )
         fitter = make_fitter(job, client_fn)
         try:
@@ -125,7 +154,8 @@ def _run_local(
                 strategy, client_fn, initial,
                 num_clients=scenario.num_clients, num_rounds=scenario.rounds,
                 base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
-                evaluate_fn=evaluate, on_round=on_round, secure_aggregation=secure,
+                evaluate_fn=evaluate, on_round=on_round, on_model=on_model,
+                secure_aggregation=secure,
                 clock=sync_clock(scenario),
                 evaluate_every=scenario.rounds_config.evaluate_every, fitter=fitter,
                 compression=SimulatedCompression(scenario.compression, scenario.seed),
@@ -181,6 +211,7 @@ def job_client_app(job: Job) -> ClientApp:
 def _run_flower(
     job: Job, strategy: Strategy, initial: Weights,
     evaluate: Callable[[int, Weights], Metrics], on_round: Callable[[RoundRecord], None],
+    on_model: Callable[[Weights], None],
 ) -> History:
     from fedloom.simulations.flower_engine import run_flower
 
@@ -195,7 +226,7 @@ def _run_flower(
             strategy, job_client_app(job), initial,
             num_clients=scenario.num_clients, num_rounds=scenario.rounds,
             base_seed=scenario.seed, fit_defaults=job.fit_defaults(),
-            evaluate_fn=evaluate, on_round=on_round,
+            evaluate_fn=evaluate, on_round=on_round, on_model=on_model,
             backend_config=flower.backend_config(), timeout_s=flower.timeout_s,
             verbose=flower.verbose, clock=sync_clock(scenario),
             evaluate_every=scenario.rounds_config.evaluate_every,

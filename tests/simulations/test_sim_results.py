@@ -3,6 +3,7 @@ replacing an earlier one says so, and the history files carry every round field.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,9 @@ from typing import Any
 import pytest
 
 from fedloom.errors import ConfigError
+from fedloom.server import load_weights
 from fedloom.simulations import runner
-from fedloom.simulations.cli import main
+from fedloom.simulations.cli import EXIT_STOPPED, main
 from fedloom.simulations.runner import run_scenario
 from fedloom.simulations.scenario import scenario_from_mapping
 
@@ -65,3 +67,52 @@ def test_a_run_replacing_earlier_results_warns_naming_them(
     [warning] = caplog.records
     assert "replaces history.json, history.csv, history.png, final.safetensors" in (
         warning.getMessage())
+
+
+# -- a run stopped mid-way keeps what it finished -----------------------------------------
+def stop_after(last: int, error: BaseException) -> Any:
+    """An ``on_round`` that raises ``error`` once round ``last`` is recorded."""
+    def on_round(record: Any) -> None:
+        if record.round == last:
+            raise error
+    return on_round
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("a bug")],
+                         ids=["ctrl-c", "error"])
+def test_a_stopped_run_writes_its_finished_rounds_and_model(
+        tmp_path: Path, error: BaseException) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(type(error)) as caught:
+        run_scenario(tiny_scenario(rounds=3), out, on_round=stop_after(2, error))
+    assert caught.value.__notes__ == [
+        f"rounds 0..2 and the model after round 2 are written to {out}/"]
+    written = json.loads((out / "history.json").read_text())
+    assert [r["round"] for r in written["rounds"]] == [0, 1, 2]
+    # The model after round 2 is the one a 2-round run of the same scenario ends with.
+    two_rounds = run_scenario(tiny_scenario(rounds=2), None)
+    assert two_rounds.weights is not None
+    assert load_weights(out / "final.safetensors").allclose(two_rounds.weights, rtol=0, atol=0)
+
+
+def test_cli_ctrl_c_writes_the_finished_rounds_and_exits_stopped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path, out = tmp_path / "tiny.toml", tmp_path / "out"
+    path.write_text(TINY.replace("rounds = 1", "rounds = 3"))
+    calls = []
+
+    def evaluate(_job: Any, _weights: Any) -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == 3:  # round 2's evaluation: rounds 0 and 1 are finished
+            raise KeyboardInterrupt
+        return {"test_accuracy": 0.5}
+
+    monkeypatch.setattr(runner.Job, "central_evaluate", evaluate)
+    assert main([str(path), "--out", str(out), "--no-progress"]) == EXIT_STOPPED == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fedloom simulate: interrupted; rounds 0..1 and the model after "
+                   f"round 1 are written to {out}/"]
+    written = json.loads((out / "history.json").read_text())
+    assert [r["round"] for r in written["rounds"]] == [0, 1]
+    assert (out / "final.safetensors").exists()
