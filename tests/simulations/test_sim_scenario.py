@@ -169,3 +169,24 @@ def test_cli_engine_flags_keep_the_engine_table():
     data = {"engine": "vectorized"}
     _apply(data, "engine.threads=2")
     assert scenario_from_mapping(data).engine_options.threads == 2
+
+
+@pytest.mark.parametrize(("strategy", "need"), [
+    ({"name": "krum", "num_malicious_nodes": 2}, 7),  # n > 2f + 2
+    ({"name": "multikrum", "num_malicious_nodes": 1, "num_nodes_to_select": 6}, 6),
+    ({"name": "bulyan", "num_malicious_nodes": 1}, 7),  # n >= 4f + 3
+    ({"name": "fedtrimmedavg", "beta": 0.1}, 10),  # int(0.1 * n) >= 1 from n = 10
+    ({"name": "fedtrimmedavg"}, 5),  # its default beta, 0.2
+])
+def test_robust_strategies_short_of_clients_are_refused_at_start(
+        strategy: dict, need: int) -> None:
+    base = {"num_clients": 20, "strategy": strategy}
+    with pytest.raises(ConfigError) as caught:
+        scenario_from_mapping({**base, "clients_per_round": need - 1})
+    assert caught.value.setting == "clients_per_round"
+    assert f"must be at least {need} for strategy {strategy['name']!r}" in str(caught.value)
+    assert "raise clients_per_round" in str(caught.value)
+    assert "min_fit_clients" not in str(caught.value)
+    scenario_from_mapping({**base, "clients_per_round": need})  # enough: accepted
+    unchecked = {**strategy, "enforce_preconditions": False}  # Flower's unchecked rule
+    scenario_from_mapping({**base, "clients_per_round": need - 1, "strategy": unchecked})
