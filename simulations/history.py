@@ -13,7 +13,8 @@ server's own clock would read, so the flat metrics, the CSV and `History.over_ti
 carry it. Round 0 is at 0.
 
 `History.write` produces, in ``out_dir``: ``history.json`` (scenario, engine, rounds),
-``history.csv`` (one row per round), ``history.png`` (test accuracy and loss per
+``history.csv`` (one row per round; in both, each round's ``status``, its flat metrics
+and, from round 1, ``num_sampled``, ``num_updates`` and ``num_cancelled``), ``history.png`` (test accuracy and loss per
 round, and accuracy against virtual time when the run has a clock) and
 ``final.safetensors`` (the final global weights, written atomically with
 `fedloom.server.save_weights`, so a server can start from it).
@@ -106,7 +107,7 @@ class History:
             "engine": self.engine,
             "wall_s": self.wall_s,
             "scenario": dict(self.scenario) if self.scenario is not None else None,
-            "rounds": [{"round": r.round, **_jsonable(r.metrics)} for r in self.rounds],
+            "rounds": [_jsonable(_row(r)) for r in self.rounds],
         }
 
     def write(self, out_dir: str | Path, plot: bool = True) -> dict[str, Path]:
@@ -127,14 +128,15 @@ class History:
         return paths
 
     def _csv(self) -> str:
+        rows = [_row(r) for r in self.rounds]
         keys: list[str] = []
-        for r in self.rounds:
-            keys.extend(k for k in r.metrics if k not in keys)
+        for row in rows:
+            keys.extend(k for k in row if k not in keys)
         buffer = io.StringIO(newline="")
         writer = csv.writer(buffer)
-        writer.writerow(["round", *keys])
-        for r in self.rounds:
-            writer.writerow([r.round, *(_cell(r.metrics.get(k)) for k in keys)])
+        writer.writerow(keys)
+        for row in rows:
+            writer.writerow([_cell(row.get(k)) for k in keys])
         return buffer.getvalue()
 
     def plot(self, path: str | Path) -> None:
@@ -174,6 +176,19 @@ class History:
         fig.suptitle(f"{title} ({self.engine})")
         fig.tight_layout()
         return fig
+
+
+def _row(record: RoundRecord) -> dict[str, Any]:
+    """One round as history.json and history.csv write it: its number and status, the
+    flat `RoundRecord.metrics` (a failed round's ``no_model_reason`` included) and,
+    from round 1, the record's counts of tasks issued, updates aggregated and tasks
+    cancelled (over-selection), which the flat metrics leave out."""
+    row: dict[str, Any] = {"round": record.round, "status": record.status}
+    row.update(record.metrics)
+    if record.round > 0:
+        row.update(num_sampled=record.num_sampled, num_updates=record.num_updates,
+                   num_cancelled=record.num_cancelled)
+    return row
 
 
 def _cell(value: Any) -> Any:

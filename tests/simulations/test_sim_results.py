@@ -3,6 +3,7 @@ replacing an earlier one says so, and the history files carry every round field.
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 from pathlib import Path
@@ -116,3 +117,22 @@ def test_cli_ctrl_c_writes_the_finished_rounds_and_exits_stopped(
     written = json.loads((out / "history.json").read_text())
     assert [r["round"] for r in written["rounds"]] == [0, 1]
     assert (out / "final.safetensors").exists()
+
+
+# -- the history files carry every round field --------------------------------------------
+def test_history_files_carry_status_and_the_task_counts(tmp_path: Path) -> None:
+    # Over-selection 1.4 on 5 clients per round issues ceil(7.0) = 7 tasks and cancels
+    # the 2 that would finish last.
+    history = run_scenario(tiny_scenario(num_clients=20, clients_per_round=5, rounds=2,
+                                         over_selection=1.4), tmp_path)
+    expected = [(r.status, r.num_sampled, r.num_updates, r.num_cancelled)
+                for r in history.rounds[1:]]
+    assert expected == [("ok", 7, 5, 2)] * 2
+    rounds = json.loads((tmp_path / "history.json").read_text())["rounds"]
+    assert [(r["status"], r["num_sampled"], r["num_updates"], r["num_cancelled"])
+            for r in rounds[1:]] == expected
+    assert rounds[0]["status"] == "ok" and "num_sampled" not in rounds[0]
+    with open(tmp_path / "history.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["status"], int(r["num_sampled"]), int(r["num_updates"]),
+             int(r["num_cancelled"])) for r in rows[1:]] == expected
