@@ -14,8 +14,9 @@ carry it. Round 0 is at 0.
 
 `History.write` produces, in ``out_dir``: ``history.json`` (scenario, engine, rounds),
 ``history.csv`` (one row per round; in both, each round's ``status``, its flat metrics
-and, from round 1, ``num_sampled``, ``num_updates`` and ``num_cancelled``), ``history.png`` (test accuracy and loss per
-round, and accuracy against virtual time when the run has a clock) and
+and, from round 1, ``num_sampled``, ``num_updates`` and ``num_cancelled``),
+``history.png`` (test accuracy and loss per round, and accuracy against virtual time
+when the run has a clock) and
 ``final.safetensors`` (the final global weights, written atomically with
 `fedloom.server.save_weights`, so a server can start from it).
 """
