@@ -7,14 +7,16 @@ scenario, so two processes building the same scenario get the same job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedloom.client_sdk.torch_trainer import TorchClient, evaluate_module, load_weights
+from fedloom.errors import ConfigError
 from fedloom.fit_config import LOCAL_EPOCHS
 from fedloom.simulations import datasets, partition
 from fedloom.simulations.models import initial_weights, make_mlp, make_torch_client
@@ -62,14 +64,16 @@ class Job:
             split = datasets.load_digits(ds.test_fraction, scenario.seed)
             n, k, seed = len(split.y_train), scenario.num_clients, scenario.seed
             name = scenario.partition_name
-            if name == "iid":
-                parts = partition.iid_partition(n, k, seed)
-            elif name == "dirichlet":
-                parts = partition.dirichlet_partition(
-                    split.y_train, k, part.alpha, seed, part.min_size, part.max_retries
-                )
-            else:
-                parts = partition.shard_partition(split.y_train, k, part.shards_per_client, seed)
+            with _scenario_names():
+                if name == "iid":
+                    parts = partition.iid_partition(n, k, seed)
+                elif name == "dirichlet":
+                    parts = partition.dirichlet_partition(
+                        split.y_train, k, part.alpha, seed, part.min_size, part.max_retries
+                    )
+                else:
+                    parts = partition.shard_partition(split.y_train, k,
+                                                      part.shards_per_client, seed)
             clients = [ClientData(split.x_train[p], split.y_train[p]) for p in parts]
             x_test, y_test, num_classes = split.x_test, split.y_test, split.num_classes
         return cls(scenario, clients, x_test, y_test, int(x_test.shape[1]), num_classes)
@@ -139,3 +143,19 @@ class Job:
         if accuracy is None:  # the model does not classify
             return {"test_loss": loss}
         return {"test_loss": loss, "test_accuracy": accuracy}
+
+
+#: The partitioners' settings, which a scenario holds in its [partition] table.
+_PARTITION_SETTINGS = ("alpha", "min_size", "max_retries", "shards_per_client")
+
+
+@contextlib.contextmanager
+def _scenario_names() -> Iterator[None]:
+    """Name a partitioner's refused setting as the scenario does (``partition.min_size``,
+    not ``min_size``), so the error points at the key to change."""
+    try:
+        yield
+    except ConfigError as exc:
+        if exc.setting not in _PARTITION_SETTINGS:
+            raise
+        raise ConfigError(f"partition.{exc.setting}", exc.problem) from exc

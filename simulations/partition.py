@@ -120,7 +120,7 @@ def dirichlet_partition(
     raise ConfigError(
         "min_size",
         f"no Dirichlet(alpha={alpha}) split of {y.size} examples over {num_clients} clients "
-        f"gave every client {min_size} examples in {max_retries} tries (smallest last: "
+        f"gave every client at least {min_size} examples in {max_retries} tries (smallest last: "
         f"{smallest}); raise alpha, lower min_size or num_clients",
     )
 

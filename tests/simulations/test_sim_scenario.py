@@ -190,3 +190,21 @@ def test_robust_strategies_short_of_clients_are_refused_at_start(
     scenario_from_mapping({**base, "clients_per_round": need})  # enough: accepted
     unchecked = {**strategy, "enforce_preconditions": False}  # Flower's unchecked rule
     scenario_from_mapping({**base, "clients_per_round": need - 1, "strategy": unchecked})
+
+
+@pytest.mark.parametrize(("partition", "setting", "text"), [
+    ({"name": "dirichlet", "alpha": 0.01, "min_size": 5, "max_retries": 2},
+     "partition.min_size", "gave every client at least 5 examples"),
+    ({"name": "shards", "shards_per_client": 200},
+     "partition.shards_per_client", "4000 shards exceed the"),
+])
+def test_partition_errors_name_the_scenario_key(partition: dict, setting: str,
+                                                text: str) -> None:
+    from fedloom.simulations.job import Job
+
+    scenario = scenario_from_mapping({"num_clients": 20, "clients_per_round": 5,
+                                      "partition": partition})
+    with pytest.raises(ConfigError) as caught:
+        Job.from_scenario(scenario)
+    assert caught.value.setting == setting
+    assert str(caught.value).startswith(f"{setting}: ") and text in str(caught.value)
