@@ -45,7 +45,7 @@
     [privacy]                   # differential privacy (same keys as the server's)
     mode = "off"                # "central" (both engines) or "distributed" (with SecAgg+)
 
-    [secure_dropout]            # clients that vanish mid-protocol (secure rounds only)
+    [secure_dropout]            # clients that vanish mid-protocol (refused without SecAgg+)
     fraction = 0.0
     after = "share_keys"        # or "advertise_keys", "masked_input"
 
@@ -337,6 +337,10 @@ class Scenario:
                    "clients_per_round", f"must be in threshold + 1 .. max_participants "
                    f"({secure.threshold + 1}..{secure.max_participants}) under secure "
                    "aggregation: every survivor needs threshold surviving neighbours")
+        _check(self.secure_aggregation.enabled or self.secure_dropout.fraction == 0.0,
+               "secure_dropout.fraction", "simulates clients that vanish mid-protocol in "
+               "secure rounds only, and secure aggregation is off: set "
+               "secure_aggregation.enabled = true, or leave secure_dropout out")
         _check(math.isfinite(self.over_selection) and self.over_selection >= 1.0,
                "over_selection", "must be a number >= 1 (1.3 samples 30% more clients and "
                "closes each round at the first clients_per_round updates; 1: off)")

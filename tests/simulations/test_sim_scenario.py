@@ -208,3 +208,11 @@ def test_partition_errors_name_the_scenario_key(partition: dict, setting: str,
         Job.from_scenario(scenario)
     assert caught.value.setting == setting
     assert str(caught.value).startswith(f"{setting}: ") and text in str(caught.value)
+
+
+def test_secure_dropout_without_secure_aggregation_is_refused() -> None:
+    with pytest.raises(ConfigError) as caught:
+        scenario_from_mapping({"secure_dropout": {"fraction": 0.5}})
+    assert caught.value.setting == "secure_dropout.fraction"
+    assert "secure_aggregation.enabled = true" in str(caught.value)
+    scenario_from_mapping({"secure_dropout": {"fraction": 0.0}})  # the default: no effect

@@ -347,7 +347,8 @@ def test_a_scenario_with_secure_aggregation_runs_like_the_plain_one(tmp_path: Pa
     scenario = load_scenario(path)
     assert scenario.secure_aggregation.enabled and scenario.secure_dropout.rounds == (2,)
     history = run_scenario(scenario.replace(rounds=1), None)
-    plain = run_scenario(scenario.replace(rounds=1, secure_aggregation=SecAggConfig()), None)
+    plain = run_scenario(scenario.replace(rounds=1, secure_aggregation=SecAggConfig(),
+                                          secure_dropout=SecureDropout()), None)
     assert history.weights is not None and plain.weights is not None
     # digits MLP, 10 clients of ~144 examples each: weights ~0.7, so W ~ 7 and the mean
     # is within about 10 * (2 * 8 / 2**24) * 7 / 7**2 ~ 1.4e-6 of the plain mean
