@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ from fedloom.errors import ConfigError
 from fedloom.privacy import PrivacyConfig
 from fedloom.secagg import SecAggConfig
 from fedloom.settings import check as _check
+from fedloom.settings import check_numbers as _check_numbers
 from fedloom.simulations.compression import CompressionSpec
 from fedloom.simulations.secure_dropout import SecureDropout
 from fedloom.simulations.speed import SpeedModel, SpeedSpec
@@ -154,6 +156,23 @@ _ROBUST = {"krum": _krum_minimum, "multikrum": _multikrum_minimum,
            "bulyan": _bulyan_minimum, "fedtrimmedavg": _trimmed_minimum}
 
 
+def _check_tables(scenario: Scenario) -> None:
+    """Refuse a plain mapping (or anything else) where a `Scenario` built in Python needs
+    a table's dataclass: ``Scenario(partition={"name": "iid"})``."""
+    hints = typing.get_type_hints(Scenario)
+    for field in dataclasses.fields(scenario):
+        kind, value = hints[field.name], getattr(scenario, field.name)
+        if dataclasses.is_dataclass(kind) and not isinstance(value, kind):
+            setting = _TABLE_NAMES.get(field.name, field.name)
+            raise ConfigError(setting, f"must be a {kind.__name__}, got "
+                              f"{type(value).__name__} (scenario_from_mapping reads "
+                              "plain tables)")
+
+
+#: Scenario fields whose TOML table has another name.
+_TABLE_NAMES = {"engine_options": "engine", "rounds_config": "rounds"}
+
+
 def _one_of(value: str, allowed: tuple[str, ...], setting: str) -> None:
     _check(value in allowed, setting, f"{value!r} is not one of {', '.join(allowed)}")
 
@@ -170,6 +189,7 @@ class DatasetSpec:
     iid: bool = False
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "dataset.")
         _one_of(self.name, DATASETS, "dataset.name")
         _check(0.0 < self.test_fraction < 1.0, "dataset.test_fraction", "must be in (0, 1)")
         for key in ("alpha", "beta"):
@@ -190,6 +210,7 @@ class PartitionSpec:
     shards_per_client: int = 2
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "partition.")
         _one_of(self.name, PARTITIONS, "partition.name")
         _check(math.isfinite(self.alpha) and self.alpha > 0, "partition.alpha", "must be > 0")
         _check(self.min_size >= 1, "partition.min_size", "must be at least 1")
@@ -205,6 +226,7 @@ class ModelSpec:
     hidden: int = 64
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "model.")
         _one_of(self.name, MODELS, "model.name")
         _check(self.hidden >= 1, "model.hidden", "must be at least 1")
 
@@ -224,6 +246,7 @@ class ClientSpec:
     optimizer: str = "sgd"
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "client.")
         _check(self.batch_size >= 1, "client.batch_size", "must be at least 1")
         _check(math.isfinite(self.lr) and self.lr > 0, "client.lr", "must be > 0")
         _check(0.0 <= self.momentum < 1.0, "client.momentum", "must be in [0, 1)")
@@ -248,6 +271,7 @@ class EngineSpec:
     threads: int = 1
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "engine.")
         _check(self.workers >= 1, "engine.workers", "must be at least 1")
         _check(self.chunk_size >= 1, "engine.chunk_size", "must be at least 1")
         _check(self.threads >= 1, "engine.threads", "must be at least 1")
@@ -264,6 +288,7 @@ class FlowerSpec:
     verbose: bool = False
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "flower.")
         _check(self.num_cpus > 0, "flower.num_cpus", "must be > 0 (CPUs per client)")
         _check(self.num_gpus >= 0, "flower.num_gpus", "must be >= 0 (GPU share per client)")
         _check(self.timeout_s > 0, "flower.timeout_s", "must be > 0")
@@ -306,6 +331,8 @@ class Scenario:
     rounds_config: RoundsConfig = dataclasses.field(default_factory=RoundsConfig)  # [rounds]
 
     def __post_init__(self) -> None:
+        _check_numbers(self)  # Scenario(...) in Python: the checks a TOML file gets
+        _check_tables(self)
         _check(bool(self.name) and "/" not in self.name, "name", "must be a plain file name")
         _check(self.seed >= 0, "seed", "must be >= 0")
         _one_of(self.engine, ENGINES, "engine")

@@ -9,7 +9,12 @@ import pytest
 from fedloom.config import SelectionConfig
 from fedloom.errors import ConfigError
 from fedloom.simulations.cli import _apply, main
-from fedloom.simulations.scenario import Scenario, load_scenario, scenario_from_mapping
+from fedloom.simulations.scenario import (
+    PartitionSpec,
+    Scenario,
+    load_scenario,
+    scenario_from_mapping,
+)
 
 FULL = """
 seed = 3
@@ -216,3 +221,30 @@ def test_secure_dropout_without_secure_aggregation_is_refused() -> None:
     assert caught.value.setting == "secure_dropout.fraction"
     assert "secure_aggregation.enabled = true" in str(caught.value)
     scenario_from_mapping({"secure_dropout": {"fraction": 0.0}})  # the default: no effect
+
+
+@pytest.mark.parametrize(("changes", "setting", "problem"), [
+    ({"rounds": 2.5}, "rounds", "must be an integer, got 2.5"),
+    ({"seed": "1"}, "seed", "must be an integer, got '1'"),
+    ({"clients_per_round": 2.0}, "clients_per_round", "must be an integer, got 2.0"),
+    ({"over_selection": "1.3"}, "over_selection", "must be a number, got '1.3'"),
+    ({"partition": {"alpha": "x"}}, "partition.alpha", "must be a number, got 'x'"),
+])
+def test_python_and_toml_scenarios_refuse_wrong_types_alike(
+        changes: dict, setting: str, problem: str) -> None:
+    def in_python() -> Scenario:
+        if "partition" in changes:  # a table is built as its own dataclass
+            return Scenario(partition=PartitionSpec(**changes["partition"]))
+        return Scenario(**changes)
+
+    for build in (lambda: scenario_from_mapping(changes), in_python):
+        with pytest.raises(ConfigError) as caught:
+            build()
+        assert (caught.value.setting, caught.value.problem) == (setting, problem)
+
+
+def test_a_python_scenario_refuses_a_plain_mapping_for_a_table() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Scenario(partition={"name": "iid"})  # type: ignore[arg-type]
+    assert caught.value.setting == "partition"
+    assert "must be a PartitionSpec, got dict" in str(caught.value)
