@@ -162,7 +162,8 @@ def _check_tables(scenario: Scenario) -> None:
     hints = typing.get_type_hints(Scenario)
     for field in dataclasses.fields(scenario):
         kind, value = hints[field.name], getattr(scenario, field.name)
-        if dataclasses.is_dataclass(kind) and not isinstance(value, kind):
+        if (isinstance(kind, type) and dataclasses.is_dataclass(kind)
+                and not isinstance(value, kind)):
             setting = _TABLE_NAMES.get(field.name, field.name)
             raise ConfigError(setting, f"must be a {kind.__name__}, got "
                               f"{type(value).__name__} (scenario_from_mapping reads "
