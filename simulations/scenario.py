@@ -114,6 +114,7 @@ from fedloom.settings import check_numbers as _check_numbers
 from fedloom.simulations.compression import CompressionSpec
 from fedloom.simulations.secure_dropout import SecureDropout
 from fedloom.simulations.speed import SpeedModel, SpeedSpec
+from fedloom.strategies import build_strategy
 
 DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
@@ -122,38 +123,6 @@ MODELS = ("mlp",)
 OPTIMIZERS = ("sgd", "adam")
 
 
-_LOWER_F = "lower strategy.num_malicious_nodes"
-
-
-def _krum_minimum(values: Mapping[str, float]) -> tuple[int, str, str]:
-    f = int(values["num_malicious_nodes"])
-    return 2 * f + 3, f"n > 2f + 2 updates with num_malicious_nodes = {f}", _LOWER_F
-
-
-def _multikrum_minimum(values: Mapping[str, float]) -> tuple[int, str, str]:
-    need, why, fix = _krum_minimum(values)
-    m = int(values["num_nodes_to_select"])
-    return (max(need, m), f"{why}, and at least num_nodes_to_select = {m}",
-            f"{fix} or strategy.num_nodes_to_select")
-
-
-def _bulyan_minimum(values: Mapping[str, float]) -> tuple[int, str, str]:
-    f = int(values["num_malicious_nodes"])
-    return 4 * f + 3, f"n >= 4f + 3 updates with num_malicious_nodes = {f}", _LOWER_F
-
-
-def _trimmed_minimum(values: Mapping[str, float]) -> tuple[int, str, str]:
-    beta, need = float(values["beta"]), 1
-    if 0 < beta < 0.5:  # FedTrimmedAvg's count: the smallest n with int(beta * n) >= 1
-        while int(beta * need) < 1:
-            need += 1
-    return (need, f"int(beta * n) >= 1 to trim an update from each end, beta = {beta}",
-            "raise strategy.beta")
-
-
-#: The strategies whose rounds need a minimum of updates: that minimum, why, the fix.
-_ROBUST = {"krum": _krum_minimum, "multikrum": _multikrum_minimum,
-           "bulyan": _bulyan_minimum, "fedtrimmedavg": _trimmed_minimum}
 
 
 def _check_tables(scenario: Scenario) -> None:
@@ -396,22 +365,22 @@ class Scenario:
                    f"{self.dataset.name} has no natural clients; use iid, dirichlet or shards")
 
     def _check_robust_rounds(self) -> None:
-        """Krum, Multi-Krum, Bulyan and FedTrimmedAvg refuse a round with too few updates,
-        and a synchronous round brings ``clients_per_round`` at most: a count below their
-        minimum would fail every round, so it is refused before the run starts."""
-        params, name = self.strategy.params, self.strategy.name
-        if name not in _ROBUST or params.get("enforce_preconditions", True) is False:
-            return
-        defaults = {"num_malicious_nodes": 0, "num_nodes_to_select": 1, "beta": 0.2}
-        values = {key: params.get(key, default) for key, default in defaults.items()}
-        if not all(isinstance(v, int | float) and not isinstance(v, bool)
-                   for v in values.values()):
-            return  # a wrong type: the strategy's own check names it
-        need, why, fix = _ROBUST[name](values)
+        """A rule that needs more updates than a round brings (Krum's ``2f + 3``,
+        Bulyan's ``4f + 3``: `fedloom.strategies.Aggregator.min_updates`) would fail every
+        synchronous round, which brings ``clients_per_round`` at most: refused before the
+        run starts."""
+        try:
+            strategy = build_strategy(self.strategy, SelectionConfig())
+        except ConfigError:
+            return  # a bad strategy setting: refused, by name, when the run builds it
+        aggregator = getattr(strategy, "aggregator", None)
+        need = getattr(aggregator, "min_updates", 1)
         _check(self.clients_per_round >= need, "clients_per_round",
-               f"must be at least {need} for strategy {name!r} ({why}), got "
-               f"{self.clients_per_round}: raise clients_per_round, {fix}, or set "
-               "strategy.enforce_preconditions = false")
+               f"must be at least {need} for strategy {self.strategy.name!r} (every round of "
+               f"{type(aggregator).__name__} needs {need} updates), got "
+               f"{self.clients_per_round}: raise clients_per_round, or change the strategy's "
+               "settings (num_malicious_nodes, num_nodes_to_select, beta, "
+               "enforce_preconditions)")
 
     def _check_async(self) -> None:
         """What FedBuff on a simulation cannot be combined with (the server refuses the
