@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import operator
 
 import numpy as np
@@ -59,14 +60,22 @@ class EvaluateOutput:
 
 
 def _loss(value: object) -> float:
-    """``value`` as a float; a bool or a text is not a loss, though float() takes them."""
+    """``value`` as a finite float; a bool or a text is not a loss, though float() takes
+    them. A NaN or infinite loss (a diverged model) fails the task with a reason here:
+    sent, the server would refuse it as a malformed result and strike the client."""
+    loss: float | None = None
     try:
         if not isinstance(value, bool | str | bytes):
-            return float(value)  # type: ignore[arg-type]
+            loss = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         pass
-    raise TypeError(f"EvaluateOutput.loss must be a number, not {type(value).__name__} "
-                    f"({value!r}): pass the mean loss as float(loss)")
+    if loss is None:
+        raise TypeError(f"EvaluateOutput.loss must be a number, not {type(value).__name__} "
+                        f"({value!r}): pass the mean loss as float(loss)")
+    if not math.isfinite(loss):
+        raise ValueError(f"EvaluateOutput.loss is {loss}: the model's loss on this client's "
+                         "data is not finite (has it diverged?)")
+    return loss
 
 
 def _count(value: object, owner: str) -> int:

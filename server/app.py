@@ -43,11 +43,13 @@ from fedloom.server.tls import server_credentials, warn_plaintext
 from fedloom.server.wire import add_fleet_servicer
 from fedloom.strategies import (
     Strategy,
+    aggregator_of,
     apply_privacy,
     build_strategy,
     check_aggregatable,
     check_robust_async,
     check_secure_strategy,
+    min_updates,
 )
 from fedloom.weights import Weights
 
@@ -310,12 +312,10 @@ def _warn_below_minimum(strategy: Strategy, config: ServerConfig) -> None:
     """Say at start when a round may sample fewer clients than the strategy's rule needs
     (Krum's ``2f + 3``, say): each such round fails, and a run can end having failed them
     all. A warning, not a refusal: ``fraction_fit`` of a larger fleet may sample enough."""
-    aggregator = getattr(strategy, "aggregator", None)
-    need = getattr(aggregator, "min_updates", 1)
-    have = config.selection.min_fit_clients
-    if isinstance(need, int) and have < need and not config.rounds.asynchronous:
+    need, have = min_updates(strategy), config.selection.min_fit_clients
+    if have < need and not config.rounds.asynchronous:
         log.warning("%s needs at least %d updates a round, but min_fit_clients is %d: a "
                     "round that samples fewer than %d clients fails; raise min_fit_clients "
-                    "(and min_clients) to %d", type(aggregator).__name__, need, have, need,
-                    need)
+                    "(and min_clients) to %d", type(aggregator_of(strategy)).__name__, need,
+                    have, need, need)
 

@@ -142,7 +142,8 @@ class AsyncRounds(RoundDriver):
         try:
             result = await aggregation.result
         except AggregationError as exc:  # the version fails with it (logged at its commit)
-            result = AggregateResult(None, num_updates=buffer.count, reason=str(exc))
+            result = AggregateResult(None, num_updates=buffer.count,
+                                     reason=str(exc) or type(exc).__name__)
         keep = records_per_client(parts.config, parts.strategy)
         clients = [fit_row(parts.fleet.registry, e.row.client_id, e.row.num_examples,
                            e.row.metrics) for e in buffer.entries] if keep else []

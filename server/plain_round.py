@@ -222,7 +222,8 @@ class PlainRounds(RoundDriver):
         try:
             result = await aggregation.result
         except AggregationError as exc:  # the round fails with it (logged at its commit)
-            result = AggregateResult(None, num_updates=phase.num_accepted, reason=str(exc))
+            result = AggregateResult(None, num_updates=phase.num_accepted,
+                                     reason=str(exc) or type(exc).__name__)
         finally:
             owner.close()
             self.clean_spool()

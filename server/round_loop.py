@@ -137,9 +137,10 @@ class RoundLoop:
             outcome = await self.driver.run_fit(server_round)
             if outcome.result is not None and outcome.result.weights is not None:
                 break
-            if attempt < retries:
-                log.warning("round %d failed; running it again (%d of %d retries)",
-                            server_round, attempt + 1, retries)
+            if attempt < retries:  # not committed: its reason is said here or nowhere
+                reason = outcome.result.reason if outcome.result is not None else "no result"
+                log.warning("round %d failed: %s; running it again (%d of %d retries)",
+                            server_round, reason, attempt + 1, retries)
         assert started is not None  # the loop runs at least once
         return outcome, started
 

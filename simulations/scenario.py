@@ -114,7 +114,7 @@ from fedloom.settings import check_numbers as _check_numbers
 from fedloom.simulations.compression import CompressionSpec
 from fedloom.simulations.secure_dropout import SecureDropout
 from fedloom.simulations.speed import SpeedModel, SpeedSpec
-from fedloom.strategies import build_strategy
+from fedloom.strategies import aggregator_of, build_strategy, min_updates
 
 DATASETS = ("digits", "synthetic")
 PARTITIONS = ("auto", "iid", "dirichlet", "shards", "natural")
@@ -373,8 +373,7 @@ class Scenario:
             strategy = build_strategy(self.strategy, SelectionConfig())
         except ConfigError:
             return  # a bad strategy setting: refused, by name, when the run builds it
-        aggregator = getattr(strategy, "aggregator", None)
-        need = getattr(aggregator, "min_updates", 1)
+        need, aggregator = min_updates(strategy), aggregator_of(strategy)
         _check(self.clients_per_round >= need, "clients_per_round",
                f"must be at least {need} for strategy {self.strategy.name!r} (every round of "
                f"{type(aggregator).__name__} needs {need} updates), got "

@@ -31,7 +31,9 @@ from fedloom.strategies._base import (
     ServerOptimizer,
     StateDict,
     Strategy,
+    aggregator_of,
     check_finite_step,
+    min_updates,
 )
 from fedloom.strategies._bulyan import Bulyan, BulyanAggregator
 from fedloom.strategies._composed import ComposedStrategy
@@ -111,6 +113,7 @@ __all__ = [
     "WeightedMeanAggregator",
     "add_delta",
     "aggregate_secure_mean",
+    "aggregator_of",
     "apply_privacy",
     "build_strategy",
     "check_aggregatable",
@@ -121,6 +124,7 @@ __all__ = [
     "clip_update",
     "describe_strategies",
     "holds_all_updates",
+    "min_updates",
     "scale_delta",
     "stale_update",
     "strategy_settings",

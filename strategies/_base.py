@@ -77,6 +77,26 @@ class Aggregator(abc.ABC):
         """Return the combined delta; the aggregator is then ready for `start` again."""
 
 
+def aggregator_of(strategy: object) -> Aggregator | None:
+    """The `Aggregator` of ``strategy``, seen through wrappers (the update-norm bound,
+    differential privacy: each keeps the strategy it wraps as ``inner``), or None."""
+    seen = 0
+    while not isinstance(getattr(strategy, "aggregator", None), Aggregator):
+        strategy = getattr(strategy, "inner", None)
+        seen += 1
+        if strategy is None or seen > 16:  # a strategy of another kind
+            return None
+    aggregator: Aggregator = strategy.aggregator  # type: ignore[attr-defined]
+    return aggregator
+
+
+def min_updates(strategy: object) -> int:
+    """The fewest updates a round of ``strategy`` needs (`Aggregator.min_updates`; 1
+    for a strategy without an aggregator of fedloom's)."""
+    aggregator = aggregator_of(strategy)
+    return aggregator.min_updates if aggregator is not None else 1
+
+
 class NonFiniteStepError(AggregationError):
     """A server step would make the global model non-finite; nothing was changed.
 

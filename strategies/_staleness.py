@@ -21,6 +21,7 @@ import numpy as np
 
 from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
+from fedloom.strategies._base import aggregator_of
 from fedloom.types import ClientUpdate
 from fedloom.weights import Weights
 
@@ -99,9 +100,8 @@ def weighted_updates(updates: Iterable[ClientUpdate],
 def holds_all_updates(strategy: object) -> bool:
     """Whether ``strategy``'s aggregator holds every update of a round (a robust rule:
     median, trimmed mean, Krum, Bulyan), seen through a wrapper's ``inner``."""
-    inner = getattr(strategy, "inner", strategy)
-    aggregator = getattr(inner, "aggregator", None)
-    return bool(getattr(aggregator, "holds_all_updates", False))
+    aggregator = aggregator_of(strategy)
+    return aggregator is not None and aggregator.holds_all_updates
 
 
 def check_robust_async(strategy: object, rounds: RoundsConfig) -> None:

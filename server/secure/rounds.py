@@ -214,8 +214,9 @@ class SecureRounds(RoundDriver):
             # e.g. a distributed-DP sum whose contributor count does not match: the round
             # fails and is committed as failed (with the strategy's state: its ledger
             # has this unmasked sum); the server carries on
-            info["failure"] = str(exc)
-            record.result = AggregateResult(None, num_updates=survivors, reason=str(exc))
+            info["failure"] = str(exc) or type(exc).__name__
+            record.result = AggregateResult(None, num_updates=survivors,
+                                            reason=info["failure"])
         return record
 
     def _setup(self, server_round: int, participants: list[str], current: Weights,

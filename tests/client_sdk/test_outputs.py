@@ -71,3 +71,13 @@ def test_an_evaluation_loss_that_is_not_a_number_is_refused_naming_the_fix(loss:
     with pytest.raises(TypeError, match=r"EvaluateOutput.loss must be a number, not \w+ "
                                         r"\(.*\): pass the mean loss as float\(loss\)"):
         EvaluateOutput(loss, 10)
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), np.float32("-inf")])
+def test_a_non_finite_evaluation_loss_fails_the_task_with_its_reason(loss: Any) -> None:
+    # Sent, the server refuses it as malformed and strikes the client, round after round.
+    with pytest.raises(ValueError, match="EvaluateOutput.loss is .*inf|EvaluateOutput.loss "
+                                         "is nan: the model's loss on this client's data is "
+                                         r"not finite \(has it diverged\?\)"):
+        EvaluateOutput(loss, 10)
+

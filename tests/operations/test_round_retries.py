@@ -37,6 +37,10 @@ def test_a_failed_round_is_run_again_when_asked(server_config, retries: int,  # 
         t.join(10)
     assert [r.status for r in history if r.round > 0] == statuses
     assert not [r for r in caplog.records if "produced a model" in r.getMessage()]  # one did
+    if retries:  # the retried attempt was never committed: its reason is in the log
+        assert ("round 1 failed: 1 of 2 sampled clients returned an update; at least 2 "
+                "needed; running it again (1 of 1 retries)") in [
+            r.getMessage() for r in caplog.records]
     # A failed round says why, in its record (and so in the run store and `fedloom runs`).
     assert [r.reason for r in history if r.round > 0] == [
         "1 of 2 sampled clients returned an update; at least 2 needed" if s == "failed"

@@ -192,6 +192,9 @@ def test_robust_strategies_short_of_clients_are_refused_at_start(
     assert f"must be at least {need} for strategy {strategy['name']!r}" in str(caught.value)
     assert "raise clients_per_round" in str(caught.value)
     assert "min_fit_clients" not in str(caught.value)
+    with pytest.raises(ConfigError, match=f"must be at least {need}"):  # wrapped by the bound
+        scenario_from_mapping({**base, "clients_per_round": need - 1,
+                               "strategy": {**strategy, "max_update_norm": 1.0}})
     scenario_from_mapping({**base, "clients_per_round": need})  # enough: accepted
     unchecked = {**strategy, "enforce_preconditions": False}  # Flower's unchecked rule
     if strategy["name"] == "bulyan":  # below 4f + 3 it makes no model, checked or not

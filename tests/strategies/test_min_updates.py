@@ -14,7 +14,7 @@ from fedloom import ClientUpdate, Weights
 from fedloom.config import SelectionConfig, ServerConfig, StrategyConfig, from_mapping
 from fedloom.errors import AggregationError
 from fedloom.server import Server
-from fedloom.strategies import build_strategy
+from fedloom.strategies import KrumAggregator, aggregator_of, build_strategy, min_updates
 
 CURRENT = Weights({"w": np.zeros(3, np.float32)})
 
@@ -50,12 +50,24 @@ def test_min_updates_is_the_rules_own_precondition(settings: dict[str, Any], nee
         assert not _aggregate(strategy, need - 1)
 
 
+def test_min_updates_sees_through_wrappers() -> None:
+    # max_update_norm wraps the rule (NormBoundedStrategy keeps it as .inner)
+    bounded = build_strategy(StrategyConfig.from_table(
+        {"name": "krum", "num_malicious_nodes": 1, "max_update_norm": 1.0}), SelectionConfig())
+    assert not hasattr(bounded, "aggregator")
+    assert isinstance(aggregator_of(bounded), KrumAggregator) and min_updates(bounded) == 5
+    assert aggregator_of(object()) is None and min_updates(object()) == 1
+
+
+@pytest.mark.parametrize("bounded", [False, True])
 @pytest.mark.parametrize(("min_fit", "warned"), [(4, True), (5, False)])
 def test_the_server_warns_when_min_fit_clients_is_below_it(
-        min_fit: int, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+        min_fit: int, warned: bool, bounded: bool, caplog: pytest.LogCaptureFixture) -> None:
+    strategy = {"name": "krum", "num_malicious_nodes": 1,
+                **({"max_update_norm": 1.0} if bounded else {})}
     config = from_mapping(ServerConfig, {
         "insecure": True, "min_clients": min_fit, "min_fit_clients": min_fit,
-        "strategy": {"name": "krum", "num_malicious_nodes": 1}})
+        "strategy": strategy})
     with caplog.at_level(logging.WARNING, logger="fedloom.server"):
         Server(config)
     messages = [r.getMessage() for r in caplog.records]
