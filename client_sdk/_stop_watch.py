@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from fedloom.client_sdk.connection import Connection
@@ -31,12 +32,15 @@ class StopWatch:
         stop: the runner's stop event.
         connection: the runner's current connection (None between connections).
         timeout_s: the grace of calls in flight once ``stop`` is set.
+        aborted: set by `ClientRunner.abort`, which closes the connection itself.
     """
 
     def __init__(self, stop: threading.Event, connection: Callable[[], Connection | None],
-                 timeout_s: float) -> None:
+                 timeout_s: float, aborted: threading.Event) -> None:
         self._stop, self._connection, self._timeout_s = stop, connection, timeout_s
+        self._aborted = aborted
         self._done = threading.Event()
+        self._first = True
         self._thread = threading.Thread(target=self._run, daemon=True, name="fedloom-stop")
         self._thread.start()
 
@@ -48,15 +52,20 @@ class StopWatch:
         while not self._stop.wait(POLL_S):
             if self._done.is_set():
                 return
-        connection = self._connection()
-        if self._done.is_set():
+        deadline = time.monotonic() + self._timeout_s
+        # A wait for a task ends now, not at its long poll; and again at every poll: a
+        # pull that registered its call just after the stop was set is cancelled too.
+        while not self._done.wait(0 if self._first else POLL_S):
+            self._first = False
+            if self._aborted.is_set():
+                return  # abort() closed the connection itself: nothing to bound
+            connection = self._connection()
+            if time.monotonic() < deadline:
+                if connection is not None:
+                    connection.cancel_active()
+                continue
+            if connection is not None:
+                log.warning("still stopping after stop_timeout_s (%g s): cancelling the calls "
+                            "in flight; a result not yet sent is dropped", self._timeout_s)
+                connection.cut_calls()
             return
-        if connection is not None:
-            connection.cancel_active()  # a wait for a task ends now, not at its long poll
-        if self._done.wait(self._timeout_s):
-            return
-        connection = self._connection()
-        if connection is not None:
-            log.warning("still stopping after stop_timeout_s (%g s): cancelling the calls in "
-                        "flight; a result not yet sent is lost", self._timeout_s)
-            connection.cut_calls()

@@ -228,14 +228,19 @@ class Connection:
         if ending is None:
             return
         request = pb.LeaveRequest(session=codec.session_to_proto(ending), reason=reason)
+        sent = False
         try:
-            if self._cut:  # its channel is closed: a short-lived one of its own
-                with open_channel(self.config, self._options) as channel:
-                    pb_grpc.FleetStub(channel).Leave(request, timeout=LEAVE_TIMEOUT_S)
-            else:
+            if not self._cut:
                 self._stub.Leave(request, timeout=LEAVE_TIMEOUT_S)
+                sent = True
         except (grpc.RpcError, ValueError) as exc:  # ValueError: closed under the call
             log.debug("leave failed: %s", exc)
+        if not sent and self._cut:  # its channel was closed, before or during the call:
+            try:                    # a short-lived one of its own
+                with open_channel(self.config, self._options) as channel:
+                    pb_grpc.FleetStub(channel).Leave(request, timeout=LEAVE_TIMEOUT_S)
+            except (grpc.RpcError, ValueError) as exc:
+                log.debug("leave failed: %s", exc)
         if session is None:
             self.session = None
 

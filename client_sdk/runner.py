@@ -168,7 +168,8 @@ class ClientRunner:
     def run(self) -> ClientStats:
         """Take part until the run is over or a stop; see the module docstring."""
         self._aborted.clear()
-        watch = StopWatch(self.stop, lambda: self._connection, self.config.stop_timeout_s)
+        watch = StopWatch(self.stop, lambda: self._connection, self.config.stop_timeout_s,
+                          self._aborted)
         try:
             return self._run()
         finally:

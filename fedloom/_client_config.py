@@ -63,9 +63,10 @@ class ClientConfig:
     rpc_timeout_s: float = described(30.0, "time limit of one call, in seconds (a task's "
                                            "download: this, plus 1 s per 16 KiB of weights)")
     stop_timeout_s: float = described(
-        20.0, "after a stop (SIGTERM, SIGINT, request_stop, the stop event), the longest a "
-        "call in flight (a result's push, a join) may still run before it is cancelled; "
-        "the Leave that follows waits at most 5 s more. Keep the two under the platform's "
+        20.0, "after a stop (SIGTERM, SIGINT, request_stop, the stop event): the time, from "
+        "the stop, for the task in progress to finish and its result to go out; then a call "
+        "still in flight (a push, a join) is cancelled and a result not yet sent is dropped. "
+        "The Leave that follows waits at most 5 s more: keep the two under the platform's "
         "grace period (Kubernetes: 30 s)")
     reconnect_initial_s: float = described(0.5, "first reconnect delay (doubles, jittered)")
     reconnect_max_s: float = described(30.0, "longest reconnect delay")

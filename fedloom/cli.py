@@ -363,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give up after N failed reconnects in a row (default: retry "
                    "until stopped)")
     c.add_argument("--stop-timeout-s", type=float, metavar="S",
-                   help="on SIGTERM/SIGINT, cancel a push or join still in flight after S "
-                   "seconds (default 20; the Leave then takes at most 5 s more)")
+                   help="on SIGTERM/SIGINT, the seconds from the signal for the task in "
+                   "progress to finish and its result to go out; then what is not sent is "
+                   "dropped (default 20; the Leave takes at most 5 s more)")
     security_cli.add_client_flags(c)
     security_cli.add_certs_parser(sub)
     privacy_cli.add_parser(sub)

@@ -217,3 +217,19 @@ def test_setting_the_stop_event_ends_the_wait_for_a_task_at_once() -> None:
 def test_a_stop_timeout_that_is_not_a_positive_number_is_refused(value: float) -> None:
     with pytest.raises(ValueError, match="stop_timeout_s"):
         ClientConfig(server_address="127.0.0.1:1", insecure=True, stop_timeout_s=value)
+
+
+def test_an_abort_is_not_bounded_again_by_the_watch(caplog: pytest.LogCaptureFixture) -> None:
+    """abort() closes the connection itself: a fit that outlasts the grace after it is
+    not reported as a stop past its grace."""
+    model = Weights({"w": np.zeros(16, np.float32)})
+    fleet = FreezingFleet(model, freeze=frozenset())
+    client = StepClient(fit_s=0.8)
+    with fake_fleet(fleet) as address:
+        runner = ClientRunner(client, _config(address, model.nbytes, 0.2))
+        with caplog.at_level(logging.WARNING, logger="fedloom.client"):
+            took = _stop_when(runner, client.fitting, runner.abort)
+        fleet.thaw()
+    assert took < 5.0
+    assert fleet.results == [] and fleet.left == []  # a killed process sends nothing
+    assert not [r for r in caplog.records if "stop_timeout_s" in r.getMessage()]
