@@ -80,7 +80,8 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
 def check_numbers(config: Any, where: str = "") -> None:
     """Check the number and true/false settings of a config dataclass built in Python
     (a TOML file is checked by `from_mapping`): ``ServerConfig(num_rounds="3")`` says
-    ``num_rounds: must be an integer, got '3'`` rather than failing in a comparison."""
+    ``num_rounds: must be an integer, got '3'`` rather than failing in a comparison. A
+    numpy scalar is replaced by the Python value it holds."""
     hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         hint, value = hints[field.name], getattr(config, field.name)
@@ -92,6 +93,10 @@ def check_numbers(config: Any, where: str = "") -> None:
             raise ConfigError(setting, f"must be an integer, got {value!r}")
         if hint is float and (is_bool or not isinstance(value, numbers.Real)):
             raise ConfigError(setting, f"must be a number, got {value!r}")
+        if hint in (bool, int, float) and isinstance(value, np.generic):
+            # np.int64(4) from a sweep over np.arange: kept as the Python value it holds,
+            # so the config (and a history that records it) is plain data, as a TOML one
+            object.__setattr__(config, field.name, hint(value.item()))
 
 
 def coerce(setting: str, hint: Any, value: Any) -> Any:

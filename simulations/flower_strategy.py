@@ -305,7 +305,7 @@ class FlowerStrategy(FlowerBaseStrategy):
         if self.stopped_reason:
             return None, None
         ordered = self._ordered(replies)
-        failures = [0]
+        failures, taken = [0], [0]
 
         def updates() -> Iterator[ClientUpdate]:
             for cid, reply in ordered:
@@ -313,18 +313,20 @@ class FlowerStrategy(FlowerBaseStrategy):
                 if update is None:
                     failures[0] += 1
                 else:
+                    taken[0] += 1
                     yield self.compression.update(update, self._seed_index[cid], server_round)
 
         try:
             result = self.strategy.aggregate_fit(server_round, current, updates())
         except AggregationError as exc:  # the server's rule: the round failed, go on
-            result = failed_aggregation(server_round, exc)
+            result = failed_aggregation(exc, taken[0])
         failures[0] += len(self._plan_order) - len(ordered)  # no reply at all
         metrics = metrics_to_record({**result.metrics, "num-failures": failures[0]})
         if self.on_fit_round is not None:
             self.on_fit_round(server_round, result, failures[0])
         if result.weights is None:
-            logger.warning("round %d produced no model: %s", server_round, result.reason)
+            logger.warning("round %d failed: %s; the global model is unchanged", server_round,
+                           result.reason)
             return None, metrics
         self.current = result.weights
         return weights_to_arrays(result.weights), metrics

@@ -224,11 +224,12 @@ def _atomic_text(path: Path, text: str) -> None:
     _fsync_replace(tmp, path)
 
 
-def failed_aggregation(server_round: int, exc: AggregationError) -> AggregateResult:
-    """A round whose ``aggregate_fit`` raised, as the server takes it: logged, recorded
-    as failed with the reason, the global model unchanged, and the run goes on."""
-    logger.warning("round %d failed: %s; the global model is unchanged", server_round, exc)
-    return AggregateResult(None, reason=str(exc) or type(exc).__name__)
+def failed_aggregation(exc: AggregationError, num_updates: int) -> AggregateResult:
+    """A round whose ``aggregate_fit`` raised, as the server takes it: recorded as failed
+    with the reason and the ``num_updates`` that came in (the engine logs it once, as for
+    any round without a model), the global model unchanged, and the run goes on."""
+    return AggregateResult(None, num_updates=num_updates,
+                           reason=str(exc) or type(exc).__name__)
 
 
 class RoundRecorder:
@@ -256,6 +257,8 @@ class RoundRecorder:
         (`fedloom.simulations.compression`), recorded with the fit metrics, and the
         updates received (default: the strategy's ``num_updates`` metric; a failed
         aggregation reports none)."""
+        if num_updates is None and result.weights is None:
+            num_updates = result.num_updates  # what came in, as the server records it
         if num_updates is None:
             updates = result.metrics.get("num_updates", 0)
             num_updates = int(updates) if isinstance(updates, int | float) else 0

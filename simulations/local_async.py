@@ -158,7 +158,7 @@ class _AsyncRun:
             result = self.strategy.aggregate_fit(server_round, self.current,
                                                  weighted_updates(self.buffer, self.weighting))
         except AggregationError as exc:  # the server's rule: the version failed, go on
-            result = failed_aggregation(server_round, exc)
+            result = failed_aggregation(exc, len(self.buffer))
         self.recorder.fit(result, self.num_failures,
                           num_sampled=len(self.buffer) + self.num_failures)
         self.buffer, self.num_failures = [], 0
@@ -166,7 +166,8 @@ class _AsyncRun:
         if result.weights is not None:
             self.current = result.weights
         else:
-            logger.warning("version %d produced no model: %s", server_round, result.reason)
+            logger.warning("version %d failed: %s; the global model is unchanged",
+                           server_round, result.reason)
         self.models[server_round] = self.current
         self.release(server_round - 1)
         central = None

@@ -150,7 +150,7 @@ def run_local(
                 result = secure_aggregation.aggregate_fit(
                     strategy, server_round, current, plan, updates, failures)
         except AggregationError as exc:  # the server's rule: the round failed, the run goes on
-            result = failed_aggregation(server_round, exc)
+            result = failed_aggregation(exc, received[0])
         recorder.fit(result, len(failures), num_sampled=num_sampled,
                      num_cancelled=num_cancelled,
                      traffic=compression.traffic() if secure_aggregation is None else None,
@@ -158,7 +158,8 @@ def run_local(
         if result.weights is not None:
             current = result.weights
         else:
-            logger.warning("round %d produced no model: %s", server_round, result.reason)
+            logger.warning("round %d failed: %s; the global model is unchanged", server_round,
+                           result.reason)
 
         central = None
         if server_round % evaluate_every == 0 or server_round == num_rounds:

@@ -4,6 +4,7 @@ reason, and the run goes on from the same model: the server's rule
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -80,6 +81,16 @@ def test_a_failed_asynchronous_step_is_a_failed_version() -> None:
         num_clients=3, num_rounds=3, rounds=rounds, speed=SpeedModel([1.0, 1.5, 2.2]))
     assert [r.status for r in history.rounds[1:]] == ["ok", "failed", "ok"]
     assert REASON in history.rounds[2].reason
+    assert history.rounds[2].num_updates == 1  # what came in, as the server records it
+
+
+def test_a_failed_round_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    clients = [PullClient(i) for i in range(3)]
+    with caplog.at_level(logging.WARNING):
+        run_local(FailingRounds({2}, selection=NO_EVALUATION), clients.__getitem__,
+                  initial(), num_clients=3, num_rounds=2)
+    logged = [r.getMessage() for r in caplog.records if "round 2" in r.getMessage()]
+    assert logged == [f"round 2 failed: {REASON}; the global model is unchanged"]
 
 
 def test_the_flower_bridge_records_a_failed_aggregation_and_goes_on() -> None:
@@ -90,3 +101,4 @@ def test_the_flower_bridge_records_a_failed_aggregation_and_goes_on() -> None:
     bridge.start(FakeGrid(shift_app(), 3), weights_to_arrays(start), num_rounds=2)
     assert [r.weights is None for r in results] == [True, False]
     assert REASON in results[0].reason
+    assert results[0].num_updates == 3  # the updates that came in

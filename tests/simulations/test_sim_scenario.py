@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedloom.config import SelectionConfig
@@ -256,3 +258,15 @@ def test_a_python_scenario_refuses_a_plain_mapping_for_a_table() -> None:
         Scenario(partition={"name": "iid"})  # type: ignore[arg-type]
     assert caught.value.setting == "partition"
     assert "must be a PartitionSpec, got dict" in str(caught.value)
+
+
+def test_numpy_numbers_in_a_python_scenario_become_python_values() -> None:
+    """A sweep over ``np.arange`` hands numpy scalars; the scenario (and the history that
+    records it) must be plain data, or history.json fails after the whole run."""
+    scenario = Scenario(num_clients=np.int64(8), clients_per_round=np.int64(4),
+                        over_selection=np.float64(1.0), progress=np.bool_(False),
+                        partition=PartitionSpec(name="dirichlet", alpha=np.float32(0.5)))
+    values = (scenario.num_clients, scenario.clients_per_round, scenario.over_selection,
+              scenario.progress, scenario.partition.alpha)
+    assert [type(v) for v in values] == [int, int, float, bool, float]
+    json.dumps(scenario.to_dict(), allow_nan=False)
