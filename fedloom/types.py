@@ -116,12 +116,14 @@ def _checked_entries(record: Mapping[str, Scalar], what: str) -> dict[str, Scala
     for key, value in record.items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"{what}: key {key!r} must be a string of 1..{MAX_KEY_LENGTH}")
-        checked[key] = _checked_value(value.item() if isinstance(value, np.generic) else value,
+        checked[key] = checked_value(value.item() if isinstance(value, np.generic) else value,
                                       f"{what}[{key!r}]")
     return checked
 
 
-def _checked_value(value: Scalar, what: str) -> Scalar:
+def checked_value(value: Scalar, what: str) -> Scalar:
+    """``value`` once a record can hold it (numpy scalars already converted), else
+    `ValueError` starting with ``what``: the one rule of types, range and length."""
     if not isinstance(value, bool | int | float | str | bytes):
         raise ValueError(f"{what}: {type(value).__name__} is not a bool, int, float, str or bytes")
     if isinstance(value, int) and not MIN_INT <= value <= MAX_INT:

@@ -42,12 +42,10 @@ import numpy as np
 
 from fedloom.types import (
     MAX_ENTRIES,
-    MAX_INT,
     MAX_KEY_LENGTH,
-    MAX_STRING_VALUE,
-    MIN_INT,
     Metrics,
     Scalar,
+    checked_value,
 )
 
 logger = logging.getLogger(__name__)
@@ -150,18 +148,13 @@ def checked_output(output: Any, hook_name: str) -> dict[str, Scalar]:
                                   f"of 1 to {MAX_KEY_LENGTH} characters")
         if isinstance(value, np.generic):
             value = value.item()
-        if not isinstance(value, bool | int | float | str):
+        if not isinstance(value, bool | int | float | str):  # bytes: not JSON
             raise HookOutputError(
                 f"{hook_name} returned {key!r} = {value!r} ({type(value).__name__}); a "
                 "metric must be a bool, int, float or str")
-        if isinstance(value, int) and not MIN_INT <= value <= MAX_INT:
-            raise HookOutputError(f"{hook_name} returned {key!r} = {value}; an int metric "
-                                  "must fit in a signed 64 bits (return a float)")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise HookOutputError(f"{hook_name} returned {key!r} = {value}; a metric must "
-                                  "be finite")
-        if isinstance(value, str) and len(value) > MAX_STRING_VALUE:
-            raise HookOutputError(f"{hook_name} returned {key!r}, a string longer than "
-                                  f"{MAX_STRING_VALUE} characters")
+        try:  # the records' own rule (range, finiteness, length), not a copy of it
+            checked_value(value, f"{hook_name} returned {key!r}")
+        except ValueError as exc:
+            raise HookOutputError(str(exc)) from exc
         out[key] = value
     return out

@@ -51,7 +51,7 @@ def test_numpy_scalars_become_python_numbers() -> None:
     ((_Scalar(), {}), r"a loss of type _Scalar; return a Python float \(e.g. float\(loss\)"),
     ((float("nan"), {}), "the loss nan .*; a loss must be finite"),
     ((np.float32("inf"), {}), "the loss inf .*; a loss must be finite"),
-    ((0.5, {"accuracy": float("nan")}), "'accuracy' = nan; a metric must be finite"),
+    ((0.5, {"accuracy": float("nan")}), "evaluate_fn returned 'accuracy': nan is not finite"),
     ((0.5, ["accuracy"]), "evaluate_fn must return a dict of metrics, got list"),
 ])
 def test_what_a_round_record_cannot_hold_is_refused_by_name(outcome: Any, message: str) -> None:
