@@ -126,12 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             data["progress"] = False
         scenario = scenario_from_mapping(data)
         out_dir = Path(args.out) if args.out else Path("runs") / scenario.name
-        from fedloom.simulations.history import prepare_out_dir
-
-        prepare_out_dir(out_dir, "--out")  # refused here, before any training
         from fedloom.simulations.runner import run_scenario
 
-        history = run_scenario(scenario, out_dir)
+        history = run_scenario(scenario, out_dir, out_setting="--out")  # checks it first
     except KeyboardInterrupt as exc:
         print(f"fedloom simulate: interrupted{_notes(exc)}", file=sys.stderr)
         return EXIT_STOPPED

@@ -53,12 +53,14 @@ logger = logging.getLogger(__name__)
 
 
 def run_scenario(scenario: Scenario, out_dir: str | Path | None,
-                 on_round: Callable[[RoundRecord], None] | None = None) -> History:
+                 on_round: Callable[[RoundRecord], None] | None = None, *,
+                 out_setting: str = "out_dir") -> History:
     """Run ``scenario`` on ``scenario.engine`` and, when ``out_dir`` is given, write
     history.json, history.csv, history.png and final.safetensors there. ``on_round``
     is called with each finished round's record (after the progress display).
 
-    An ``out_dir`` is created (or refused) before the run starts; result files of an
+    An ``out_dir`` is created (or refused, naming ``out_setting``) once the scenario
+    is built, before the run starts (a refused scenario leaves none); result files of an
     earlier run there are replaced, with a warning naming them. A run stopped by
     Ctrl-C or an error writes the rounds it finished, and the model after the last of
     them, to ``out_dir`` before the exception goes on, with a note on it saying so.
@@ -68,14 +70,14 @@ def run_scenario(scenario: Scenario, out_dir: str | Path | None,
             partition that leaves a client too few examples...), or ``out_dir`` cannot
             be created or written.
     """
-    if out_dir is not None:  # a folder that cannot take the results fails before training
-        replaced = prepare_out_dir(out_dir)
-        if replaced:
-            logger.warning("%s: this run replaces %s of an earlier run", out_dir,
-                           ", ".join(replaced))
     job = Job.from_scenario(scenario)
     strategy = job.build_strategy()  # validate before anything starts
     initial = job.initial_weights()
+    if out_dir is not None:  # a folder that cannot take the results fails before training
+        replaced = prepare_out_dir(out_dir, out_setting)
+        if replaced:
+            logger.warning("%s: this run replaces %s of an earlier run", out_dir,
+                           ", ".join(replaced))
 
     def evaluate(_round: int, weights: Weights) -> Metrics:
         return job.central_evaluate(weights)

@@ -4,6 +4,7 @@ replacing an earlier one says so, and the history files carry every round field.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fedloom.config import StrategyConfig
 from fedloom.errors import ConfigError
 from fedloom.server import load_weights
 from fedloom.simulations import runner
@@ -27,10 +29,12 @@ def tiny_scenario(**changes: Any) -> Any:
 
 
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any attempt to build the run's job fail the test."""
+    """Make any attempt to start the run's rounds fail the test (the scenario's job and
+    strategy may be built first: that validates them, and trains nothing)."""
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("the run started training")
-    monkeypatch.setattr(runner.Job, "from_scenario", refuse)
+    for engine in ("run_local", "run_local_async"):
+        monkeypatch.setattr(runner, engine, refuse)
 
 
 # -- the results folder, before the run ---------------------------------------------------
@@ -136,3 +140,13 @@ def test_history_files_carry_status_and_the_task_counts(tmp_path: Path) -> None:
         rows = list(csv.DictReader(fh))
     assert [(r["status"], int(r["num_sampled"]), int(r["num_updates"]),
              int(r["num_cancelled"])) for r in rows[1:]] == expected
+
+
+def test_a_scenario_refused_when_built_leaves_no_results_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    refused = dataclasses.replace(tiny_scenario(),
+                                  strategy=StrategyConfig("fedavg", {"no_such_setting": 1}))
+    with pytest.raises(ConfigError):
+        run_scenario(refused, out)
+    assert not out.exists()
+
