@@ -149,10 +149,16 @@ class RoundLoop:
         and record the evaluation in the committed round."""
         parts, result = self.parts, outcome.result
         sections: dict[str, Any] = {}
+        trained = result is not None and result.weights is not None
         if result is not None and result.weights is None:
             log.warning("round %d failed: %s; the global model is unchanged", server_round,
                         result.reason)
             sections["reason"] = result.reason
+        if not trained:
+            # A private round that failed after its release (a distributed-DP sum that
+            # was unmasked, then refused) has spent budget: every round says the ε spent
+            # so far, so the last one never understates it.
+            sections["fit"] = _privacy_spent(parts.strategy)
         last = parts.config.rounds.last_round(parts.config.num_rounds)
         evaluates = parts.config.rounds.evaluates(server_round, last)
         if result is not None and result.weights is not None:
@@ -168,7 +174,7 @@ class RoundLoop:
             evaluates = False
         self.driver.model_ready(server_round)
         record = RoundRecord(
-            server_round, "ok" if sections.get("fit") is not None else "failed",
+            server_round, "ok" if trained else "failed",
             num_sampled=outcome.num_sampled, num_updates=outcome.num_updates,
             num_failures=outcome.num_failures, num_cancelled=outcome.num_cancelled,
             secure_aggregation=outcome.secure_aggregation, duration_s=time.time() - started,
@@ -219,3 +225,14 @@ class RoundLoop:
             await parts.fleet.wait_for(parts.config.min_clients)
         # Its commit was counted in the metrics of the process that made it.
         self.parts.reporter.round_finished(await self._evaluate(record))
+
+
+def _privacy_spent(strategy: Any) -> dict[str, Any]:
+    """``privacy_epsilon`` and ``privacy_delta`` spent so far by a private strategy (its
+    ``privacy_spent()``); {} for any other."""
+    spent = getattr(strategy, "privacy_spent", None)
+    if spent is None:
+        return {}
+    epsilon, delta = spent()
+    return {"privacy_epsilon": epsilon, "privacy_delta": delta}
+

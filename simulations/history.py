@@ -37,7 +37,7 @@ from typing import Any
 
 from fedloom.errors import AggregationError, ConfigError
 from fedloom.records import RoundRecord
-from fedloom.types import AggregateResult, Metrics
+from fedloom.types import AggregateResult, Metrics, Scalar
 from fedloom.weights import Weights
 
 __all__ = ["History", "RoundRecord", "RoundRecorder"]
@@ -230,6 +230,19 @@ def failed_aggregation(exc: AggregationError, num_updates: int) -> AggregateResu
     any round without a model), the global model unchanged, and the run goes on."""
     return AggregateResult(None, num_updates=num_updates,
                            reason=str(exc) or type(exc).__name__)
+
+
+def with_privacy_spent(result: AggregateResult, strategy: object) -> AggregateResult:
+    """A failed round's result with a private ``strategy``'s ε spent so far, as the
+    server records every round's (a release that then failed has spent budget, and the
+    last round must not understate it); any other result as it is."""
+    spent = getattr(strategy, "privacy_spent", None)
+    if result.weights is not None or spent is None:
+        return result
+    epsilon, delta = spent()
+    metrics: dict[str, Scalar] = {**result.metrics, "privacy_epsilon": epsilon,
+                                  "privacy_delta": delta}
+    return dataclasses.replace(result, metrics=metrics)
 
 
 class RoundRecorder:

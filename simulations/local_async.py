@@ -56,7 +56,13 @@ from collections.abc import Callable, Mapping
 
 from fedloom.config import RoundsConfig
 from fedloom.errors import AggregationError
-from fedloom.simulations.history import History, RoundRecord, RoundRecorder, failed_aggregation
+from fedloom.simulations.history import (
+    History,
+    RoundRecord,
+    RoundRecorder,
+    failed_aggregation,
+    with_privacy_spent,
+)
 from fedloom.simulations.local_engine import ClientFactory, EvaluateFn, federated_evaluate
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.simulations.speed import SpeedModel
@@ -159,6 +165,7 @@ class _AsyncRun:
                                                  weighted_updates(self.buffer, self.weighting))
         except AggregationError as exc:  # the server's rule: the version failed, go on
             result = failed_aggregation(exc, len(self.buffer))
+        result = with_privacy_spent(result, self.strategy)
         self.recorder.fit(result, self.num_failures,
                           num_sampled=len(self.buffer) + self.num_failures)
         self.buffer, self.num_failures = [], 0

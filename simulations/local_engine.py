@@ -53,6 +53,7 @@ from fedloom.simulations.history import (
     RoundRecord,
     RoundRecorder,
     failed_aggregation,
+    with_privacy_spent,
 )
 from fedloom.simulations.plan import client_fit_configs, client_infos, to_update
 from fedloom.strategies import Strategy
@@ -151,6 +152,7 @@ def run_local(
                     strategy, server_round, current, plan, updates, failures)
         except AggregationError as exc:  # the server's rule: the round failed, the run goes on
             result = failed_aggregation(exc, received[0])
+        result = with_privacy_spent(result, strategy)
         recorder.fit(result, len(failures), num_sampled=num_sampled,
                      num_cancelled=num_cancelled,
                      traffic=compression.traffic() if secure_aggregation is None else None,

@@ -153,3 +153,40 @@ def test_a_resumed_run_continues_the_same_ledger(tmp_path: Path) -> None:
     assert "privacy budget" in second.server.coordinator.stopped_reason
     # Clients trained round 3 (twice: once for the stopped server), never round 6.
     assert max(r for c in clients for (r, _, _) in c.sent) == allowed
+
+
+class _FailsInRound(ScriptedClient):
+    """Trains, except in round ``failing``, where its fit raises."""
+
+    def __init__(self, seed: int, failing: int) -> None:
+        super().__init__(seed=seed, num_examples=5)
+        self.failing = failing
+
+    def fit(self, weights, config):  # type: ignore[no-untyped-def]
+        if config.get("server_round") == self.failing:
+            raise RuntimeError("out of memory")
+        return super().fit(weights, config)
+
+
+def test_a_failed_round_still_says_the_epsilon_spent_so_far(server_config) -> None:  # type: ignore[no-untyped-def]
+    """Every committed round carries ε spent so far, a failed one too: a distributed-DP
+    round whose unmasked sum is then refused has spent budget, and the last round of
+    a run must never understate it. Here round 2 fails before any release (central DP
+    charges only a released mean), so its ε is round 1's; the next round goes on."""
+    config = server_config(num_rounds=3, min_clients=NUM_CLIENTS, min_fit_clients=NUM_CLIENTS,
+                           fraction_evaluate=0.0,
+                           privacy=PrivacyConfig(mode="central", noise_multiplier=Z,
+                                                 clip_norm=1.0, sampling="fixed"))
+    handle = Server(config, initial_weights=small_weights()).start()
+    clients = [_FailsInRound(0, failing=2)] + [ScriptedClient(seed=i, num_examples=5)
+                                               for i in range(1, NUM_CLIENTS)]
+    threads = run_clients(handle.address, clients)
+    history = handle.wait(60)
+    for t in threads:
+        t.join(15)
+    rounds = [r for r in history if r.round > 0]
+    assert [r.status for r in rounds] == ["ok", "failed", "ok"]
+    epsilons = [r.fit.get("privacy_epsilon") for r in rounds]
+    assert epsilons == pytest.approx([_epsilon(1), _epsilon(1), _epsilon(2)], rel=1e-9)
+    _, stored = _store_rounds(config.state_dir)  # and so in the run store (fedloom runs)
+    assert stored[1].metrics["fit"]["privacy_epsilon"] == pytest.approx(_epsilon(1))

@@ -102,3 +102,19 @@ def test_the_flower_bridge_records_a_failed_aggregation_and_goes_on() -> None:
     assert [r.weights is None for r in results] == [True, False]
     assert REASON in results[0].reason
     assert results[0].num_updates == 3  # the updates that came in
+
+
+class PrivateFailingRounds(FailingRounds):
+    """A stand-in private strategy: says the ε it has spent (as CentralDPStrategy does)."""
+
+    def privacy_spent(self) -> tuple[float, float]:
+        return 1.5, 1e-5
+
+
+def test_a_failed_round_of_a_private_strategy_says_the_epsilon_spent_so_far() -> None:
+    clients = [PullClient(i) for i in range(3)]
+    history = run_local(PrivateFailingRounds({2}, selection=NO_EVALUATION),
+                        clients.__getitem__, initial(), num_clients=3, num_rounds=2)
+    failed = history.rounds[2]
+    assert failed.status == "failed"
+    assert (failed.fit["privacy_epsilon"], failed.fit["privacy_delta"]) == (1.5, 1e-5)
