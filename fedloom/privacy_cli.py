@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
                           "rounds": args.rounds, "sampling": args.sampling,
                           "accountant": args.accountant}))
     else:
-        print(f"noise_multiplier = {z:.4f}  # epsilon {args.epsilon:g} at delta "
+        # Rounded up, never down: a larger z spends less, so the printed value meets
+        # the target (rounded to nearest, half the values spent a hair more than it).
+        shown = math.ceil(z * 1e4) / 1e4
+        print(f"noise_multiplier = {shown:.4f}  # epsilon {args.epsilon:g} at delta "
               f"{args.delta:g} after {args.rounds} rounds ({args.sampling} sampling, "
               f"{args.accountant})")
     return 0

@@ -492,3 +492,22 @@ def test_fixed_sampling_of_everyone_or_of_one_client_calibrates(sampled: int,
         return reference_epsilon([RoundEvent(multiplier, sampled, population)] * 3, "fixed")
 
     assert spent(z) <= 2.0 < spent(z * 0.98)
+
+
+@pytest.mark.parametrize(("sampling", "extra"), [
+    ("fixed", []), ("poisson", ["--sampling", "poisson"])])
+def test_the_printed_calibration_meets_the_target(
+        sampling: str, extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`fedloom privacy calibrate` prints z rounded up: the four-decimal value a user
+    copies into a config spends at most the target (rounded to nearest, 2.3232 spent
+    8.000084 of a budget of 8 and the run stopped a round early)."""
+    from fedloom import cli
+
+    argv = ["privacy", "calibrate", "--epsilon", "8", "--rounds", "50", "--clients", "500",
+            "--per-round", "50", "--delta", str(DELTA), *extra]
+    assert cli.main(argv) == 0
+    printed = float(capsys.readouterr().out.split("=")[1].split()[0])
+    n, m = 500, 50
+    event = (RoundEvent(printed, 0, n, m / n) if sampling == "poisson"
+             else RoundEvent(printed, m, n))
+    assert reference_epsilon([event] * 50, sampling) <= 8.0
