@@ -167,9 +167,11 @@ class CentralDPStrategy(PrivateMeanWrapper):
         self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
         if rng is None:  # amplification by sampling needs a sample nobody can predict
             self.inner.sampler = ClientSampler.secret()
-        # round -> (the event it would record, the data-independent denominator)
-        # (None: a round whose Poisson draw was empty)
-        self._planned: dict[int, _Planned | None] = {}
+        # round -> (the event it would record, the data-independent denominator), or
+        # why the round is not run (a Poisson draw that came out empty; too few clients
+        # for adaptive clipping's noise split)
+        self._planned: dict[int, _Planned | str] = {}
+        self._warn_small_rounds()
 
     def __repr__(self) -> str:
         return (f"CentralDPStrategy({self.inner!r}, z={self.privacy.noise_multiplier}, "
@@ -194,14 +196,23 @@ class CentralDPStrategy(PrivateMeanWrapper):
             if p.sampling == "none":  # everyone at any n, or an added client may displace
                 z = none_multiplier(z, inner.selection.fraction_fit < 1.0)
             event, expected = RoundEvent(z, m, n), float(m)
-        self._planned = {} if chosen else {server_round: None}  # None: nobody drawn
-        if chosen:  # an impossible noise split is refused here, before clients train
+        if not chosen:
+            self._planned = {server_round: "no client was sampled (the Poisson draw was empty)"}
+            return FitPlan((), config)
+        try:  # an impossible noise split is found here, before clients train
             planned = _Planned(event, expected, *self._noise_split(expected))
-            if p.target_epsilon:
-                spent, projected = self.accountant.epsilon(), self.accountant.epsilon_if(event)
-                if projected > p.target_epsilon:
-                    raise PrivacyBudgetExhausted(spent, projected, p.target_epsilon, p.delta)
-            self._planned = {server_round: planned}
+        except ConfigError as exc:
+            # Too few clients this round for adaptive clipping's two releases to cost one
+            # of z: the round is not run (nothing is released or spent), and the next,
+            # with more clients, may be. A crash here would stop a run whose settings a
+            # resume may not change.
+            self._planned = {server_round: f"not run: {exc.problem}"}
+            return FitPlan((), config)
+        if p.target_epsilon:
+            spent, projected = self.accountant.epsilon(), self.accountant.epsilon_if(event)
+            if projected > p.target_epsilon:
+                raise PrivacyBudgetExhausted(spent, projected, p.target_epsilon, p.delta)
+        self._planned = {server_round: planned}
         config = {**config, MAX_NORM_KEY: self.clip_norm, MODE_KEY: "clip"}
         return FitPlan(chosen, config)
 
@@ -211,9 +222,8 @@ class CentralDPStrategy(PrivateMeanWrapper):
         if server_round not in self._planned:
             raise AggregationError(f"round {server_round} was not configured by this strategy")
         planned = self._planned[server_round]
-        if planned is None:
-            return AggregateResult(None, num_updates=0,
-                                   reason="no client was sampled (the Poisson draw was empty)")
+        if isinstance(planned, str):
+            return AggregateResult(None, num_updates=0, reason=planned)
         event, expected, z_delta, count_std = planned
         clip = self.clip_norm
         sums = {name: np.zeros(arr.shape, np.float64) for name, arr in current.items()
@@ -257,6 +267,26 @@ class CentralDPStrategy(PrivateMeanWrapper):
         metrics = self._metrics(result, count, epsilon, clip_norm=clip,
                                 noise_std=z_delta * clip / expected)
         return AggregateResult(result.weights, metrics, num_updates=count)
+
+    def _warn_small_rounds(self) -> None:
+        """Adaptive clipping's noise split, checked at start: with a ``count_noise_std``
+        set, it holds for every round or none (refused); with the default (expected
+        clients / 20) it needs more than ``10 z`` clients a round, and a smaller round is
+        not run: said here when ``min_fit_clients`` allows one (fixed sampling)."""
+        p = self.privacy
+        if p.clipping != "adaptive":
+            return
+        if p.count_noise_std:
+            split_noise(p.noise_multiplier, p.count_noise_std)  # ConfigError: every round
+            return
+        need = math.floor(10.0 * p.noise_multiplier) + 1
+        smallest = self.inner.selection.min_fit_clients
+        if p.sampling != "poisson" and smallest < need:
+            logger.warning("[privacy] adaptive clipping with the default count_noise_std "
+                           "needs more than 10 * noise_multiplier clients a round: a round "
+                           "of fewer than %d clients is not run (min_fit_clients is %d): "
+                           "raise min_fit_clients, or set privacy.count_noise_std", need,
+                           smallest)
 
     def _noise_split(self, expected: float) -> tuple[float, float]:
         """(z of the delta sum, std of the clipped count's noise) for this round."""

@@ -71,14 +71,28 @@ def test_split_noise_refuses_a_count_noise_at_or_below_half_z(z: float, sigma_b:
     assert info.value.setting == "privacy.count_noise_std"
 
 
-def test_an_impossible_adaptive_split_is_refused_before_clients_train() -> None:
+def test_a_round_too_small_for_the_adaptive_split_is_not_run_and_the_run_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
     """With the default count noise (10 clients / 20 = 0.5) and z = 1, 2 sigma_b = z: no
-    split exists. That must be refused in configure_fit, before the round's tasks go
-    out, not in aggregate_fit after ten clients trained (the coordinator only handles
-    AggregationError there)."""
-    strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=10)),
-                           noise_multiplier=1.0,
-                           clipping="adaptive")
+    split exists for a round of 10. Found in configure_fit, before any task goes out: the
+    round is not run (no client trains, nothing is released or spent) and says why; a
+    later round with more clients runs. (It raised, which ended a server mid-run, and a
+    resumed run may not change its privacy settings.) Said at start too."""
+    with caplog.at_level("WARNING"):
+        strategy = dp_strategy(FedAvg(selection=SelectionConfig(min_fit_clients=10)),
+                               noise_multiplier=1.0, clipping="adaptive")
+    assert any("a round of fewer than 11 clients is not run (min_fit_clients is 10)"
+               in r.getMessage() for r in caplog.records)
+    plan = strategy.configure_fit(1, model(), clients(10))
+    assert plan.client_ids == ()
+    result = strategy.aggregate_fit(1, model(), [])
+    assert result.weights is None and result.reason.startswith(
+        "not run: adaptive clipping needs 2 * count_noise_std (1) above the noise multiplier")
+    assert strategy.privacy_spent()[0] == 0.0
+    assert len(strategy.configure_fit(2, model(), clients(11)).client_ids) == 11
+
+
+def test_a_count_noise_std_too_small_for_every_round_is_refused_at_start() -> None:
     with pytest.raises(ConfigError) as info:
-        strategy.configure_fit(1, model(), clients(10))
+        dp_strategy(FedAvg(), noise_multiplier=1.0, clipping="adaptive", count_noise_std=0.4)
     assert info.value.setting == "privacy.count_noise_std"

@@ -190,3 +190,26 @@ def test_a_failed_round_still_says_the_epsilon_spent_so_far(server_config) -> No
     assert epsilons == pytest.approx([_epsilon(1), _epsilon(1), _epsilon(2)], rel=1e-9)
     _, stored = _store_rounds(config.state_dir)  # and so in the run store (fedloom runs)
     assert stored[1].metrics["fit"]["privacy_epsilon"] == pytest.approx(_epsilon(1))
+
+
+def test_rounds_too_small_for_adaptive_clipping_are_not_run_and_the_server_carries_on(
+        server_config, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """3 clients a round cannot carry adaptive clipping's split at z = 2 with the
+    default count noise (it needs more than 20): each round is not run, says why, and
+    the server finishes the run instead of ending at round 1 with an error."""
+    config = server_config(num_rounds=2, min_clients=NUM_CLIENTS, min_fit_clients=NUM_CLIENTS,
+                           fraction_evaluate=0.0,
+                           privacy=PrivacyConfig(mode="central", noise_multiplier=Z,
+                                                 clip_norm=1.0, sampling="fixed",
+                                                 clipping="adaptive"))
+    handle = Server(config, initial_weights=small_weights()).start()
+    clients = [ScriptedClient(seed=i, num_examples=5) for i in range(NUM_CLIENTS)]
+    threads = run_clients(handle.address, clients)
+    history = handle.wait(60)
+    for t in threads:
+        t.join(15)
+    rounds = [r for r in history if r.round > 0]
+    assert [r.status for r in rounds] == ["failed", "failed"]
+    assert all(r.reason.startswith("not run: adaptive clipping needs") for r in rounds)
+    assert all(c.sent == [] for c in clients)  # nobody trained
+    assert [r.fit["privacy_epsilon"] for r in rounds] == [0.0, 0.0]
