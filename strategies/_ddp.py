@@ -77,6 +77,7 @@ class DistributedDPStrategy(PrivateMeanWrapper):
         self.colluding_clients = colluding_clients
         self._rng = rng
         self.ledger = SkellamLedger(privacy.delta)
+        self._warned = set()
         self._planned: dict[int, tuple[SkellamParams, bytes, int]] = {}
 
     def __repr__(self) -> str:
@@ -87,6 +88,7 @@ class DistributedDPStrategy(PrivateMeanWrapper):
         self, server_round: int, current: Weights, clients: Sequence[ClientInfo]
     ) -> FitPlan:
         p = self.privacy
+        self._warn_population(len(clients))
         plan = self.inner.configure_fit(server_round, current, clients)
         m = len(plan.client_ids)
         self._planned = {}

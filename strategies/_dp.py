@@ -115,6 +115,31 @@ class PrivateMeanWrapper:
 
     inner: ComposedStrategy
     privacy: PrivacyConfig
+    _warned: set[str]  # what `_warn_population` has said this run
+
+    def _warn_population(self, population: int, rate: float = 0.0) -> None:
+        """Warn, once per run and kind, where the round's population makes the stated
+        guarantee weaker than it reads: δ at or above 1/n (a mechanism may then expose a
+        whole client's data with probability δ), or, under Poisson sampling, an empty
+        draw (held back without charge) likelier than δ: the unaccounted term
+        ``q (1 - q)^(n - 1)``."""
+        warned, delta = self._warned, self.privacy.delta
+        if population > 0 and delta >= 1.0 / population and "delta" not in warned:
+            warned.add("delta")
+            logger.warning("[privacy] delta = %g is at least 1/n for the %d clients of this "
+                           "run: the guarantee allows a client's data to be exposed with "
+                           "that probability; set privacy.delta well below %g", delta,
+                           population, 1.0 / population)
+        if 0.0 < rate < 1.0 and population > 0 and "empty" not in warned:
+            leak = rate * (1.0 - rate) ** (population - 1)
+            if leak > delta:
+                warned.add("empty")
+                logger.warning("[privacy] with %d clients at fraction_fit = %g, a round "
+                               "whose Poisson draw is empty is held back without charge, "
+                               "which leaks up to %.2g a round beyond the accounted "
+                               "epsilon (more than delta = %g): sample more clients a round "
+                               "(q*n well above 1) or use sampling = \"fixed\"", population,
+                               rate, leak, delta)
 
     def _step(self, server_round: int, current: Weights, mean: Weights) -> AggregateResult:
         """The inner strategy's step with ``mean`` as the round's one update."""
@@ -164,6 +189,7 @@ class CentralDPStrategy(PrivateMeanWrapper):
         self.privacy = privacy
         self.clip_norm = privacy.clip_norm
         self.accountant = PrivacyAccountant(privacy.accountant, privacy.sampling, privacy.delta)
+        self._warned = set()
         self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
         if rng is None:  # amplification by sampling needs a sample nobody can predict
             self.inner.sampler = ClientSampler.secret()
@@ -183,6 +209,8 @@ class CentralDPStrategy(PrivateMeanWrapper):
     ) -> FitPlan:
         p, inner = self.privacy, self.inner
         n = len(clients)
+        self._warn_population(n, inner.selection.fraction_fit if p.sampling == "poisson"
+                              else 0.0)
         if p.sampling == "poisson":
             rate = inner.selection.fraction_fit
             chosen = inner.sampler.sample_poisson(clients, rate)

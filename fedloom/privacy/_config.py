@@ -202,21 +202,24 @@ class PrivacyConfig:
                 "must be 1 with [privacy]: with over-selection the aggregated clients are "
                 "the first to answer, which the accountant cannot account for",
             )
-        if self.mode == "central" and self.sampling == "poisson":
+        if self.mode == "central":
             # Rounds not released (too few updates) or drawn again (a retry) make the
-            # released ones likelier to hold a given client than the rate q says.
-            if min_fit_clients > 1:
+            # released ones likelier to hold a given (reliable) client than the sample
+            # the accountant counts: a retry is refused for any sampling, and a round
+            # held back under Poisson sampling too.
+            if round_retries > 0:
+                raise ConfigError(
+                    "round_retries",
+                    "must be 0 with [privacy]: a failed round drawn again until one "
+                    "succeeds skews who is in the released rounds (toward the clients that "
+                    "answer), which the accountant does not count")
+            if self.sampling == "poisson" and min_fit_clients > 1:
                 raise ConfigError(
                     "min_fit_clients",
                     f"is {min_fit_clients}, but with [privacy] sampling = \"poisson\" every "
                     "round must be released whatever its size (a round held back for too "
                     "few updates skews who is in the released ones): set it to 1, or use "
                     'sampling = "fixed"')
-            if round_retries > 0:
-                raise ConfigError(
-                    "round_retries",
-                    "must be 0 with [privacy] sampling = \"poisson\": a failed round drawn "
-                    "again skews who is in the released rounds")
         if self.mode == "distributed" and not secure:
             raise _fail(
                 "mode",

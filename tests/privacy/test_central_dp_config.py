@@ -75,15 +75,18 @@ def test_server_config_refusals_name_the_setting(tmp_path: Any) -> None:
 
 def test_poisson_sampling_releases_every_round(server_config) -> None:  # type: ignore[no-untyped-def]
     """A round held back for too few updates, or drawn again, would make the released
-    rounds likelier to hold a given client than q: with "poisson" both are refused, with
-    the setting to change; "fixed" sampling keeps them."""
+    rounds likelier to hold a given client than the accountant counts: a retry is
+    refused with any sampling (a round drawn again until it succeeds favours the clients
+    that answer), a held-back round with "poisson"; "fixed" sampling keeps its
+    min_fit_clients."""
     poisson = PrivacyConfig(mode="central", noise_multiplier=1.0, clip_norm=1.0,
                             sampling="poisson")
     with pytest.raises(ConfigError, match=r"min_fit_clients.*every round must be released"):
         server_config(privacy=poisson, min_fit_clients=3)
-    with pytest.raises(ConfigError, match=r"round_retries.*must be 0"):
-        server_config(privacy=poisson, min_fit_clients=1, round_retries=2)
     server_config(privacy=poisson, min_fit_clients=1)  # accepted
     fixed = PrivacyConfig(mode="central", noise_multiplier=1.0, clip_norm=1.0,
                           sampling="fixed")
-    server_config(privacy=fixed, min_fit_clients=3, round_retries=2)  # accepted
+    for private in (poisson, fixed):
+        with pytest.raises(ConfigError, match=r"round_retries.*must be 0 with \[privacy\]"):
+            server_config(privacy=private, min_fit_clients=1, round_retries=2)
+    server_config(privacy=fixed, min_fit_clients=3)  # accepted

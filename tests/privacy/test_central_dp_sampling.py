@@ -3,6 +3,7 @@ fraction_fit, and the mean over the expected cohort size."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -121,3 +122,39 @@ def test_an_empty_poisson_draw_is_a_failed_round_that_says_why() -> None:
     assert chosen == () and result.weights is None
     assert "Poisson draw was empty" in result.reason
     assert strategy.accountant.num_rounds == 0
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+            and r.getMessage().startswith("[privacy]")]
+
+
+def test_a_delta_of_one_over_n_or_more_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    strategy = dp_strategy(delta=0.5)
+    with caplog.at_level(logging.WARNING):
+        for server_round in (1, 2):
+            strategy.configure_fit(server_round, model(), clients(3))
+    [warning] = _warnings(caplog)
+    assert "delta = 0.5 is at least 1/n for the 3 clients" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        dp_strategy(delta=1e-5).configure_fit(1, model(), clients(3))
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(("n", "rate", "warned"), [(10, 0.5, True), (20, 0.25, True),
+                                                   (1000, 0.05, False)])
+def test_an_empty_poisson_draw_likelier_than_delta_is_warned(
+        n: int, rate: float, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """q (1 - q)^(n - 1) is what a held-back empty draw leaks beyond the accounting: at
+    q n = 5 with ten clients about 1e-3 a round, a hundred times delta."""
+    strategy = dp_strategy(FedAvg(selection=SelectionConfig(fraction_fit=rate,
+                                                            min_fit_clients=1)),
+                           sampling="poisson", accountant="pld")
+    with caplog.at_level(logging.WARNING):
+        strategy.configure_fit(1, model(), clients(n))
+    messages = [m for m in _warnings(caplog) if "Poisson draw is empty" in m]
+    assert bool(messages) is warned
+    if warned:
+        leak = rate * (1 - rate) ** (n - 1)
+        assert f"leaks up to {leak:.2g} a round" in messages[0]
