@@ -94,7 +94,13 @@ class RoundLoop:
             except PrivacyBudgetExhausted as exc:
                 # Raised before the round's tasks go out: the last committed round is
                 # the run's final model, and nothing past the budget is released.
-                log.warning("run ends before round %d: %s", server_round, exc)
+                if any(r.round > 0 and r.status == "ok" for r in self.history):
+                    log.warning("run ends before round %d: %s", server_round, exc)
+                else:  # the budget allows no round at all: a setting to fix, said so
+                    log.error("run ends before round %d: %s; the budget allows no round of "
+                              "this run, so its final model is the initial one: raise "
+                              "privacy.noise_multiplier (fedloom privacy calibrate finds "
+                              "one) or privacy.target_epsilon", server_round, exc)
                 self.stopped_reason = str(exc)
                 break
             await self._conclude(server_round, started, outcome)

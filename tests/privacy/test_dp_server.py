@@ -213,3 +213,22 @@ def test_rounds_too_small_for_adaptive_clipping_are_not_run_and_the_server_carri
     assert all(r.reason.startswith("not run: adaptive clipping needs") for r in rounds)
     assert all(c.sent == [] for c in clients)  # nobody trained
     assert [r.fit["privacy_epsilon"] for r in rounds] == [0.0, 0.0]
+
+
+def test_a_budget_that_allows_no_round_says_what_to_change(
+        server_config, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    config = server_config(num_rounds=3, min_clients=NUM_CLIENTS, min_fit_clients=NUM_CLIENTS,
+                           fraction_evaluate=0.0,
+                           privacy=PrivacyConfig(mode="central", noise_multiplier=0.5,
+                                                 clip_norm=1.0, sampling="fixed",
+                                                 target_epsilon=0.1))
+    handle = Server(config, initial_weights=small_weights()).start()
+    clients = [ScriptedClient(seed=i, num_examples=5) for i in range(NUM_CLIENTS)]
+    threads = run_clients(handle.address, clients)
+    history = handle.wait(60)
+    for t in threads:
+        t.join(15)
+    assert [r.round for r in history if r.round > 0] == []
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("the budget allows no round of this run" in m
+               and "raise privacy.noise_multiplier" in m for m in errors)
