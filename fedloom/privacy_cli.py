@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--rounds", type=int, required=True, help="rounds the run will release")
     c.add_argument("--sampling", choices=("fixed", "poisson", "none"), default="fixed")
     c.add_argument("--clients", type=int, default=0,
-                   help="n: clients sampled from (fixed, poisson)")
+                   help="n: clients sampled from (fixed, poisson, none)")
     c.add_argument("--per-round", type=int, default=0,
                    help="m: clients per round (fixed; poisson: expected, rate = m / n)")
     c.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
