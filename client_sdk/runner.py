@@ -360,7 +360,8 @@ class ClientRunner:
             self._secure = SecureFit(self.client, session.client_id, self.secure_aggregation,
                                      self.secagg_cpu_s, identity=identity, peers=peers,
                                      ledger=self._rounds,
-                                     min_noise_multiplier=self.config.min_noise_multiplier)
+                                     min_noise_multiplier=self.config.min_noise_multiplier,
+                                     max_attempts=self.config.secagg_max_attempts)
         return self._secure
 
     def _signing(self) -> tuple[SigningIdentity | None, PeerVerifier | None]:

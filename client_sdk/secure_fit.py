@@ -96,6 +96,8 @@ class SecureFit:
         identity: this client's certificate and key (authenticated rounds).
         peers: the client CA, to check the other participants (with ``identity``).
         ledger: the rounds this client took part in, kept across its sessions.
+        max_attempts: attempts of one round this client takes part in, when no
+            ``policy`` says (`fedloom.secagg.SecAggClient`).
         min_noise_multiplier: in a distributed-DP round, refuse announced noise below
             this multiplier as the server's ledger counts it over the round's survivor
             floor (`fedloom.privacy._distributed.accounted_noise_multiplier`; the
@@ -106,11 +108,11 @@ class SecureFit:
                  cpu_s: dict[str, float] | None = None, *,
                  identity: SigningIdentity | None = None,
                  peers: PeerVerifier | None = None, ledger: RoundLedger | None = None,
-                 min_noise_multiplier: float = 0.0) -> None:
+                 min_noise_multiplier: float = 0.0, max_attempts: int | None = None) -> None:
         self.client = client
         self.client_id = client_id
         self.protocol = SecAggClient(client_id, policy=policy, identity=identity, peers=peers,
-                                     ledger=ledger)
+                                     ledger=ledger, max_attempts=max_attempts)
         self.cpu_s = cpu_s if cpu_s is not None else {}
         self.min_noise_multiplier = min_noise_multiplier
         self._noise = NoiseReserve()  # distributed DP: the next round's draws, ahead

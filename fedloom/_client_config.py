@@ -94,6 +94,10 @@ class ClientConfig:
     task_stream: bool = described(
         True, "read tasks from one long-lived Tasks stream; off: one long-poll Pull per task "
         "(advanced: for proxies that cut long streams)")
+    secagg_max_attempts: int = described(
+        3, "secure rounds: the most attempts of one round this client takes part in "
+        "(1..16; a server whose secure_aggregation.max_attempts is higher retries without "
+        "it past that). A secure_aggregation policy given to start_client sets it instead")
     min_noise_multiplier: float = described(
         0.0, "distributed DP: refuse a round whose announced Skellam noise, as the server's "
         "accountant counts it over the round's survivor floor, is below this noise "
@@ -112,6 +116,11 @@ class ClientConfig:
     def __post_init__(self) -> None:
         check_address("server_address", self.server_address)
         _check_codecs(self)
+        check(not isinstance(self.secagg_max_attempts, bool)
+              and isinstance(self.secagg_max_attempts, int)
+              and 1 <= self.secagg_max_attempts <= 16,
+              "secagg_max_attempts", f"must be an integer in 1..16, got "
+              f"{self.secagg_max_attempts!r}")
         check(math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0,
               "min_noise_multiplier", "must be a number >= 0 (0: no floor)")
         _check_client_tls(self)

@@ -262,7 +262,9 @@ def _run_client(args: argparse.Namespace) -> int:
                                               ("state_dir", args.state_dir),
                                               ("max_reconnect_attempts",
                                                args.max_reconnect_attempts),
-                                              ("stop_timeout_s", args.stop_timeout_s))
+                                              ("stop_timeout_s", args.stop_timeout_s),
+                                              ("secagg_max_attempts",
+                                               args.secagg_max_attempts))
               if value is not None}
     config = dataclasses.replace(config, **codecs)
     channel_credentials(config)  # the TLS files checked before the app loads its model
@@ -362,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-reconnect-attempts", type=int, metavar="N",
                    help="give up after N failed reconnects in a row (default: retry "
                    "until stopped)")
+    c.add_argument("--secagg-max-attempts", type=int, metavar="N",
+                   help="secure rounds: the most attempts of one round this client takes "
+                   "part in (1..16, default 3; match the server's "
+                   "secure_aggregation.max_attempts)")
     c.add_argument("--stop-timeout-s", type=float, metavar="S",
                    help="on SIGTERM/SIGINT, the seconds from the signal for the task in "
                    "progress to finish and its result to go out; then what is not sent is "

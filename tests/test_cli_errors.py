@@ -248,3 +248,26 @@ def test_the_client_commands_stop_timeout_reaches_its_config(
     assert seen == [8.5, ClientConfig("h:1", insecure=True).stop_timeout_s]
     assert cli.main([*argv, "--stop-timeout-s", "0"]) == cli.EXIT_REFUSED
     assert "stop_timeout_s" in capsys.readouterr().err
+
+
+def test_the_client_commands_secagg_max_attempts_reaches_the_protocol(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedloom.client_sdk import ClientRunner
+    from fedloom.messages import Session
+
+    seen: list[int] = []
+
+    def start_client(*args: object, config: ClientConfig, **kwargs: object) -> ClientStats:
+        runner = ClientRunner(_NoopClient(), config)
+        seen.append(runner._secure_fit(Session("c1", b"s" * 32)).protocol.max_attempts)
+        return ClientStats(run_finished=True)
+
+    import fedloom.client_sdk as sdk
+
+    monkeypatch.setattr(sdk, "start_client", start_client)
+    monkeypatch.setattr(cli, "_load_attr", lambda spec, setting: _NoopClient())
+    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "m:c"]
+    assert cli.main([*argv, "--secagg-max-attempts", "5"]) == cli.EXIT_FINISHED
+    assert cli.main(argv) == cli.EXIT_FINISHED
+    assert seen == [5, 3]
+    assert cli.main([*argv, "--secagg-max-attempts", "17"]) == cli.EXIT_REFUSED

@@ -118,8 +118,9 @@ class SecAggClient(ClientAttempts):
         policy: when given, the round's parameters (k, t, clip range, bits, max weight)
             must equal these, its ``max_participants`` bounds the round's size, its
             survivor floor bounds the setup's from below, and its ``max_attempts``
-            caps the attempts per round; otherwise the defaults of `SecAggConfig` cap
-            the attempts and any parameters that pass its rules are accepted.
+            caps the attempts per round; otherwise ``max_attempts`` (default: that of
+            `SecAggConfig`, 3) caps them and any parameters that pass its rules are
+            accepted.
         identity: this client's certificate and key. With one, the client takes part
             only in authenticated attempts, signs its keys and confirmations, and
             checks everyone else's with ``peers``.
@@ -129,18 +130,24 @@ class SecAggClient(ClientAttempts):
             an unauthenticated attempt (lets the server skip the next advertise_keys).
         ledger: the rounds this client took part in, shared by all the client's
             sessions (a new one if None).
+        max_attempts: attempts of one round this client takes part in (1..16), when no
+            ``policy`` says; a server retrying past it retries without this client.
     """
 
     def __init__(self, client_id: str, *, policy: SecAggConfig | None = None,
                  identity: SigningIdentity | None = None, peers: PeerVerifier | None = None,
                  rng: np.random.Generator | None = None, offer_keys: bool = True,
-                 ledger: RoundLedger | None = None) -> None:
+                 ledger: RoundLedger | None = None, max_attempts: int | None = None) -> None:
         if identity is not None and peers is None:
             raise SecureAggregationError(
                 "a client with a certificate needs the client CA (peers) to check the other "
                 "participants' signatures")
+        if max_attempts is not None and not 1 <= max_attempts <= 16:
+            raise SecureAggregationError(f"max_attempts must be in 1..16, got {max_attempts}")
         self.client_id = client_id
         self.policy = policy
+        #: attempts of one round this client takes part in, when no policy says
+        self.max_attempts = max_attempts
         self.identity = identity
         self.peers = peers
         self.offer_keys = offer_keys

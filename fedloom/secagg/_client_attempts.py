@@ -30,6 +30,7 @@ class ClientAttempts(ClientChecks):
     """The attempt bookkeeping of `SecAggClient` (see the module docstring)."""
 
     ledger: RoundLedger
+    max_attempts: int | None
     _attempt: Attempt | None
     _offer: Offer | None
 
@@ -64,7 +65,8 @@ class ClientAttempts(ClientChecks):
                          "a distributed-DP attempt): a second unmasked attempt would show the "
                          "server a second sum, and the difference of the two its missing "
                          "clients' updates")
-        limit = (self.policy or SecAggConfig()).max_attempts
+        limit = (self.policy.max_attempts if self.policy is not None
+                 else self.max_attempts or SecAggConfig().max_attempts)
         if ledger.attempts.get(key, 0) >= limit:
             self._ignore(f"this client already took part in {limit} attempts of round "
                          f"{rid.server_round} (max_attempts): every attempt shows the server a "

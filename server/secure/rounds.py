@@ -63,6 +63,7 @@ from fedloom.secagg import (
     PeerVerifier,
     RoundId,
     RoundSetup,
+    SecAggConfig,
     SecAggResult,
     Stage,
     config_digest,
@@ -109,6 +110,14 @@ class SecureRounds(RoundDriver):
                 "cannot check each other's keys, so the protocol protects their updates "
                 "from an honest-but-curious server only, not from one that deviates from "
                 "it; serve mutual TLS (tls.client_ca) for the full protection")
+        default_attempts = SecAggConfig().max_attempts
+        if self.secagg.max_attempts > default_attempts:
+            log.warning(
+                "secure_aggregation.max_attempts is %d, but SDK clients take part in at most "
+                "%d attempts of a round unless told otherwise: attempts past that run without "
+                "them; set their secagg_max_attempts (fedloom client --secagg-max-attempts "
+                "%d) to match", self.secagg.max_attempts, default_attempts,
+                self.secagg.max_attempts)
         # The final unmasking runs over ranges of the vector in parallel (threads are
         # made when first needed).
         self._unmask_pool = concurrent.futures.ThreadPoolExecutor(

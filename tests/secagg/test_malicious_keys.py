@@ -23,7 +23,7 @@ from malicious_server import MaliciousServer, build
 from secagg_driver import ids_of, make_client, make_inputs, make_setup, pki
 
 from fedloom import certs
-from fedloom.errors import MessageRejectedError
+from fedloom.errors import MessageRejectedError, SecureAggregationError
 from fedloom.secagg import (
     MASK_KEY,
     AdvertisedKeys,
@@ -313,3 +313,26 @@ def test_different_rosters_for_two_halves_of_the_federation_cannot_be_mixed() ->
     for cid in crossed:
         assert "sealed under another roster" in server.refusals[cid], server.refusals.get(cid)
     assert all(server.recover(v).missing for v in everyone if v != colluder)
+
+
+@pytest.mark.parametrize("limit", [1, 5])
+def test_a_client_may_take_part_in_as_many_attempts_as_it_says(limit: int) -> None:
+    """A client's own ``max_attempts`` (`ClientConfig.secagg_max_attempts`, to match a
+    server that retries more than 3 times) caps its attempts; the server cannot raise it:
+    the cap is the client's, not the round's."""
+    ids = ids_of(N)
+    clients = {cid: make_client(cid, i, max_attempts=limit) for i, cid in enumerate(ids)}
+    for attempt in range(1, limit + 1):
+        server = build(K6, N, round_id=RoundId("run-1", 1, attempt), clients=clients)
+        server.advertise()
+        assert server.refusals == {}
+    extra = build(dataclasses.replace(K6, max_attempts=16), N,
+                  round_id=RoundId("run-1", 1, limit + 1), clients=clients)
+    extra.advertise()
+    assert all(f"already took part in {limit} attempts" in m
+               for m in extra.refusals.values()) and len(extra.refusals) == N
+
+
+def test_a_clients_own_attempt_cap_is_checked() -> None:
+    with pytest.raises(SecureAggregationError, match=r"max_attempts must be in 1\.\.16, got 17"):
+        make_client("client-000", max_attempts=17)

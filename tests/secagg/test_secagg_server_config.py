@@ -116,6 +116,32 @@ def test_a_server_with_mutual_tls_runs_authenticated_secure_rounds(tmp_path) -> 
                      secure_aggregation=SecAggConfig(enabled=True))
 
 
+@pytest.mark.parametrize(("attempts", "warned"), [(5, True), (3, False)])
+def test_more_attempts_than_clients_take_part_in_is_warned_at_start(
+        tmp_path, caplog: pytest.LogCaptureFixture, attempts: int, warned: bool) -> None:  # type: ignore[no-untyped-def]
+    import concurrent.futures
+    import logging
+
+    from fedloom.server.driver import RoundParts
+    from fedloom.server.fleet import Fleet
+    from fedloom.server.progress import RoundReporter
+    from fedloom.server.secure import SecureRounds
+    from fedloom.server.tasks import TaskBook
+
+    config = _config({"enabled": True, "max_attempts": attempts}, state_dir=str(tmp_path),
+                     progress=False)
+    with caplog.at_level(logging.WARNING, logger="fedloom.server"), \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fleet = Fleet(config, "run")
+        parts = RoundParts(config, "run", None, fleet, TaskBook(fleet.wake), None,  # type: ignore[arg-type]
+                           pool, tmp_path, RoundReporter(enabled=False))
+        SecureRounds(parts).close()
+    said = [r.getMessage() for r in caplog.records if "SDK clients take part" in r.getMessage()]
+    assert bool(said) is warned
+    if warned:
+        assert "--secagg-max-attempts 5" in said[0]
+
+
 def _server(tmp_path, strategy: StrategyConfig) -> Server:  # type: ignore[no-untyped-def]
     config = ServerConfig(insecure=True, min_clients=8, min_fit_clients=8,
                           state_dir=str(tmp_path), progress=False, strategy=strategy,
