@@ -379,6 +379,7 @@ class SecureAttempt:
         return counts
 
     def counts(self) -> tuple[int, int]:
-        """(answered, issued) tasks of the open stage."""
-        answered = sum(1 for t in self._open.values() if t.status is not TaskStatus.PENDING)
+        """(answered, issued) tasks of the open stage: answered is the replies taken (a
+        client that dropped or failed the stage did not answer)."""
+        answered = sum(1 for t in self._open.values() if t.status is TaskStatus.ACCEPTED)
         return answered, len(self._open)

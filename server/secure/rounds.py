@@ -210,12 +210,19 @@ class SecureRounds(RoundDriver):
             info["failures"] = failures
         if isinstance(outcome, str):  # logged with the round's commit, as its reason
             info["failure"] = outcome
-            record.result = AggregateResult(None, reason=f"secure aggregation: {outcome}")
+            said = outcome if outcome.startswith("secure aggregation") else (
+                f"secure aggregation: {outcome}")
+            record.result = AggregateResult(None, reason=said)
             return record
         self.last_result = outcome
         survivors = len(outcome.survivors)
         record.num_updates, record.num_failures = survivors, record.num_sampled - survivors
-        info.update(survivors=survivors, dropped=len(outcome.dropped),
+        dropped = len(outcome.dropped)
+        # participants of the attempt in neither set: they vanished before sharing their
+        # keys, so are out of the sum, but still cost the neighbours their shares
+        left_out = (len(self.last_setup.participants) - survivors - dropped
+                    if self.last_setup is not None else 0)
+        info.update(survivors=survivors, dropped=dropped, left_out=left_out,
                     total_examples=round(outcome.total_examples))
         try:
             record.result = await self._apply(strategy, server_round, current, outcome)
