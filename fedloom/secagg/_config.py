@@ -269,7 +269,9 @@ class SecAggConfig:
                 f"max(threshold + 1, min_survivors) = {need} clients (each survivor's masks are "
                 f"removed with the shares of {self.threshold} surviving neighbours, and "
                 "clients refuse to unmask fewer than min_survivors): raise min_fit_clients "
-                f"(and min_clients) to {need}, or lower secure_aggregation.threshold",
+                f"(and min_clients) to {need}, or lower secure_aggregation.neighbours and "
+                "threshold together (k/2 < t <= k; docs/secure-aggregation.md has a table "
+                "for federations of 3 to 10 sites)",
             )
         if min_fit_clients > self.max_participants:
             raise _fail(

@@ -226,7 +226,9 @@ class PeerVerifier:
             verifier.verify(certificate, [])
         except (ValueError, verification.VerificationError) as exc:
             raise SecureAggregationError(
-                f"a client certificate is not valid under the client CA: {exc}") from exc
+                f"a client certificate is not valid under the client CA: {exc} (is the CA "
+                "trusted here the one that issued the clients' certificates? a client's "
+                "peer_ca / --peer-ca, default root_ca; the server's tls.client_ca)") from exc
         name = certificate_name(certificate)
         if name is None:
             raise SecureAggregationError("a client certificate names no identity")

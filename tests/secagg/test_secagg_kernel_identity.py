@@ -130,8 +130,9 @@ def test_certificates_that_are_not_client_certificates_of_the_ca_are_refused(how
         der = _der(_leaf(key.public_key(), days=(1, 30)))
     else:
         der = _der(_leaf(key.public_key(), usage=ExtendedKeyUsageOID.SERVER_AUTH))
-    with pytest.raises(SecureAggregationError, match="not valid under the client CA"):
+    with pytest.raises(SecureAggregationError, match="not valid under the client CA") as info:
         pki().verifier.verify_certificate(der)
+    assert "peer_ca / --peer-ca" in str(info.value)  # where an operator sets that CA
     # and with the same key and name as a proper client certificate, it passes
     assert pki().verifier.verify_certificate(_der(_leaf(key.public_key()))).name == "site-x"
 
