@@ -107,6 +107,23 @@ def scripted(n: int) -> list[Client]:
     return [ScriptedClient(seed=i, num_examples=5) for i in range(n)]
 
 
+class RecordsLeaves:
+    """What most fake servers share (mix in before ``FleetServicer``): heartbeats are
+    answered, and each Leave's reason is recorded in ``left``."""
+
+    def __init__(self) -> None:
+        self.left: list[str] = []
+        self.lock = threading.Lock()
+
+    def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse()
+
+    def Leave(self, request: Any, context: Any) -> pb.LeaveResponse:
+        with self.lock:
+            self.left.append(request.reason)
+        return pb.LeaveResponse()
+
+
 @contextlib.contextmanager
 def fake_fleet(servicer: pb_grpc.FleetServicer) -> Iterator[str]:
     """Serve a hand-written Fleet servicer (a fake server) on loopback; yields its address."""

@@ -230,23 +230,32 @@ def test_the_client_exit_status_says_how_it_ended(
         assert "the client failed" in err and "a bug in the app" in err
 
 
-def test_the_client_commands_stop_timeout_reaches_its_config(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    seen: list[float] = []
+def _client_command(monkeypatch: pytest.MonkeyPatch, *extra: str
+                    ) -> tuple[int, ClientConfig | None]:
+    """``fedloom client ... EXTRA`` with start_client stubbed: its exit status, and the
+    config start_client was given (None when the command refused before it)."""
+    given: list[ClientConfig] = []
 
     def start_client(*args: object, config: ClientConfig, **kwargs: object) -> ClientStats:
-        seen.append(config.stop_timeout_s)
+        given.append(config)
         return ClientStats(run_finished=True)
 
     import fedloom.client_sdk as sdk
 
     monkeypatch.setattr(sdk, "start_client", start_client)
     monkeypatch.setattr(cli, "_load_attr", lambda spec, setting: _NoopClient())
-    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "m:c"]
-    assert cli.main([*argv, "--stop-timeout-s", "8.5"]) == cli.EXIT_FINISHED
-    assert cli.main(argv) == cli.EXIT_FINISHED
-    assert seen == [8.5, ClientConfig("h:1", insecure=True).stop_timeout_s]
-    assert cli.main([*argv, "--stop-timeout-s", "0"]) == cli.EXIT_REFUSED
+    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "m:c", *extra]
+    return cli.main(argv), (given[0] if given else None)
+
+
+def test_the_client_commands_stop_timeout_reaches_its_config(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    status, config = _client_command(monkeypatch, "--stop-timeout-s", "8.5")
+    assert status == cli.EXIT_FINISHED and config is not None and config.stop_timeout_s == 8.5
+    _, config = _client_command(monkeypatch)
+    assert config is not None
+    assert config.stop_timeout_s == ClientConfig("h:1", insecure=True).stop_timeout_s
+    assert _client_command(monkeypatch, "--stop-timeout-s", "0") == (cli.EXIT_REFUSED, None)
     assert "stop_timeout_s" in capsys.readouterr().err
 
 
@@ -255,19 +264,13 @@ def test_the_client_commands_secagg_max_attempts_reaches_the_protocol(
     from fedloom.client_sdk import ClientRunner
     from fedloom.messages import Session
 
-    seen: list[int] = []
-
-    def start_client(*args: object, config: ClientConfig, **kwargs: object) -> ClientStats:
+    def attempts(config: ClientConfig | None) -> int:
+        assert config is not None
         runner = ClientRunner(_NoopClient(), config)
-        seen.append(runner._secure_fit(Session("c1", b"s" * 32)).protocol.max_attempts)
-        return ClientStats(run_finished=True)
+        return runner._secure_fit(Session("c1", b"s" * 32)).protocol.max_attempts
 
-    import fedloom.client_sdk as sdk
-
-    monkeypatch.setattr(sdk, "start_client", start_client)
-    monkeypatch.setattr(cli, "_load_attr", lambda spec, setting: _NoopClient())
-    argv = ["client", "--server", "127.0.0.1:1", "--insecure", "--app", "m:c"]
-    assert cli.main([*argv, "--secagg-max-attempts", "5"]) == cli.EXIT_FINISHED
-    assert cli.main(argv) == cli.EXIT_FINISHED
-    assert seen == [5, 3]
-    assert cli.main([*argv, "--secagg-max-attempts", "17"]) == cli.EXIT_REFUSED
+    status, config = _client_command(monkeypatch, "--secagg-max-attempts", "5")
+    assert status == cli.EXIT_FINISHED and attempts(config) == 5
+    assert attempts(_client_command(monkeypatch)[1]) == 3
+    assert _client_command(monkeypatch, "--secagg-max-attempts", "17") == (
+        cli.EXIT_REFUSED, None)

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from helpers import fake_fleet
+from helpers import RecordsLeaves, fake_fleet
 
 from fedloom.client_sdk import (
     CallNext,
@@ -39,20 +39,19 @@ MODEL = Weights({"w": np.zeros(8, np.float32)})
 FIT, EVALUATE = TaskKind.FIT, TaskKind.EVALUATE
 
 
-class ScriptedFleet(pb_grpc.FleetServicer):
+class ScriptedFleet(RecordsLeaves, pb_grpc.FleetServicer):
     """Hands out the scripted tasks, one per Pull, then says the run is finished (or,
     with ``finish=False``, holds the next Pull open); records results and Leaves."""
 
     def __init__(self, kinds: list[TaskKind], refuse: frozenset[str] = frozenset(),
                  finish: bool = True) -> None:
+        super().__init__()
         payload = bytes(serialize(MODEL))
         info = PayloadInfo.describe(MODEL.specs(), payload)
         self.tasks = [TaskHeader(f"t{i}", "run-1", i + 1, kind, {"server_round": i + 1}, 10.0,
                                  info) for i, kind in enumerate(kinds)]
         self.payload, self.refuse, self.finish = payload, refuse, finish
         self.results: list[ResultHeader] = []
-        self.left: list[str] = []
-        self.lock = threading.Lock()
 
     def Join(self, request: Any, context: Any) -> pb.JoinResponse:
         return codec.join_reply_to_proto(JoinReply(
@@ -91,13 +90,6 @@ class ScriptedFleet(pb_grpc.FleetServicer):
         if result.task_id in self.refuse:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused for the test")
 
-    def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse()
-
-    def Leave(self, request: Any, context: Any) -> pb.LeaveResponse:
-        with self.lock:
-            self.left.append(request.reason)
-        return pb.LeaveResponse()
 
     def outcome(self) -> list[tuple[str, TaskKind | None, str]]:
         """(task id, kind, failure) of each result received."""

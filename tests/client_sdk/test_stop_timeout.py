@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import fake_fleet
+from helpers import RecordsLeaves, fake_fleet
 
 from fedloom.client_sdk import Client, ClientRunner, EvaluateOutput, FitOutput
 from fedloom.config import ClientConfig, TransferConfig
@@ -30,11 +30,12 @@ CHUNK = 1024
 FROZEN_S = 30.0
 
 
-class FreezingFleet(pb_grpc.FleetServicer):
+class FreezingFleet(RecordsLeaves, pb_grpc.FleetServicer):
     """Hands out one fit task, then holds every later Pull open; the calls named in
     ``freeze`` never answer (until ``thaw``); records what arrives."""
 
     def __init__(self, model: Weights, freeze: frozenset[str]) -> None:
+        super().__init__()
         self.payload = bytes(serialize(model))
         info = PayloadInfo.describe(model.specs(), self.payload)
         self.tasks = [TaskHeader("t0", "run-1", 1, TaskKind.FIT, {"server_round": 1}, 10.0,
@@ -43,9 +44,7 @@ class FreezingFleet(pb_grpc.FleetServicer):
         self.entered: dict[str, threading.Event] = {
             name: threading.Event() for name in ("Join", "Push", "Report")}
         self.results: list[str] = []
-        self.left: list[str] = []
         self.thawed = threading.Event()
-        self.lock = threading.Lock()
 
     def _hold(self, name: str, context: Any) -> None:
         self.entered[name].set()
@@ -91,13 +90,6 @@ class FreezingFleet(pb_grpc.FleetServicer):
         with self.lock:
             self.results.append(codec.result_from_proto(header).task_id)
 
-    def Heartbeat(self, request: Any, context: Any) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse()
-
-    def Leave(self, request: Any, context: Any) -> pb.LeaveResponse:
-        with self.lock:
-            self.left.append(request.reason)
-        return pb.LeaveResponse()
 
 
 class StepClient(Client):

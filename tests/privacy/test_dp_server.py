@@ -50,6 +50,20 @@ def _store_rounds(state_dir: str) -> tuple[str, list[Any]]:
         store.close()
 
 
+def _run(config: ServerConfig, clients: list[ScriptedClient] | None = None
+         ) -> tuple[list[Any], list[ScriptedClient]]:
+    """Run ``config``'s server with ``clients`` (default: NUM_CLIENTS scripted ones) to the
+    end; its history and the clients (each told the run is over)."""
+    handle = Server(config, initial_weights=small_weights()).start()
+    clients = clients or [ScriptedClient(seed=i, num_examples=5) for i in range(NUM_CLIENTS)]
+    threads = run_clients(handle.address, clients)
+    history = handle.wait(60)
+    for t in threads:
+        t.join(15)
+        assert not t.is_alive()  # told the run is finished
+    return history, clients
+
+
 def test_the_budget_ends_the_run_cleanly(server_config) -> None:  # type: ignore[no-untyped-def]
     allowed = 3
     config = server_config(num_rounds=8, min_clients=NUM_CLIENTS, min_fit_clients=NUM_CLIENTS,
@@ -177,13 +191,8 @@ def test_a_failed_round_still_says_the_epsilon_spent_so_far(server_config) -> No
                            fraction_evaluate=0.0,
                            privacy=PrivacyConfig(mode="central", noise_multiplier=Z,
                                                  clip_norm=1.0, sampling="fixed"))
-    handle = Server(config, initial_weights=small_weights()).start()
-    clients = [_FailsInRound(0, failing=2)] + [ScriptedClient(seed=i, num_examples=5)
-                                               for i in range(1, NUM_CLIENTS)]
-    threads = run_clients(handle.address, clients)
-    history = handle.wait(60)
-    for t in threads:
-        t.join(15)
+    history, _ = _run(config, [_FailsInRound(0, failing=2)] + [
+        ScriptedClient(seed=i, num_examples=5) for i in range(1, NUM_CLIENTS)])
     rounds = [r for r in history if r.round > 0]
     assert [r.status for r in rounds] == ["ok", "failed", "ok"]
     epsilons = [r.fit.get("privacy_epsilon") for r in rounds]
@@ -202,12 +211,7 @@ def test_rounds_too_small_for_adaptive_clipping_are_not_run_and_the_server_carri
                            privacy=PrivacyConfig(mode="central", noise_multiplier=Z,
                                                  clip_norm=1.0, sampling="fixed",
                                                  clipping="adaptive"))
-    handle = Server(config, initial_weights=small_weights()).start()
-    clients = [ScriptedClient(seed=i, num_examples=5) for i in range(NUM_CLIENTS)]
-    threads = run_clients(handle.address, clients)
-    history = handle.wait(60)
-    for t in threads:
-        t.join(15)
+    history, clients = _run(config)
     rounds = [r for r in history if r.round > 0]
     assert [r.status for r in rounds] == ["failed", "failed"]
     assert all(r.reason.startswith("not run: adaptive clipping needs") for r in rounds)
@@ -222,12 +226,7 @@ def test_a_budget_that_allows_no_round_says_what_to_change(
                            privacy=PrivacyConfig(mode="central", noise_multiplier=0.5,
                                                  clip_norm=1.0, sampling="fixed",
                                                  target_epsilon=0.1))
-    handle = Server(config, initial_weights=small_weights()).start()
-    clients = [ScriptedClient(seed=i, num_examples=5) for i in range(NUM_CLIENTS)]
-    threads = run_clients(handle.address, clients)
-    history = handle.wait(60)
-    for t in threads:
-        t.join(15)
+    history, _ = _run(config)
     assert [r.round for r in history if r.round > 0] == []
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any("the budget allows no round of this run" in m
