@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from fedloom._text import one_line
 from fedloom.config import ServerConfig
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import MaskedInputHeader, ResultHeader, TaskHeader
@@ -239,8 +240,8 @@ class SecureAttempt:
         task = self._open.get(client_id)
         if task is not None and task.status is TaskStatus.PENDING and not task.in_flight:
             task.settle(TaskStatus.FAILED)
-        log.info("secure round %s: client %s dropped (%s)", self.setup.round_id, client_id,
-                 reason)
+        log.info("secure round %s: client %s dropped (%s)", self.setup.round_id,
+                 self._who(client_id), reason)
         future = self._executor.submit(self._locked, self._drop_and_check, client_id)
         future.add_done_callback(self._report)
 
@@ -259,7 +260,8 @@ class SecureAttempt:
 
     def failed(self, task: Task, message: str) -> None:
         stage = _stage(task)
-        log.warning("client %s failed secure stage %s: %s", task.client_id, stage, message)
+        log.warning("client %s failed secure stage %s: %s", self._who(task.client_id), stage,
+                    message)
         if stage is Stage.CONSISTENCY:  # refused the survivor set an honest server sent
             self.withheld.add(task.client_id)
         dealer = accused_dealer(message) if stage is Stage.MASKED_INPUT else None
@@ -271,8 +273,15 @@ class SecureAttempt:
             self.accused.add(dealer)
             log.warning("secure round %s: client %s accuses client %s of dealing a share "
                         "that does not open or match its commitment", self.setup.round_id,
-                        task.client_id, dealer)
+                        self._who(task.client_id), self._who(dealer))
         self.drop(task.client_id, f"client failure in {stage}")
+
+    def _who(self, client_id: str) -> str:
+        """A participant as the log names it: its identity (a certificate's name, or the
+        name it joined with; escaped) and its session id."""
+        if client_id not in self.setup.participants:
+            return client_id
+        return f"{one_line(self.setup.identity_of(client_id), 80)} ({client_id})"
 
     def end_reason(self, task: Task) -> str:
         stage = _stage(task)

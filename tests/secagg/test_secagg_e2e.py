@@ -8,6 +8,8 @@ model within the bound that implies for the mean (`mean_tolerance`).
 
 from __future__ import annotations
 
+import logging
+import re
 import select
 import signal
 import subprocess
@@ -86,7 +88,8 @@ def test_a_secure_round_equals_plaintext_fedavg_within_the_quantization_error(
 
 @pytest.mark.parametrize("stage", [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT])
 def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
-        server_config, mtls, pki, stage: Stage) -> None:  # type: ignore[no-untyped-def]
+        server_config, mtls, pki, stage: Stage,
+        caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     """The victim answers the stage, then its task stream ends (no Leave). The others
     answer that stage 1 s later, so the victim is waiting for its next task when it
     vanishes; heartbeat silence (30 s) and stage deadlines (20 s) are far away, so a
@@ -101,6 +104,7 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
     behaviours = {i: Behaviour(delay={stage: 1.0}) for i in range(1, 7)}
     behaviours[0] = Behaviour(vanish_after=stage)
     started = time.monotonic()
+    caplog.set_level(logging.INFO, logger="fedloom.server")
     runners, threads = start_runners(handle.address, clients, behaviours, pki=pki)
     history = handle.wait(60)
     elapsed = time.monotonic() - started
@@ -118,6 +122,9 @@ def test_a_client_that_vanishes_after_a_stage_is_noticed_at_once(
     # a participant of the last attempt in neither set: counted, as it cost its
     # neighbours their shares (a retried attempt ran without it)
     assert info["left_out"] == (0 if stage is Stage.MASKED_INPUT else 1)
+    # the log names the client by its identity (its certificate's), not only its session
+    assert any(re.search(r"client client-0 \(\w+\) dropped", r.getMessage())
+               for r in caplog.records)
     if stage is Stage.MASKED_INPUT:
         assert info["attempts"] == 2
         assert "did not confirm the survivor set" in info["failures"][0]
