@@ -116,6 +116,12 @@ class ClosedTask:
     quiet: bool  # a late result is answered "not needed" rather than refused
 
 
+#: Closings (phases, stages, asynchronous versions) whose tasks' ends are remembered, so
+#: a late result hears why its task ended: an asynchronous run closes one a version, and
+#: a slow client's result may come many versions later.
+KEEP_CLOSINGS = 64
+
+
 class TaskBook:
     """The server's tasks: issue, offer, answer, close. Lives on the event loop.
 
@@ -124,10 +130,14 @@ class TaskBook:
         keep_closings: how many closings (phases, stages) to remember for late results.
     """
 
-    def __init__(self, wake: Callable[[str], None], keep_closings: int = 8) -> None:
+    def __init__(self, wake: Callable[[str], None], keep_closings: int = KEEP_CLOSINGS) -> None:
         self._wake = wake
         self._open: dict[str, Task] = {}  # task id -> task, until its owner closes it
         self._latest: dict[str, Task] = {}  # client id -> its most recently issued task
+        # client id -> the task it was handed and has not answered: it is working on it,
+        # even once the task has ended server-side (a stale asynchronous task, a round
+        # that closed), and gets no other until it answers or goes
+        self._working: dict[str, str] = {}
         self._closed: collections.deque[dict[str, ClosedTask]] = collections.deque(
             maxlen=keep_closings)
 
@@ -145,6 +155,7 @@ class TaskBook:
         if (task is None or task.status is not TaskStatus.PENDING or task.task_id == sent
                 or task.owner is None or not task.owner.accepting):
             return None
+        self._working[client_id] = task.task_id
         return task
 
     def pending(self, client_id: str) -> Task | None:
@@ -155,12 +166,16 @@ class TaskBook:
         return task
 
     def busy(self, client_id: str) -> bool:
-        """Whether the client holds a pending task (offered, or answered in part)."""
+        """Whether the client holds a pending task (offered, or answered in part), or
+        is still working on one it was handed that has ended since (it has not
+        answered it: a new task would only wait behind the old one's fit)."""
         task = self._latest.get(client_id)
-        return task is not None and task.status is TaskStatus.PENDING
+        return (task is not None and task.status is TaskStatus.PENDING) or (
+            client_id in self._working)
 
     def client_gone(self, client_id: str, reason: str) -> None:
         """A client left (or went silent): its pending task ends now, not at a deadline."""
+        self._working.pop(client_id, None)
         task = self.pending(client_id)
         if task is not None and task.owner is not None:
             task.owner.client_gone(task, reason)
@@ -171,6 +186,8 @@ class TaskBook:
         Returns an `Upload` when a payload must follow, else whether it was a duplicate
         (a retry of an accepted result). Raises `MessageRejectedError` otherwise.
         """
+        if self._working.get(client.client_id) == header.task_id:
+            del self._working[client.client_id]  # it answered: done with that task
         task = self._open.get(header.task_id)
         if task is None:
             return self._closed_answer(client.client_id, header)

@@ -18,7 +18,7 @@ from async_support import Harness, async_config, refused
 from fedbuff import client_delta
 
 from fedloom.errors import RejectReason
-from fedloom.messages import ResultHeader, Session, TaskHeader
+from fedloom.messages import ResultHeader, Session
 from fedloom.payload import PayloadInfo, iter_chunks, serialize
 from fedloom.types import TaskKind
 
@@ -111,15 +111,18 @@ def test_a_task_past_its_deadline_frees_its_slot(tmp_path: Path) -> None:
             async_config(tmp_path / "s", concurrency=1), round_timeout_s=0.2)
         async with Harness(config, num_clients=1) as harness:
             late = await harness.task_of(0)
-            # The driver checks deadlines while the buffer fills: a new task follows.
-            fresh: TaskHeader | None = None
-            async with asyncio.timeout(5):
-                while fresh is None or fresh.task_id == late.task_id:
-                    fresh = await harness.task_of(0)
-                    await asyncio.sleep(0.05)
+            # The driver checks deadlines while the buffer fills: the task ends, but the
+            # client, still working on it, is handed no other until it answers (a task
+            # sent now would only wait behind the old fit, and go stale in turn).
+            record, book = harness.clients[0], harness.coordinator.book
+            await asyncio.sleep(0.6)
+            assert late.task_id in harness.driver._reasons  # ended at its deadline
+            assert book.busy(record.client_id) and book.offer(record.client_id) is None
             exc = await refused(harness.push(0, late, client_delta(0, 0, harness.initial), 10))
             assert exc.reason is RejectReason.STALE and "deadline" in str(exc)
             assert harness.driver.num_accepted == 0
+            fresh = await harness.task_of(0, timeout_s=5.0)  # it answered: a new task follows
+            assert fresh.task_id != late.task_id
 
     asyncio.run(main())
 

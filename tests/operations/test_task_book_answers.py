@@ -17,7 +17,7 @@ from helpers import small_weights
 from fedloom.errors import MessageRejectedError, RejectReason
 from fedloom.messages import ResultHeader, Session, TaskHeader
 from fedloom.payload import PayloadInfo, serialize
-from fedloom.server.tasks import Task, TaskBook, TaskStatus, result_fingerprint
+from fedloom.server.tasks import KEEP_CLOSINGS, Task, TaskBook, TaskStatus, result_fingerprint
 from fedloom.types import TaskKind
 
 INFO = PayloadInfo.describe(small_weights().specs(), serialize(small_weights()))
@@ -148,28 +148,30 @@ def test_unknown_clients_hold_no_task() -> None:
     assert book.busy("a") and book.pending("a") is not None
 
 
-def test_closed_tasks_are_remembered_for_eight_closings_each() -> None:
+def test_closed_tasks_are_remembered_for_keep_closings_closings_each() -> None:
     """A late result hears how its task ended while its closing is among the last
-    eight; an older one, or one sent by another client, hears "not open"."""
+    `KEEP_CLOSINGS` (64: an asynchronous run closes one a version, and a slow client
+    answers many versions later); an older one, or one sent by another client, hears
+    "not open"."""
     owner = StubOwner()
-    tasks = [_task(f"t{i}") for i in range(9)]
+    tasks = [_task(f"t{i}") for i in range(KEEP_CLOSINGS + 1)]
     book = _issued(owner, tasks[0])
     tasks[0].settle(TaskStatus.FAILED)
     book.close([tasks[0]])
     assert bytes(tasks[0].payload) == b""  # the model is dropped at once
-    for task in tasks[1:8]:  # seven more closings: eight in all
+    for task in tasks[1:KEEP_CLOSINGS]:  # KEEP_CLOSINGS closings in all
         book.issue(task, owner)  # type: ignore[arg-type]
         task.settle(TaskStatus.FAILED)
         book.close([task])
         assert not book.busy("a")
-    late = _refused(book, "a", _result(tasks[0]))  # found behind seven newer closings
+    late = _refused(book, "a", _result(tasks[0]))  # found behind 63 newer closings
     assert (late.reason, str(late)) == (
         RejectReason.STALE, "round 2 closed: stub; this result is no longer needed")
     stranger = _refused(book, "b", _result(tasks[0]))
     assert str(stranger) == "task 't0' is not open (unknown, or its round has closed)"
-    book.issue(tasks[8], owner)  # type: ignore[arg-type]
-    tasks[8].settle(TaskStatus.FAILED)
-    book.close([tasks[8]])  # the ninth closing: the first is forgotten
+    book.issue(tasks[-1], owner)  # type: ignore[arg-type]
+    tasks[-1].settle(TaskStatus.FAILED)
+    book.close([tasks[-1]])  # one closing more: the first is forgotten
     forgotten = _refused(book, "a", _result(tasks[0]))
     assert (forgotten.reason, str(forgotten)) == (
         RejectReason.STALE, "task 't0' is not open (unknown, or its round has closed)")
