@@ -84,6 +84,15 @@ class AsyncRounds(RoundDriver):
         super().__init__(parts)
         self.settings = settings = parts.config.rounds
         self.weighting = StalenessWeighting.from_config(settings)
+        config = parts.config
+        if config.fraction_evaluate > 0 and settings.concurrency >= config.min_clients:
+            # Evaluation asks only clients that hold no task, and a freed client gets a
+            # new one before the committed version is evaluated.
+            log.warning("federated evaluation asks clients that are not training, but "
+                        "rounds.concurrency (%d) is at least min_clients (%d): with every "
+                        "client training, versions may go unevaluated until the last; keep "
+                        "concurrency below the fleet's size, or evaluate on the server "
+                        "(evaluate_fn)", settings.concurrency, config.min_clients)
         self.last_version = settings.last_round(parts.config.num_rounds)
         self.durable = DurableBuffer(persistence.store, persistence.state_dir, parts.run_id,
                                      parts.model.weights.specs())

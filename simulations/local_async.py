@@ -55,7 +55,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from fedloom.config import RoundsConfig
-from fedloom.errors import AggregationError
+from fedloom.errors import AggregationError, ConfigError
 from fedloom.simulations.history import (
     History,
     RoundRecord,
@@ -273,8 +273,10 @@ def run_local_async(
                          f"{num_clients}")
     cap = rounds.max_updates_per_client
     if cap and num_clients * cap < rounds.buffer_size:
-        raise ValueError(f"{cap} update(s) from each of {num_clients} clients cannot fill a "
-                         f"buffer of rounds.buffer_size = {rounds.buffer_size}")
+        raise ConfigError("rounds.max_updates_per_client",
+                          f"{cap} update(s) from each of {num_clients} clients cannot fill a "
+                          f"buffer of rounds.buffer_size = {rounds.buffer_size}: raise it, "
+                          "or lower buffer_size")
     check_robust_async(strategy, rounds)
     started = time.perf_counter()
     run = _AsyncRun(strategy, client_fn, initial, num_clients=num_clients,

@@ -21,7 +21,7 @@ import numpy as np
 
 from fedloom._rounds_config import RoundsConfig
 from fedloom.errors import ConfigError
-from fedloom.strategies._base import aggregator_of
+from fedloom.strategies._base import aggregator_of, min_updates
 from fedloom.types import ClientUpdate
 from fedloom.weights import Weights
 
@@ -107,10 +107,21 @@ def holds_all_updates(strategy: object) -> bool:
 def check_robust_async(strategy: object, rounds: RoundsConfig) -> None:
     """A robust rule in asynchronous rounds needs ``rounds.max_updates_per_client``:
     with no limit one fast client can send every update of every buffer, and the rule
-    then chooses among that client's own updates. `ConfigError` otherwise."""
-    if rounds.asynchronous and holds_all_updates(strategy) and not rounds.max_updates_per_client:
+    then chooses among that client's own updates; and a buffer of at least the rule's
+    minimum (`Aggregator.min_updates`): every version is a buffer's updates, so a smaller
+    one fails them all. `ConfigError` otherwise."""
+    if not rounds.asynchronous:
+        return
+    if holds_all_updates(strategy) and not rounds.max_updates_per_client:
         raise ConfigError(
             "rounds.max_updates_per_client",
             f"{type(strategy).__name__} chooses among a buffer's updates, and with no "
             "limit one fast client can send every update of every buffer (the rule then "
             "picks among that client's own): set it to 1")
+    need = min_updates(strategy)
+    if rounds.buffer_size < need:
+        raise ConfigError(
+            "rounds.buffer_size",
+            f"is {rounds.buffer_size}, but {type(aggregator_of(strategy)).__name__} needs at "
+            f"least {need} updates a version (every version is one buffer's): raise it to "
+            f"{need}, or change the strategy's settings")

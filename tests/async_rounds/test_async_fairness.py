@@ -27,7 +27,7 @@ from fedloom.errors import ConfigError
 from fedloom.server import Server
 from fedloom.simulations.local_async import run_local_async
 from fedloom.simulations.speed import SpeedModel
-from fedloom.strategies import FedAvg, FedMedian
+from fedloom.strategies import FedAvg, FedMedian, Krum
 
 
 async def _no_task_for(harness: Harness, client: int, seconds: float = 0.3) -> None:
@@ -182,13 +182,38 @@ def test_the_local_async_engine_keeps_the_same_limit(cap: int) -> None:
 
 
 def test_the_local_async_engine_refuses_what_the_server_refuses() -> None:
-    with pytest.raises(ValueError, match="cannot fill a buffer"):
+    # a ConfigError naming the setting (`fedloom simulate` prints it on one line; a bare
+    # ValueError came out as a traceback)
+    with pytest.raises(ConfigError, match="cannot fill a buffer") as info:
         run_local_async(FedAvg(), lambda i: _Step(), INITIAL, num_clients=4, num_rounds=1,
                         rounds=RoundsConfig(mode="async", buffer_size=5,
                                             max_updates_per_client=1), speed=FAST_FIRST)
+    assert info.value.setting == "rounds.max_updates_per_client"
     with pytest.raises(ConfigError, match="set it to 1"):
         run_local_async(FedMedian(), lambda i: _Step(), INITIAL, num_clients=4, num_rounds=1,
                         rounds=RoundsConfig(mode="async", buffer_size=2), speed=FAST_FIRST)
+
+
+@pytest.mark.parametrize(("buffer_size", "refused"), [(2, True), (3, False)])
+def test_a_buffer_smaller_than_the_rules_minimum_is_refused_at_start(
+        tmp_path: Path, buffer_size: int, refused: bool) -> None:
+    """Every version is one buffer's updates: Krum with f = 0 needs 3, so a buffer of 2
+    fails every version. Refused by the server and the simulation alike, naming
+    buffer_size (a synchronous round's size may vary; a buffer's does not)."""
+    rounds = RoundsConfig(mode="async", buffer_size=buffer_size, max_updates_per_client=1)
+    krum = Krum(num_malicious_nodes=0)
+    config = async_config(tmp_path / "s", buffer_size=buffer_size, max_updates_per_client=1,
+                          min_clients=4, strategy="krum")
+    for start in (lambda: Server(config),
+                  lambda: run_local_async(krum, lambda i: _Step(), INITIAL, num_clients=4,
+                                          num_rounds=1, rounds=rounds, speed=FAST_FIRST)):
+        if refused:
+            with pytest.raises(ConfigError, match=r"is 2, but KrumAggregator needs at least 3 "
+                                                  r"updates a version") as info:
+                start()
+            assert info.value.setting == "rounds.buffer_size"
+        else:
+            start()
 
 
 def test_joining_again_mid_upload_does_not_buy_a_second_update(tmp_path: Path) -> None:

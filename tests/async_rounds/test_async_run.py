@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,23 @@ def test_a_norm_bound_clips_each_buffered_update(tmp_path: Path) -> None:
                        for n, a in harness.initial.items()))
     assert step == pytest.approx(1.0, rel=1e-5)  # both clipped to 1, same direction
     assert harness.coordinator.history[-1].fit["num_clipped"] == 2
+
+
+@pytest.mark.parametrize(("concurrency", "warned"), [(2, True), (1, False)])
+def test_a_concurrency_that_leaves_no_client_to_evaluate_is_warned_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, concurrency: int,
+        warned: bool) -> None:
+    """Evaluation asks only clients that are not training: with concurrency at the
+    fleet's size every client may be training, and versions go unevaluated, silently."""
+    async def main() -> None:
+        config = dataclasses.replace(
+            async_config(tmp_path / "s", num_rounds=1, concurrency=concurrency,
+                         min_clients=2), fraction_evaluate=1.0)
+        with caplog.at_level(logging.WARNING, logger="fedloom.server"):
+            async with Harness(config, num_clients=2):
+                pass
+
+    asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "versions may go unevaluated" in
+            r.getMessage()]
+    assert bool(said) is warned
