@@ -314,8 +314,10 @@ class Scenario:
                "other engines train each client on one thread, as Ray's actors do; set "
                "threads = 1")
         _check(self.num_clients >= 1, "num_clients", "must be at least 1")
-        _check(
-            1 <= self.clients_per_round <= self.num_clients,
+        _check(  # asynchronous rounds take no cohort: only its lower bound matters there
+            1 <= self.clients_per_round <= (
+                self.clients_per_round if self.rounds_config.asynchronous
+                else self.num_clients),
             "clients_per_round",
             f"must be in 1..num_clients ({self.num_clients})",
         )
@@ -424,9 +426,10 @@ class Scenario:
     @property
     def selection(self) -> SelectionConfig:
         """The client selection this scenario's strategy samples with."""
+        per_round = min(self.clients_per_round, self.num_clients)  # async: not a cohort
         return SelectionConfig(
-            fraction_fit=self.clients_per_round / self.num_clients,
-            min_fit_clients=self.clients_per_round,
+            fraction_fit=per_round / self.num_clients,
+            min_fit_clients=per_round,
             fraction_evaluate=self.evaluate_clients_per_round / self.num_clients,
             min_evaluate_clients=self.evaluate_clients_per_round,
             seed=self.seed,

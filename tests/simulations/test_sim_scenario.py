@@ -270,3 +270,14 @@ def test_numpy_numbers_in_a_python_scenario_become_python_values() -> None:
               scenario.progress, scenario.partition.alpha)
     assert [type(v) for v in values] == [int, int, float, bool, float]
     json.dumps(scenario.to_dict(), allow_nan=False)
+
+
+def test_an_asynchronous_scenario_ignores_the_synchronous_cohort_size() -> None:
+    """clients_per_round sizes synchronous rounds; an asynchronous scenario with fewer
+    clients than its (default) cohort runs, where it was refused."""
+    scenario = scenario_from_mapping({"num_clients": 8, "rounds": {"mode": "async",
+                                                                   "concurrency": 4,
+                                                                   "buffer_size": 2}})
+    assert scenario.clients_per_round == 10 and scenario.selection.min_fit_clients == 8
+    with pytest.raises(ConfigError, match="clients_per_round"):
+        scenario_from_mapping({"num_clients": 8})  # a synchronous cohort must fit
