@@ -125,8 +125,8 @@ def decode(codec: Codec, specs: Sequence[TensorSpec],
     ``encoded_layout(codec, specs)``; checked). Raises `CompressionError`."""
     out: list[tuple[str, np.ndarray]] = []
     for spec in specs:
-        if not codec.applies(spec):
-            out.append((spec.name, _part(encoded, spec)))
+        if not codec.applies(spec):  # its own tensor, in its own shape
+            out.append((spec.name, _part(encoded, spec).reshape(spec.shape)))
             continue
         parts = [_part(encoded, p) for p in codec.part_specs(spec)]
         flat = codec.decode_tensor(parts, spec)

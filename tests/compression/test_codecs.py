@@ -140,12 +140,20 @@ def test_sizes_match_the_documented_ratios() -> None:
 
 
 def test_integer_tensors_travel_as_they_are() -> None:
-    weights = Weights({"w": np.ones(10, np.float32), "steps": np.array([7], np.int64)})
+    # in their own shapes: BatchNorm's 0-dim num_batches_tracked came back as int64[1]
+    # from a decoded download, and every update of that client was refused
+    weights = Weights({"w": np.ones(10, np.float32), "steps": np.array([7], np.int64),
+                       "count": np.array(3, np.int64),
+                       "table": np.arange(6, dtype=np.int32).reshape(2, 3)})
     for name in CODECS:
         codec = make_codec(name)
         encoded = encode(codec, weights, np.random.default_rng(0))
         np.testing.assert_array_equal(encoded["steps"], [7])
-        np.testing.assert_array_equal(decode(codec, weights.specs(), encoded)["steps"], [7])
+        decoded = decode(codec, weights.specs(), encoded)
+        for tensor in ("steps", "count", "table"):
+            assert decoded[tensor].shape == weights[tensor].shape, (name, tensor)
+            np.testing.assert_array_equal(decoded[tensor], weights[tensor])
+        decoded.check_same_layout(weights)  # what the client's upload is checked against
 
 
 def _encoded(name: str, **settings_: object) -> tuple[object, Weights, Weights]:
