@@ -199,9 +199,12 @@ class AsyncRounds(RoundDriver):
         self._check_fresh(task, self._open)
         try:
             return start_fit_upload(self.parts, client, task, header, fingerprint)
-        except EncodingRefusedError as exc:
-            log.warning("client %s: %s", task.client_id, exc)
-            self.end(task, f"update refused: {exc}")
+        except MessageRejectedError as exc:
+            # refused for what it is: the task ends at once (its slot goes to fresh
+            # work) rather than at its deadline; a second upload at once is not its end
+            if exc.reason is not RejectReason.CONFLICT:
+                log.warning("client %s: %s", task.client_id, exc)
+                self.end(task, f"update refused: {exc}")
             raise
 
     async def fold(self, upload: Upload, payload: SpooledWeights) -> None:

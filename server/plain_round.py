@@ -152,12 +152,17 @@ class FitPhase(PhaseOwner):
                    fingerprint: bytes) -> Upload | bool:
         try:
             return start_fit_upload(self.parts, client, task, header, fingerprint)
-        except EncodingRefusedError as exc:
-            self.refused(task, exc)
+        except MessageRejectedError as exc:
+            # A result refused for what it is (its layout, size, base round, encoding)
+            # fails its task at once: the client does not send a refused result again,
+            # and the round would otherwise wait for it until round_timeout_s. A second
+            # upload while one runs (CONFLICT) is not the task's end.
+            if exc.reason is not RejectReason.CONFLICT:
+                self.refused(task, exc)
             raise
 
-    def refused(self, task: Task, exc: EncodingRefusedError) -> None:
-        """An update refused for its encoding fails its task (the round goes on)."""
+    def refused(self, task: Task, exc: MessageRejectedError) -> None:
+        """An update refused for what it is fails its task (the round goes on)."""
         log.warning("client %s: %s", task.client_id, exc)
         self.phase.fail(task, f"update refused: {exc}")
         self.progress()

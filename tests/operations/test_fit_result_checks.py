@@ -64,10 +64,15 @@ class _Round:
     def answer(self, header: ResultHeader) -> Upload | bool:
         return asyncio.run(self.book.answer(self.client, header))
 
-    def refusal(self, header: ResultHeader) -> MessageRejectedError:
+    def refusal(self, header: ResultHeader, ends_the_task: bool = True
+                ) -> MessageRejectedError:
+        """The refusal of ``header``; a result refused for what it is also fails its
+        task at once (the client does not send it again: the round would wait for it
+        until round_timeout_s)."""
         with pytest.raises(MessageRejectedError) as caught:
             self.answer(header)
-        assert not self.task.in_flight and self.task.status is TaskStatus.PENDING
+        assert not self.task.in_flight
+        assert self.task.status is (TaskStatus.FAILED if ends_the_task else TaskStatus.PENDING)
         return caught.value
 
 
@@ -139,7 +144,8 @@ def test_an_update_of_another_layout_is_invalid(tmp_path: Path,
 
 def test_a_result_of_another_kind_is_invalid(tmp_path: Path) -> None:
     rnd = _Round(tmp_path)
-    refused = rnd.refusal(rnd.result(kind=TaskKind.EVALUATE, update=None, loss=0.5))
+    refused = rnd.refusal(rnd.result(kind=TaskKind.EVALUATE, update=None, loss=0.5),
+                          ends_the_task=False)  # refused by the book, before the round
     assert refused.reason is RejectReason.INVALID
     assert str(refused) == "a evaluate result was sent for a fit task"
 

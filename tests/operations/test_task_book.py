@@ -117,10 +117,12 @@ def test_a_second_upload_of_one_task_at_once_is_a_conflict(setting) -> None:  # 
 
 
 def test_an_update_on_the_wrong_base_or_with_absurd_examples_is_refused(setting) -> None:  # type: ignore[no-untyped-def]
-    a, _ = setting.tasks
+    a, b = setting.tasks
     assert _refused(setting, 0, _fit_result(a, base_round=0)) is RejectReason.STALE
-    assert _refused(setting, 0, _fit_result(a, examples=0)) is RejectReason.INVALID
-    assert not a.in_flight and a.status is TaskStatus.PENDING
+    assert _refused(setting, 1, _fit_result(b, examples=0)) is RejectReason.INVALID
+    # each fails its task at once: the client does not send a refused result again
+    for task in (a, b):
+        assert not task.in_flight and task.status is TaskStatus.FAILED
 
 
 def test_a_retry_is_a_duplicate_a_different_result_a_conflict_also_after_closing(setting) -> None:  # type: ignore[no-untyped-def]

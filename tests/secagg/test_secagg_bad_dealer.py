@@ -57,7 +57,9 @@ def test_a_dealer_of_bad_shares_costs_an_attempt_not_the_rounds(
         assert record.status == "ok", history
     for record in sampled:  # one attempt lost to the dealer, then on without it
         assert record.secure_aggregation["attempts"] == 2
-    assert accusations and all(f"accuses client {dealer}" in m for m in accusations)
+    # named by identity and session (client-3 (<session id>))
+    assert accusations and all(f"accuses client client-{DEALER} ({dealer})" in m
+                               for m in accusations)
 
 
 def test_an_accusation_travels_as_a_failure_the_server_reads_back() -> None:
