@@ -92,6 +92,8 @@ class UpdateEncoder:
             except CompressionError as exc:
                 log.warning("this update cannot be encoded with %s (%s); sending it plain",
                             codec, exc)
+                if codec.name == "topk":  # what it carried over went into that update:
+                    self.feedback(run_id, codec).reset()  # start the next from zero
             else:
                 payload = serialize(encoded)
                 return payload, PayloadInfo.describe(encoded.specs(), payload), codec
@@ -115,6 +117,6 @@ class UpdateEncoder:
                         old.unlink(missing_ok=True)
         feedback = ErrorFeedback(codec.build(), path)
         if feedback.residual:
-            log.info("error feedback: carried over the residual saved in %s", path)
+            log.info("error feedback: read the residual saved in %s", path)
         self._feedback = (run_id, feedback)
         return feedback

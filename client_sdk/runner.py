@@ -208,10 +208,11 @@ class ClientRunner:
             try:
                 grant = self._joined = connection.join(self.config.name, self.token)
                 log.info(
-                    "joined %s as %s (run %s)",
+                    "joined %s as %s (run %s)%s",
                     self.config.server_address,
                     grant.session.client_id,
                     grant.run_id,
+                    _granted_codecs(grant),
                 )
                 handshakes.joined()
                 if previous is not None:
@@ -374,6 +375,19 @@ class ClientRunner:
                 "secure aggregation checks the other clients' certificates against their CA: "
                 "set ClientConfig.peer_ca (--peer-ca) to the client CA's PEM file")
         return SigningIdentity.from_files(config.cert, config.key), PeerVerifier.from_pem_file(ca)
+
+
+def _granted_codecs(grant: JoinReply) -> str:
+    """What the join line says of the codecs the server granted ("" for none)."""
+    said = [f"{direction} {codec}{'+zstd' if zstd else ''}"
+            for direction, codec, zstd in (("upload", grant.upload_codec, grant.upload_zstd),
+                                           ("download", grant.download_codec,
+                                            grant.download_zstd))
+            if codec is not None]
+    said += [f"{direction} zstd" for direction, codec, zstd in (
+        ("upload", grant.upload_codec, grant.upload_zstd),
+        ("download", grant.download_codec, grant.download_zstd)) if codec is None and zstd]
+    return f"; codecs granted: {', '.join(said)}" if said else ""
 
 
 def _failed(context: TaskContext, exc: Exception) -> TaskResult:

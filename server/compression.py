@@ -81,6 +81,9 @@ def grant(config: CompressionConfig, request: JoinRequest, client: str) -> Grant
                      direction, list(accepted) or "none",
                      "uploads" if direction == "upload" else "downloads",
                      extra={"client": client, "direction": direction})
+        elif granted is not None:
+            log.info("client %s: %s codec %s granted (it asked for %s)", client, direction,
+                     granted, list(asked), extra={"client": client, "direction": direction})
     up_codec, up_zstd = split_stage(upload or "")
     down_codec, down_zstd = split_stage(download or "")
     return Grants(config.spec(up_codec) if up_codec else None,

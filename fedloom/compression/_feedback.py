@@ -96,7 +96,11 @@ def _load(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
             names = [str(n) for n in data["names"]]
-            return {n: np.asarray(data[f"t{i}"], np.float32) for i, n in enumerate(names)}
+            residual = {n: np.asarray(data[f"t{i}"], np.float32) for i, n in enumerate(names)}
+        bad = next((n for n, a in residual.items() if not np.isfinite(a).all()), None)
+        if bad is not None:  # it would be added to every update, which could never encode
+            raise ValueError(f"tensor {bad!r} holds non-finite values")
+        return residual
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         # A torn or truncated file (not an .npz any more): never a crash at every restart.
         log.warning("cannot read the error-feedback residual %s (%s); starting from zero",

@@ -99,6 +99,24 @@ def test_a_truncated_residual_file_starts_from_zero(tmp_path: Path, keep: int,
     assert feedback.residual == {} and "cannot read" in caplog.text
 
 
+def test_a_residual_file_with_non_finite_values_starts_from_zero(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Carried into every update, it made each one unencodable: top-k fell back to plain
+    # float32 for good, blaming the (finite) update.
+    path = tmp_path / "feedback.npz"
+    codec = make_codec("topk", fraction=0.1)
+    ErrorFeedback(codec, path).encode(_updates(1)[0], np.random.default_rng(0))
+    with np.load(path) as data:  # the saved file, with a NaN put in its one tensor
+        saved = {name: np.array(data[name]) for name in data.files}
+    saved["t0"][0] = np.nan
+    with path.open("wb") as fh:
+        np.savez(fh, **saved)
+    with caplog.at_level(logging.WARNING, logger="fedloom.compression"):
+        again = ErrorFeedback(codec, path)
+    assert again.residual == {}
+    assert "cannot read" in caplog.text and "holds non-finite values" in caplog.text
+
+
 def test_a_residual_that_cannot_be_saved_stays_in_memory(tmp_path: Path,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     # The state folder is a file (or read-only, or full): the update still goes out.

@@ -165,3 +165,19 @@ def test_an_update_a_codec_cannot_carry_goes_plain() -> None:
     payload, info, used = UpdateEncoder().update("run-1", CodecSpec("fp16"), huge, base)
     assert used is None and info.specs == base.specs()
     np.testing.assert_array_equal(deserialize(info.specs, payload)["w"], huge["w"] - base["w"])
+
+
+def test_a_residual_that_spoils_an_update_is_dropped_with_it() -> None:
+    """A top-k update that cannot be encoded goes plain, and what error feedback carried
+    into it is forgotten: the next update is encoded again (a residual that could never
+    encode kept every later update plain)."""
+    base = small_weights()
+    new = Weights({n: a + 1 + np.arange(a.size, dtype=a.dtype).reshape(a.shape)
+                   for n, a in base.items()})
+    encoder = UpdateEncoder()
+    encoder.update("run-1", TOPK, new, base)
+    feedback = encoder.feedback("run-1", TOPK)
+    feedback.residual["w"][0] = np.inf  # whatever made it so
+    assert encoder.update("run-1", TOPK, new, base)[2] is None  # plain, this once
+    assert feedback.residual == {}
+    assert encoder.update("run-1", TOPK, new, base)[2] == TOPK  # top-k again

@@ -8,6 +8,7 @@ settings. Every compression field that arrives from the network is checked.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -60,11 +61,17 @@ def test_a_client_that_asks_nothing_is_granted_nothing(tmp_path) -> None:  # typ
         codec.join_reply_to_proto(reply).SerializeToString()).HasField("upload_encoding")
 
 
-def test_the_first_accepted_codec_in_the_clients_order_is_granted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_first_accepted_codec_in_the_clients_order_is_granted(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     fleet = _fleet(tmp_path, upload=("q8", "topk"), download=("bf16", "fp16"))
-    reply = join_fleet(fleet, upload=("q2", "topk", "q8"), download=("fp16", "bf16"))
+    with caplog.at_level(logging.INFO, logger="fedloom.server"):
+        reply = join_fleet(fleet, upload=("q2", "topk", "q8"), download=("fp16", "bf16"))
     assert reply.upload_codec == TOPK  # "q2" is unknown: skipped, not refused
     assert reply.download_codec == FP16
+    granted = [r.getMessage() for r in caplog.records if "granted (it asked" in r.getMessage()]
+    assert [line.split(": ", 1)[1] for line in granted] == [  # said, per direction
+        "upload codec topk granted (it asked for ['q2', 'topk', 'q8'])",
+        "download codec fp16 granted (it asked for ['fp16', 'bf16'])"]
     assert join_fleet(fleet, upload=("q8",)).upload_codec == Q8  # the server's block
 
 
@@ -190,3 +197,17 @@ def test_the_sdk_refuses_what_it_did_not_ask_for() -> None:
 
 def _fields(reply: JoinReply) -> dict[str, object]:
     return {name: getattr(reply, name) for name in reply.__slots__}  # type: ignore[attr-defined]
+
+
+def test_the_client_says_at_join_which_codecs_it_was_granted() -> None:
+    from fedloom.client_sdk.runner import _granted_codecs
+
+    base = JoinReply(Session("c1", b"s" * 32), PROTOCOL_VERSION, frozenset({"fit"}), "run-1",
+                     5.0, 20.0, 1024, 64 * 1024, 1 << 20)
+    assert _granted_codecs(base) == ""
+    both = dataclasses.replace(base, upload_codec=TOPK, download_codec=FP16,
+                               download_zstd=True)
+    assert _granted_codecs(both) == f"; codecs granted: upload {TOPK}, download fp16+zstd"
+    assert str(TOPK).startswith("topk(fraction=")  # with the settings the server set
+    assert _granted_codecs(dataclasses.replace(base, upload_zstd=True)) == (
+        "; codecs granted: upload zstd")
