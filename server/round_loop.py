@@ -161,10 +161,12 @@ class RoundLoop:
                         result.reason)
             sections["reason"] = result.reason
         if not trained:
-            # A private round that failed after its release (a distributed-DP sum that
-            # was unmasked, then refused) has spent budget: every round says the ε spent
-            # so far, so the last one never understates it.
-            sections["fit"] = _privacy_spent(parts.strategy)
+            # What the strategy said of a round without a model (the norm bound's
+            # num_rejected, say), and, in a private run, the ε spent so far: a round that
+            # failed after its release (a distributed-DP sum unmasked, then refused) has
+            # spent budget, and the last round must never understate it.
+            sections["fit"] = {**(dict(result.metrics) if result is not None else {}),
+                               **_privacy_spent(parts.strategy)}
         last = parts.config.rounds.last_round(parts.config.num_rounds)
         evaluates = parts.config.rounds.evaluates(server_round, last)
         if result is not None and result.weights is not None:

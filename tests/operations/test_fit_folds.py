@@ -206,3 +206,16 @@ def test_a_round_whose_aggregation_fails_is_logged_and_keeps_the_model(
             "the initial one (last round: the updates disagree on everything)") in [
         r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert committed_models(config.state_dir)[1].allclose(small_weights(), rtol=0, atol=0)
+
+
+def test_a_round_without_a_model_keeps_what_its_strategy_said(server_config) -> None:  # type: ignore[no-untyped-def]
+    """Every update rejected by the norm bound: the round fails, and its record still
+    says how many were rejected (it kept no fit metrics at all)."""
+    config = server_config(num_rounds=1, min_clients=2, min_fit_clients=2,
+                           fraction_evaluate=0.0,
+                           strategy=StrategyConfig("fedavg", {"max_update_norm": 1e-9,
+                                                              "norm_bound_mode": "reject"}))
+    handle = Server(config, initial_weights=small_weights()).start()
+    history = run_to_end(handle, scripted(2))
+    assert history[-1].status == "failed"
+    assert history[-1].fit["num_rejected"] == 2 and history[-1].fit["num_clipped"] == 0
