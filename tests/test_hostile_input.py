@@ -121,16 +121,7 @@ def test_every_bad_result_is_refused_and_the_round_completes(server_config) -> N
             grpc.StatusCode.UNAUTHENTICATED,
         ),
     ]
-    for name, (header, payload), changes, code in cases:
-        if changes:
-            import dataclasses
-
-            header = dataclasses.replace(header, **changes)
-        with pytest.raises(grpc.RpcError) as info:
-            raw.push(header, payload)
-        assert info.value.code() == code, name
-        assert info.value.details(), name
-    # Bad digest: the header is fine, the bytes are not.
+    # Bad digest: the header is fine, the bytes are not (the task stays open for it).
     header, payload = _fit_header(s, task, good)
     tampered = bytearray(payload)
     tampered[0] ^= 1
@@ -138,6 +129,28 @@ def test_every_bad_result_is_refused_and_the_round_completes(server_config) -> N
         raw.push(header, bytes(tampered))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "digest" in info.value.details()
+    # Results refused before the round sees them (an unknown task, another round, a
+    # bad session) leave the task open; the first refused for what it is (its base,
+    # layout, values, examples) ends it, and later ones hear that it ended.
+    ended_by = ""
+    for name, (header, payload), changes, code in sorted(
+            cases, key=lambda c: c[3] is not grpc.StatusCode.UNAUTHENTICATED
+            and c[0] not in ("unknown task", "other round")):
+        if changes:
+            import dataclasses
+
+            header = dataclasses.replace(header, **changes)
+        with pytest.raises(grpc.RpcError) as info:
+            raw.push(header, payload)
+        if ended_by:
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
+            assert "this result is no longer needed" in info.value.details(), name
+            continue
+        assert info.value.code() == code, name
+        assert info.value.details(), name
+        if name not in ("unknown task", "other round", "bad session"):
+            ended_by = name
+    assert ended_by == "stale base"
     # A result for a task it was never given (another client's task id is unknown to it).
     history = handle.wait(60)
     for t in threads:
