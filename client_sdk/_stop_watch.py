@@ -45,12 +45,19 @@ class StopWatch:
         self._thread.start()
 
     def close(self) -> None:
-        """The loop is over: the watch ends (now, or when its poll next wakes)."""
+        """The loop is over: the watch ends now, and is waited for. (A daemon thread
+        still running when the process exits is killed mid-call; with the C++ runtimes
+        of gRPC and torch loaded that can abort the exit: "terminate called without an
+        active exception".)"""
         self._done.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(1.0)
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            if self._done.is_set():
+        # It waits on its own event (set by `close` at once) and looks at the stop
+        # event, which has no callbacks, between waits.
+        while not self._stop.is_set():
+            if self._done.wait(POLL_S):
                 return
         deadline = time.monotonic() + self._timeout_s
         # A wait for a task ends now, not at its long poll; and again at every poll: a
