@@ -92,8 +92,6 @@ class UpdateEncoder:
             except CompressionError as exc:
                 log.warning("this update cannot be encoded with %s (%s); sending it plain",
                             codec, exc)
-                if codec.name == "topk":  # what it carried over went into that update:
-                    self.feedback(run_id, codec).reset()  # start the next from zero
             else:
                 payload = serialize(encoded)
                 return payload, PayloadInfo.describe(encoded.specs(), payload), codec

@@ -40,7 +40,6 @@ class StopWatch:
         self._stop, self._connection, self._timeout_s = stop, connection, timeout_s
         self._aborted = aborted
         self._done = threading.Event()
-        self._first = True
         self._thread = threading.Thread(target=self._run, daemon=True, name="fedloom-stop")
         self._thread.start()
 
@@ -62,8 +61,9 @@ class StopWatch:
         deadline = time.monotonic() + self._timeout_s
         # A wait for a task ends now, not at its long poll; and again at every poll: a
         # pull that registered its call just after the stop was set is cancelled too.
-        while not self._done.wait(0 if self._first else POLL_S):
-            self._first = False
+        wait = 0.0  # the first look at once, then every POLL_S
+        while not self._done.wait(wait):
+            wait = POLL_S
             if self._aborted.is_set():
                 return  # abort() closed the connection itself: nothing to bound
             connection = self._connection()

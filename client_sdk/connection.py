@@ -153,12 +153,12 @@ class Connection:
     def _failed(self, exc: grpc.RpcError | ValueError, what: str) -> TransportError:
         """The error of a call that failed, naming the stop when `cut_calls` ended it (a
         closed channel fails a call in flight with CANCELLED and a new one with
-        ValueError)."""
+        ValueError). A ValueError of any other origin is raised as it is."""
         if self._cut:
             return TransportError(f"{what}: cancelled, the client is stopping (its "
                                   "stop_timeout_s is over)")
         if isinstance(exc, ValueError):
-            return TransportError(f"{what}: the connection is closed")
+            raise exc
         return translate(exc, what)
 
     def _session_proto(self) -> pb.Session:
@@ -183,8 +183,6 @@ class Connection:
                 raise AccessDeniedError(exc.code(), server_text(exc.details())) from exc
             raise self._failed(exc, "join") from exc
         except ValueError as exc:  # the channel was closed under the call (`cut_calls`)
-            if not self._cut:
-                raise
             raise self._failed(exc, "join") from exc
         try:
             grant = codec.join_reply_from_proto(response)
@@ -337,11 +335,7 @@ class Connection:
                         self._uploading = None
             else:
                 response = self._push(messages(), timeout=timeout)
-        except grpc.RpcError as exc:
-            raise self._failed(exc, "push") from exc
-        except ValueError as exc:  # the channel was closed under the call (`cut_calls`)
-            if not self._cut:
-                raise
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: closed under it (cut_calls)
             raise self._failed(exc, "push") from exc
         return bool(response.duplicate)
 

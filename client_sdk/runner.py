@@ -45,6 +45,7 @@ from fedloom.client_sdk._stop_watch import StopWatch
 from fedloom.client_sdk.connection import Connection
 from fedloom.client_sdk.secure_fit import SecureFit
 from fedloom.client_sdk.tls import HandshakeFailures
+from fedloom.compression import stage_name
 from fedloom.config import ClientConfig
 from fedloom.errors import (
     FedloomError,
@@ -379,14 +380,10 @@ class ClientRunner:
 
 def _granted_codecs(grant: JoinReply) -> str:
     """What the join line says of the codecs the server granted ("" for none)."""
-    said = [f"{direction} {codec}{'+zstd' if zstd else ''}"
-            for direction, codec, zstd in (("upload", grant.upload_codec, grant.upload_zstd),
-                                           ("download", grant.download_codec,
-                                            grant.download_zstd))
-            if codec is not None]
-    said += [f"{direction} zstd" for direction, codec, zstd in (
+    said = [f"{direction} {name}" for direction, codec, zstd in (
         ("upload", grant.upload_codec, grant.upload_zstd),
-        ("download", grant.download_codec, grant.download_zstd)) if codec is None and zstd]
+        ("download", grant.download_codec, grant.download_zstd))
+        if (name := stage_name(str(codec) if codec is not None else "", zstd))]
     return f"; codecs granted: {', '.join(said)}" if said else ""
 
 

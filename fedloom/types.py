@@ -221,3 +221,9 @@ class AggregateResult:
         if self.weights is None and not self.reason:
             raise ValueError("an AggregateResult without weights must say why (reason)")
         object.__setattr__(self, "metrics", validate_record(self.metrics, "metrics"))
+
+    @classmethod
+    def failed(cls, exc: Exception, num_updates: int = 0) -> AggregateResult:
+        """A round whose aggregation raised ``exc``: no model, the exception as the
+        reason (its type when it says nothing), and the updates that came in."""
+        return cls(None, num_updates=num_updates, reason=str(exc) or type(exc).__name__)

@@ -58,7 +58,7 @@ from fedloom.server.fleet import WAIT_LOG_S
 from fedloom.server.memory import release_free_heap
 from fedloom.server.metrics import ServerMetrics
 from fedloom.server.persistence import RunPersistence
-from fedloom.server.plain_round import start_fit_upload
+from fedloom.server.plain_round import refusal_ends_task, start_fit_upload
 from fedloom.server.registry import ClientRecord
 from fedloom.server.rounds import Aggregation, end_stream, updates_from_queue
 from fedloom.server.tasks import Task, TaskStatus
@@ -151,8 +151,7 @@ class AsyncRounds(RoundDriver):
         try:
             result = await aggregation.result
         except AggregationError as exc:  # the version fails with it (logged at its commit)
-            result = AggregateResult(None, num_updates=buffer.count,
-                                     reason=str(exc) or type(exc).__name__)
+            result = AggregateResult.failed(exc, buffer.count)
         keep = records_per_client(parts.config, parts.strategy)
         clients = [fit_row(parts.fleet.registry, e.row.client_id, e.row.num_examples,
                            e.row.metrics) for e in buffer.entries] if keep else []
@@ -200,9 +199,7 @@ class AsyncRounds(RoundDriver):
         try:
             return start_fit_upload(self.parts, client, task, header, fingerprint)
         except MessageRejectedError as exc:
-            # refused for what it is: the task ends at once (its slot goes to fresh
-            # work) rather than at its deadline; a second upload at once is not its end
-            if exc.reason is not RejectReason.CONFLICT:
+            if refusal_ends_task(exc):  # its slot goes to fresh work, not at its deadline
                 log.warning("client %s: %s", task.client_id, exc)
                 self.end(task, f"update refused: {exc}")
             raise

@@ -33,8 +33,7 @@ from pathlib import Path
 from fedloom.errors import ConfigError
 from fedloom.server.checkpoint import fsync_dir
 from fedloom.server.persistence import model_file
-from fedloom.server.run_report import DATABASE
-from fedloom.server.store import RunStore, unusable_database
+from fedloom.server.store import DATABASE, RunStore, unusable_database
 
 _NOT_KEPT = "is no longer kept"
 

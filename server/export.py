@@ -15,7 +15,7 @@ from pathlib import Path
 from fedloom.errors import ConfigError
 from fedloom.server.checkpoint import load_checkpoint, save_weights
 from fedloom.server.run_report import find_run
-from fedloom.server.store import RunStore, unusable_database
+from fedloom.server.store import DATABASE, RunStore, unusable_database
 
 
 def export_model(state_dir: str | Path, out: str | Path, run: str = "",
@@ -29,9 +29,9 @@ def export_model(state_dir: str | Path, out: str | Path, run: str = "",
         CheckpointError: the checkpoint fails its digest, or ``out`` cannot be written.
     """
     folder = Path(state_dir)
-    database = folder / "fedloom.db"
+    database = folder / DATABASE
     if not database.is_file():
-        raise ConfigError("--state-dir", f"{folder} holds no fedloom run database (fedloom.db)")
+        raise ConfigError("--state-dir", f"{folder} holds no fedloom run database ({DATABASE})")
     store = RunStore(database, readonly=True)
     try:
         runs = store.runs()

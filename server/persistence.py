@@ -36,7 +36,7 @@ from fedloom.server.checkpoint import (
 )
 from fedloom.server.crashpoints import crashpoint
 from fedloom.server.state_lock import StateLock
-from fedloom.server.store import ClientRow, RoundRow, RunStore
+from fedloom.server.store import DATABASE, ClientRow, RoundRow, RunStore
 from fedloom.strategies import Strategy
 from fedloom.weights import Weights
 
@@ -90,7 +90,7 @@ class RunPersistence:
     @classmethod
     def _open(cls, config: ServerConfig, initial_weights: Weights | None, strategy: Strategy,
               state_dir: Path) -> RunPersistence:
-        store = RunStore(state_dir / "fedloom.db")
+        store = RunStore(state_dir / DATABASE)
         try:
             return cls._open_in(config, initial_weights, strategy, state_dir, store)
         except BaseException:

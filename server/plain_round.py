@@ -105,6 +105,14 @@ def start_fit_upload(parts: RoundParts, client: ClientRecord, task: Task,
     return Upload(task, header, spool, fingerprint)
 
 
+def refusal_ends_task(exc: MessageRejectedError) -> bool:
+    """Whether a fit result refused at its header ends its task: one refused for what it
+    is (layout, size, base round, examples, encoding) does, since the client does not
+    send a refused result again and the round would wait for it until its deadline; a
+    second upload while one runs (CONFLICT) does not."""
+    return exc.reason is not RejectReason.CONFLICT
+
+
 class PhaseOwner:
     """The task owner of a plain phase: what is common to fit and evaluate results."""
 
@@ -153,11 +161,7 @@ class FitPhase(PhaseOwner):
         try:
             return start_fit_upload(self.parts, client, task, header, fingerprint)
         except MessageRejectedError as exc:
-            # A result refused for what it is (its layout, size, base round, encoding)
-            # fails its task at once: the client does not send a refused result again,
-            # and the round would otherwise wait for it until round_timeout_s. A second
-            # upload while one runs (CONFLICT) is not the task's end.
-            if exc.reason is not RejectReason.CONFLICT:
+            if refusal_ends_task(exc):
                 self.refused(task, exc)
             raise
 
@@ -227,8 +231,7 @@ class PlainRounds(RoundDriver):
         try:
             result = await aggregation.result
         except AggregationError as exc:  # the round fails with it (logged at its commit)
-            result = AggregateResult(None, num_updates=phase.num_accepted,
-                                     reason=str(exc) or type(exc).__name__)
+            result = AggregateResult.failed(exc, phase.num_accepted)
         finally:
             owner.close()
             self.clean_spool()

@@ -32,6 +32,7 @@ from fedloom.server.model import Grant
 from fedloom.server.persistence import RunPersistence
 from fedloom.server.plain_round import PlainRounds
 from fedloom.server.secure import SecureRounds
+from fedloom.strategies import privacy_spent_metrics
 
 log = logging.getLogger("fedloom.server")
 
@@ -155,28 +156,28 @@ class RoundLoop:
         and record the evaluation in the committed round."""
         parts, result = self.parts, outcome.result
         sections: dict[str, Any] = {}
-        trained = result is not None and result.weights is not None
-        if result is not None and result.weights is None:
-            log.warning("round %d failed: %s; the global model is unchanged", server_round,
-                        result.reason)
-            sections["reason"] = result.reason
-        if not trained:
+        weights = result.weights if result is not None else None
+        trained = weights is not None
+        last = parts.config.rounds.last_round(parts.config.num_rounds)
+        evaluates = parts.config.rounds.evaluates(server_round, last)
+        if weights is not None:
+            # Built in the aggregation thread before any task can carry it; the last
+            # version is broadcast only to a federated evaluation.
+            await parts.model.publish(
+                weights, server_round, self._grants, parts.executor,
+                prepare=server_round < last or (evaluates and parts.config.fraction_evaluate > 0))
+            sections["fit"] = dict(result.metrics) if result is not None else {}
+        else:
+            if result is not None:
+                log.warning("round %d failed: %s; the global model is unchanged",
+                            server_round, result.reason)
+                sections["reason"] = result.reason
             # What the strategy said of a round without a model (the norm bound's
             # num_rejected, say), and, in a private run, the ε spent so far: a round that
             # failed after its release (a distributed-DP sum unmasked, then refused) has
             # spent budget, and the last round must never understate it.
             sections["fit"] = {**(dict(result.metrics) if result is not None else {}),
-                               **_privacy_spent(parts.strategy)}
-        last = parts.config.rounds.last_round(parts.config.num_rounds)
-        evaluates = parts.config.rounds.evaluates(server_round, last)
-        if result is not None and result.weights is not None:
-            # Built in the aggregation thread before any task can carry it; the last
-            # version is broadcast only to a federated evaluation.
-            await parts.model.publish(
-                result.weights, server_round, self._grants, parts.executor,
-                prepare=server_round < last or (evaluates and parts.config.fraction_evaluate > 0))
-            sections["fit"] = dict(result.metrics)
-        else:
+                               **privacy_spent_metrics(parts.strategy)}
             await parts.model.prepare(self._grants, parts.executor)
             parts.model.version = server_round  # the same weights, committed as this round
             evaluates = False
@@ -233,14 +234,3 @@ class RoundLoop:
             await parts.fleet.wait_for(parts.config.min_clients)
         # Its commit was counted in the metrics of the process that made it.
         self.parts.reporter.round_finished(await self._evaluate(record))
-
-
-def _privacy_spent(strategy: Any) -> dict[str, Any]:
-    """``privacy_epsilon`` and ``privacy_delta`` spent so far by a private strategy (its
-    ``privacy_spent()``); {} for any other."""
-    spent = getattr(strategy, "privacy_spent", None)
-    if spent is None:
-        return {}
-    epsilon, delta = spent()
-    return {"privacy_epsilon": epsilon, "privacy_delta": delta}
-

@@ -39,9 +39,14 @@ from typing import Any, TextIO
 from fedloom._text import one_line
 from fedloom.errors import ConfigError
 from fedloom.records import headline_evaluation
-from fedloom.server.store import ClientRow, RoundRow, RunRecord, RunStore, unusable_database
-
-DATABASE = "fedloom.db"
+from fedloom.server.store import (
+    DATABASE,
+    ClientRow,
+    RoundRow,
+    RunRecord,
+    RunStore,
+    unusable_database,
+)
 
 
 def open_store(state_dir: str | Path) -> RunStore:

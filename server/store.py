@@ -20,6 +20,9 @@ from typing import Any
 
 from fedloom.errors import ConfigError
 
+#: The run store's file name in a server's ``state_dir``.
+DATABASE = "fedloom.db"
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,

@@ -82,7 +82,7 @@ from fedloom.simulations._records import (
 )
 from fedloom.simulations.clock import SyncClock
 from fedloom.simulations.compression import CompressionSpec, SimulatedCompression
-from fedloom.simulations.history import failed_aggregation, with_privacy_spent
+from fedloom.simulations.history import with_privacy_spent
 from fedloom.simulations.plan import client_fit_config, client_info, to_update
 from fedloom.strategies import Strategy
 from fedloom.types import (
@@ -319,7 +319,7 @@ class FlowerStrategy(FlowerBaseStrategy):
         try:
             result = self.strategy.aggregate_fit(server_round, current, updates())
         except AggregationError as exc:  # the server's rule: the round failed, go on
-            result = failed_aggregation(exc, taken[0])
+            result = AggregateResult.failed(exc, taken[0])
         result = with_privacy_spent(result, self.strategy)
         failures[0] += len(self._plan_order) - len(ordered)  # no reply at all
         metrics = metrics_to_record({**result.metrics, "num-failures": failures[0]})

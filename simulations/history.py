@@ -27,7 +27,6 @@ import csv
 import dataclasses
 import io
 import json
-import logging
 import math
 import os
 import time
@@ -35,14 +34,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedloom.errors import AggregationError, ConfigError
+from fedloom.errors import ConfigError
 from fedloom.records import RoundRecord
-from fedloom.types import AggregateResult, Metrics, Scalar
+from fedloom.strategies import privacy_spent_metrics
+from fedloom.types import AggregateResult, Metrics
 from fedloom.weights import Weights
 
 __all__ = ["History", "RoundRecord", "RoundRecorder"]
 
-logger = logging.getLogger(__name__)
 
 #: The metric holding the virtual time at which a round ended (see the module docstring).
 VIRTUAL_TIME = "virtual_time_s"
@@ -115,16 +114,17 @@ class History:
         """Write history.json, history.csv, history.png and final.safetensors."""
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        paths = {"json": folder / "history.json", "csv": folder / "history.csv"}
+        json_name, csv_name, png_name, model_name = RESULT_FILES
+        paths = {"json": folder / json_name, "csv": folder / csv_name}
         _atomic_text(paths["json"], json.dumps(self.to_dict(), indent=2) + "\n")
         _atomic_text(paths["csv"], self._csv())
         if plot:
-            paths["png"] = folder / "history.png"
+            paths["png"] = folder / png_name
             self.plot(paths["png"])
         if self.weights is not None:
             from fedloom.server import save_weights
 
-            paths["checkpoint"] = folder / "final.safetensors"
+            paths["checkpoint"] = folder / model_name
             save_weights(paths["checkpoint"], self.weights)
         return paths
 
@@ -224,25 +224,14 @@ def _atomic_text(path: Path, text: str) -> None:
     _fsync_replace(tmp, path)
 
 
-def failed_aggregation(exc: AggregationError, num_updates: int) -> AggregateResult:
-    """A round whose ``aggregate_fit`` raised, as the server takes it: recorded as failed
-    with the reason and the ``num_updates`` that came in (the engine logs it once, as for
-    any round without a model), the global model unchanged, and the run goes on."""
-    return AggregateResult(None, num_updates=num_updates,
-                           reason=str(exc) or type(exc).__name__)
-
-
 def with_privacy_spent(result: AggregateResult, strategy: object) -> AggregateResult:
     """A failed round's result with a private ``strategy``'s ε spent so far, as the
     server records every round's (a release that then failed has spent budget, and the
     last round must not understate it); any other result as it is."""
-    spent = getattr(strategy, "privacy_spent", None)
-    if result.weights is not None or spent is None:
+    spent = privacy_spent_metrics(strategy)
+    if result.weights is not None or not spent:
         return result
-    epsilon, delta = spent()
-    metrics: dict[str, Scalar] = {**result.metrics, "privacy_epsilon": epsilon,
-                                  "privacy_delta": delta}
-    return dataclasses.replace(result, metrics=metrics)
+    return dataclasses.replace(result, metrics={**result.metrics, **spent})
 
 
 class RoundRecorder:

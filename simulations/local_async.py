@@ -60,14 +60,13 @@ from fedloom.simulations.history import (
     History,
     RoundRecord,
     RoundRecorder,
-    failed_aggregation,
     with_privacy_spent,
 )
 from fedloom.simulations.local_engine import ClientFactory, EvaluateFn, federated_evaluate
 from fedloom.simulations.plan import client_fit_config, client_infos, to_update
 from fedloom.simulations.speed import SpeedModel
 from fedloom.strategies import StalenessWeighting, Strategy, check_robust_async, weighted_updates
-from fedloom.types import ClientUpdate, Scalar
+from fedloom.types import AggregateResult, ClientUpdate, Scalar
 from fedloom.weights import Weights
 
 logger = logging.getLogger(__name__)
@@ -164,7 +163,7 @@ class _AsyncRun:
             result = self.strategy.aggregate_fit(server_round, self.current,
                                                  weighted_updates(self.buffer, self.weighting))
         except AggregationError as exc:  # the server's rule: the version failed, go on
-            result = failed_aggregation(exc, len(self.buffer))
+            result = AggregateResult.failed(exc, len(self.buffer))
         result = with_privacy_spent(result, self.strategy)
         self.recorder.fit(result, self.num_failures,
                           num_sampled=len(self.buffer) + self.num_failures)

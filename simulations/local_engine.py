@@ -52,12 +52,19 @@ from fedloom.simulations.history import (
     History,
     RoundRecord,
     RoundRecorder,
-    failed_aggregation,
     with_privacy_spent,
 )
 from fedloom.simulations.plan import client_fit_configs, client_infos, to_update
 from fedloom.strategies import Strategy
-from fedloom.types import ClientInfo, ClientUpdate, EvaluateResult, FitPlan, Metrics, Scalar
+from fedloom.types import (
+    AggregateResult,
+    ClientInfo,
+    ClientUpdate,
+    EvaluateResult,
+    FitPlan,
+    Metrics,
+    Scalar,
+)
 from fedloom.weights import Weights
 
 if TYPE_CHECKING:
@@ -151,7 +158,7 @@ def run_local(
                 result = secure_aggregation.aggregate_fit(
                     strategy, server_round, current, plan, updates, failures)
         except AggregationError as exc:  # the server's rule: the round failed, the run goes on
-            result = failed_aggregation(exc, received[0])
+            result = AggregateResult.failed(exc, received[0])
         result = with_privacy_spent(result, strategy)
         recorder.fit(result, len(failures), num_sampled=num_sampled,
                      num_cancelled=num_cancelled,

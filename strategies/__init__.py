@@ -34,6 +34,7 @@ from fedloom.strategies._base import (
     aggregator_of,
     check_finite_step,
     min_updates,
+    privacy_spent_metrics,
 )
 from fedloom.strategies._bulyan import Bulyan, BulyanAggregator
 from fedloom.strategies._composed import ComposedStrategy
@@ -125,6 +126,7 @@ __all__ = [
     "describe_strategies",
     "holds_all_updates",
     "min_updates",
+    "privacy_spent_metrics",
     "scale_delta",
     "stale_update",
     "strategy_settings",

@@ -97,6 +97,16 @@ def min_updates(strategy: object) -> int:
     return aggregator.min_updates if aggregator is not None else 1
 
 
+def privacy_spent_metrics(strategy: object) -> dict[str, float]:
+    """``privacy_epsilon`` and ``privacy_delta`` spent so far by a private strategy (its
+    ``privacy_spent()``); {} for any other."""
+    spent = getattr(strategy, "privacy_spent", None)
+    if spent is None:
+        return {}
+    epsilon, delta = spent()
+    return {"privacy_epsilon": epsilon, "privacy_delta": delta}
+
+
 class NonFiniteStepError(AggregationError):
     """A server step would make the global model non-finite; nothing was changed.
 

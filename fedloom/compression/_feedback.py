@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedloom.compression._base import Codec, decode, encode
+from fedloom.compression._base import Codec, CompressionError, decode, encode
 from fedloom.weights import Weights
 
 log = logging.getLogger("fedloom.compression")
@@ -53,7 +53,14 @@ class ErrorFeedback:
                       ).astype(s.numpy_dtype))
             if self.codec.applies(s) else (s.name, np.asarray(update[s.name]))
             for s in specs)
-        encoded = encode(self.codec, corrected, rng)
+        try:
+            encoded = encode(self.codec, corrected, rng)
+        except CompressionError:
+            # What it carried is in this update, which goes out some other way or not at
+            # all: the next one starts from zero (a residual that cannot encode would
+            # spoil every later update too).
+            self.reset()
+            raise
         sent = decode(self.codec, specs, encoded)
         self.residual = {
             s.name: (np.asarray(corrected[s.name], np.float64)

@@ -230,9 +230,8 @@ class SecureRounds(RoundDriver):
             # e.g. a distributed-DP sum whose contributor count does not match: the round
             # fails and is committed as failed (with the strategy's state: its ledger
             # has this unmasked sum); the server carries on
-            info["failure"] = str(exc) or type(exc).__name__
-            record.result = AggregateResult(None, num_updates=survivors,
-                                            reason=info["failure"])
+            record.result = AggregateResult.failed(exc, survivors)
+            info["failure"] = record.result.reason
         return record
 
     def _setup(self, server_round: int, participants: list[str], current: Weights,
