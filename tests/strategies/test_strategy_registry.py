@@ -162,7 +162,8 @@ def test_exported_names_are_pinned() -> None:
         "apply_privacy", "aggregate_secure_mean", "aggregator_of", "build_strategy",
         "check_aggregatable",
         "check_finite_step", "check_robust_async", "check_secure_strategy", "checked_output",
-        "clip_update", "describe_strategies", "holds_all_updates", "min_updates", "scale_delta",
+        "clip_update", "describe_strategies", "holds_all_updates", "min_updates",
+        "privacy_spent_metrics", "scale_delta",
         "stale_update", "strategy_settings",
         "update_norm", "weighted_updates",
     ])
